@@ -1,0 +1,192 @@
+"""Typed schemas for every config node, registered in Hydra's ConfigStore.
+
+YAML files under conf/ only set values: each lists its group's ``base_<group>`` schema in its
+defaults, so a misspelled key or a wrong type fails at compose time with the key's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+SHARDING_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid", "hybrid_grad_op", "auto")
+PRECISIONS = ("bf16", "mixed", "fp32")
+AC_MODES = ("none", "full", "selective")
+CLUSTERS = ("local", "slurm")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3.1/3.2 frequency scaling (``rope_type: llama3``)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = 8
+    intermediate_size: int = MISSING
+    vocab_size: int = 128256
+    max_position_embeddings: int = 131072
+    rope_theta: float = 500000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-5
+    # A Hugging Face directory or hub name to start from; its config.json must match the shape.
+    path: Optional[str] = None
+    # Attention kernel passed to transformers ("sdpa", "eager", "flash_attention_2", ...).
+    attn_implementation: str = "sdpa"
+    init_std: float = 0.02
+
+
+@dataclass
+class ShardingConfig:
+    strategy: str = "full"
+    # Ranks per shard group for hybrid strategies; null means ranks per node.
+    shard_size: Optional[int] = None
+    cpu_offload: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing (not weight checkpoints; those are ``save``)."""
+
+    mode: str = "none"
+    # selective: wrap every k-th decoder layer (layer-level selective AC, as torchtitan's "int").
+    every_k: int = 2
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"
+    nodes: int = 1
+    # Ranks per node. null: every local GPU on CUDA, else 2 CPU ranks.
+    nproc_per_node: Optional[int] = None
+    device: str = "auto"
+    # SLURM (submitit) options; ignored by the local launcher.
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 60
+    constraint: Optional[str] = None
+    mem_gb: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    gpus_per_node: int = 0
+    setup: list[str] = field(default_factory=list)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    srun_args: list[str] = field(default_factory=list)
+    wait: bool = True
+    # Torch threads per rank; null splits the node's cores between its ranks.
+    threads_per_rank: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    # synthetic: number of generated records (train); eval split is held out from the same seed.
+    num_records: int = 4000
+    eval_records: int = 200
+    seed: int = 1234
+    # Real-data sources (issue 3): local files or a hub dataset.
+    path: Optional[str] = None
+    split: str = "train"
+    format: str = "auto"
+    tokenizer: Optional[str] = None
+    train_on_prompt: bool = False
+    packing: bool = True
+    num_proc: int = 1
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 128
+    max_steps: int = 60
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+    compile: bool = False
+    max_grad_norm: float = 1.0
+    log_every: int = 1
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 20
+    max_batches: int = 4
+
+
+@dataclass
+class SaveConfig:
+    every_steps: int = 0
+    keep_last: int = 2
+    async_save: bool = False
+    export_hf: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # Relative sqlite paths resolve against the directory the command was launched from.
+    uri: str = "sqlite:///outputs/mlflow.db"
+    experiment: str = "llama_fsdp"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    sharding: ShardingConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    checkpointing: CheckpointingConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    resume: str = "auto"
+    dry_run: bool = False
+    force: bool = False
+    # Where this run writes (checkpoints, logs, resolved config); Hydra's run dir by default.
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "sharding": ShardingConfig,
+    "precision": PrecisionConfig,
+    "checkpointing": CheckpointingConfig,
+    "cluster": ClusterConfig,
+    "data": DataConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the root schema and one ``base_<group>`` schema per group."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)

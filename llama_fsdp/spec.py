@@ -1,0 +1,375 @@
+"""RunSpec: the composed config turned into one validated run object.
+
+Pure Python: no process group and no GPU work. Every derived value (world size, mesh shape,
+dtypes, global batch, tokens per step, output dir, tracking URI) is resolved here, and every
+error that can be caught before processes start is caught here, all of them at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import (
+    AC_MODES,
+    CLUSTERS,
+    DEVICES,
+    PRECISIONS,
+    SHARDING_STRATEGIES,
+    CheckpointingConfig,
+    ClusterConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    PrecisionConfig,
+    SaveConfig,
+    ShardingConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem and its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid run configuration ({len(problems)} problem(s)):\n{lines}")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Dtype names (strings keep this module free of torch)."""
+
+    param_dtype: str  # dtype of the sharded parameters (and so the optimizer state)
+    compute_dtype: str  # dtype of the unsharded parameters used in forward/backward
+    reduce_dtype: str  # dtype of gradient reduce-scatter / all-reduce
+
+
+PRECISION_POLICIES = {
+    "fp32": PrecisionPolicy("float32", "float32", "float32"),
+    "mixed": PrecisionPolicy("float32", "bfloat16", "float32"),
+    "bf16": PrecisionPolicy("bfloat16", "bfloat16", "bfloat16"),
+}
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Data-parallel layout: ``replicate`` groups of ``shard`` ranks each."""
+
+    replicate: int
+    shard: int
+    reshard_after_forward: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.shard,) if self.replicate == 1 else (self.replicate, self.shard)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return ("shard",) if self.replicate == 1 else ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: ModelConfig
+    sharding: ShardingConfig
+    precision: PrecisionConfig
+    checkpointing: CheckpointingConfig
+    cluster: ClusterConfig
+    data: DataConfig
+    train: TrainConfig
+    eval: EvalConfig
+    save: SaveConfig
+    tracking: TrackingConfig
+    resume: str
+    dry_run: bool
+    force: bool
+    # Derived
+    strategy: str
+    device: str
+    backend: str
+    nodes: int
+    nproc_per_node: int
+    world_size: int
+    mesh: MeshSpec
+    policy: PrecisionPolicy
+    global_batch: int
+    tokens_per_step: int
+    output_dir: str
+    tracking_uri: str
+    run_name: str
+    git_commit: str
+    config_yaml: str = field(repr=False)
+    sweep_id: Optional[str] = None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    def summary(self) -> dict[str, Any]:
+        """The values a user checks before launching."""
+        return {
+            "model": self.model.name,
+            "strategy": self.strategy,
+            "precision": self.precision.name,
+            "activation_checkpointing": self.checkpointing.mode,
+            "device": f"{self.device} ({self.backend})",
+            "world_size": f"{self.world_size} = {self.nodes} node(s) x {self.nproc_per_node}",
+            "mesh": " x ".join(f"{n}={s}" for n, s in zip(self.mesh.dim_names, self.mesh.shape)),
+            "micro_batch x grad_accum x dp": (
+                f"{self.train.batch_size} x {self.train.grad_accum} x {self.dp_size}"
+                f" = {self.global_batch}"
+            ),
+            "tokens_per_step": self.tokens_per_step,
+            "output_dir": self.output_dir,
+            "tracking": self.tracking_uri if self.tracking.enabled else "disabled",
+        }
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def resolve_tracking_uri(uri: str, base: Path) -> str:
+    """Make relative sqlite/file stores absolute so every rank and node writes the same one."""
+    for scheme in ("sqlite:///", "file://"):
+        if uri.startswith(scheme):
+            path = uri[len(scheme):]
+            if not os.path.isabs(path):
+                return scheme + str((base / path).resolve())
+    if "://" not in uri:  # a plain directory
+        return str((base / uri).resolve())
+    return uri
+
+
+def _local_cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _resolve_device(cluster: ClusterConfig) -> str:
+    if cluster.device != "auto":
+        return cluster.device
+    if cluster.kind == "slurm":
+        return "cuda" if cluster.gpus_per_node > 0 else "cpu"
+    return "cuda" if _local_cuda_count() > 0 else "cpu"
+
+
+def _resolve_nproc(cluster: ClusterConfig, device: str) -> int:
+    if cluster.nproc_per_node is not None:
+        return cluster.nproc_per_node
+    if device == "cuda":
+        return cluster.gpus_per_node if cluster.kind == "slurm" else max(_local_cuda_count(), 1)
+    return 2
+
+
+def _check_choices(cfg: Config, problems: list[str]) -> None:
+    for key, value, choices in (
+        ("sharding.strategy", cfg.sharding.strategy, SHARDING_STRATEGIES),
+        ("precision.name", cfg.precision.name, PRECISIONS),
+        ("checkpointing.mode", cfg.checkpointing.mode, AC_MODES),
+        ("cluster.kind", cfg.cluster.kind, CLUSTERS),
+        ("cluster.device", cfg.cluster.device, DEVICES),
+    ):
+        if value not in choices:
+            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(cfg: Config, problems: list[str]) -> None:
+    t = cfg.train
+    for key, value, low in (
+        ("train.batch_size", t.batch_size, 1),
+        ("train.grad_accum", t.grad_accum, 1),
+        ("train.seq_len", t.seq_len, 2),
+        ("train.max_steps", t.max_steps, 1),
+        ("train.log_every", t.log_every, 1),
+        ("cluster.nodes", cfg.cluster.nodes, 1),
+        ("checkpointing.every_k", cfg.checkpointing.every_k, 1),
+        ("save.keep_last", cfg.save.keep_last, 1),
+    ):
+        if value < low:
+            problems.append(f"{key}={value} must be >= {low}")
+    if t.lr <= 0:
+        problems.append(f"train.lr={t.lr} must be > 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.warmup_steps < 0 or t.warmup_steps >= max(t.max_steps, 1):
+        problems.append(
+            f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps={t.max_steps})"
+        )
+    if t.max_grad_norm < 0:
+        problems.append(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    if cfg.save.every_steps < 0 or cfg.eval.every_steps < 0:
+        problems.append("save.every_steps and eval.every_steps must be >= 0 (0 disables)")
+
+
+def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                "vocab_size"):
+        if getattr(m, key) < 1:
+            problems.append(f"model.{key}={getattr(m, key)} must be >= 1")
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
+        )
+    if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
+        problems.append(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention needs whole groups)"
+        )
+    if t.seq_len > m.max_position_embeddings:
+        problems.append(
+            f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}: lower train.seq_len"
+        )
+
+
+def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
+          problems: list[str]) -> MeshSpec:
+    """Map a strategy to (replicate, shard); see the table in ARCHITECTURE.md."""
+    zero2 = strategy in ("grad_op", "hybrid_grad_op")
+    match strategy:
+        case "full" | "grad_op" | "auto":
+            if shard_size not in (None, world):
+                problems.append(
+                    f"sharding.shard_size={shard_size} with sharding={strategy} (which shards "
+                    f"over all {world} ranks): use sharding=hybrid to shard in groups of "
+                    f"{shard_size}, or drop sharding.shard_size"
+                )
+            return MeshSpec(1, world, not zero2)
+        case "no_shard":
+            if shard_size not in (None, 1):
+                problems.append(
+                    f"sharding.shard_size={shard_size} with sharding=no_shard: no_shard keeps a "
+                    "full replica per rank; drop sharding.shard_size or use sharding=hybrid"
+                )
+            return MeshSpec(world, 1, False)
+        case "hybrid" | "hybrid_grad_op":
+            shard = shard_size if shard_size is not None else nproc
+            if shard < 1 or world % shard:
+                divisors = [d for d in range(1, world + 1) if world % d == 0]
+                problems.append(
+                    f"world size {world} is not divisible by sharding.shard_size={shard}: set "
+                    f"sharding.shard_size to one of {divisors}, or change cluster.nodes / "
+                    "cluster.nproc_per_node"
+                )
+                return MeshSpec(1, world, not zero2)
+            return MeshSpec(world // shard, shard, not zero2)
+        case _:
+            return MeshSpec(1, world, True)  # reported by _check_choices
+
+
+def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) -> None:
+    c = cfg.cluster
+    if nproc < 1:
+        problems.append(f"cluster.nproc_per_node={nproc} must be >= 1")
+    if c.kind == "local" and c.nodes != 1:
+        problems.append(
+            f"cluster.nodes={c.nodes} with cluster=local: a local run uses this host only; "
+            "use cluster=slurm for several nodes, or sharding.shard_size to emulate them"
+        )
+    if device == "cuda" and c.kind == "local":
+        have = _local_cuda_count()
+        if have == 0:
+            problems.append("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu")
+        elif nproc > have:
+            problems.append(
+                f"cluster.nproc_per_node={nproc} but only {have} GPU(s) are visible: "
+                f"use cluster.nproc_per_node<={have}"
+            )
+    if c.kind == "slurm" and device == "cuda" and c.gpus_per_node and nproc > c.gpus_per_node:
+        problems.append(
+            f"cluster.nproc_per_node={nproc} exceeds cluster.gpus_per_node={c.gpus_per_node}"
+        )
+    if cfg.sharding.cpu_offload and device != "cuda":
+        problems.append(
+            "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
+            "memory): drop it or run on GPUs"
+        )
+
+
+def _run_name(cfg: Config, strategy: str, world: int) -> str:
+    if cfg.tracking.run_name:
+        return cfg.tracking.run_name
+    return (
+        f"{cfg.model.name}-{strategy}-{cfg.precision.name}-ac_{cfg.checkpointing.mode}"
+        f"-w{world}-b{cfg.train.batch_size}"
+    )
+
+
+def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
+               launch_dir: Optional[Path] = None, sweep_id: Optional[str] = None) -> RunSpec:
+    """Validate a composed config and resolve every derived value; raise ConfigError."""
+    if isinstance(cfg, DictConfig):
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    else:
+        obj = cfg
+        config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    problems: list[str] = []
+    _check_choices(obj, problems)
+    _check_positive(obj, problems)
+    _check_model(obj.model, obj.train, problems)
+
+    device = _resolve_device(obj.cluster)
+    nproc = _resolve_nproc(obj.cluster, device)
+    world = obj.cluster.nodes * max(nproc, 1)
+    _check_devices(obj, device, nproc, problems)
+    strategy = obj.sharding.strategy
+    mesh = _mesh(strategy, obj.sharding.shard_size, world, nproc, problems)
+    if obj.checkpointing.mode == "selective" and obj.checkpointing.every_k > obj.model.num_layers:
+        problems.append(
+            f"checkpointing.every_k={obj.checkpointing.every_k} exceeds model.num_layers="
+            f"{obj.model.num_layers}: nothing would be checkpointed"
+        )
+    if obj.resume not in ("auto", "none") and not Path(obj.resume).exists():
+        problems.append(
+            f"resume={obj.resume!r} does not exist: use resume=auto, resume=none or an existing "
+            "checkpoint directory"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+    base = launch_dir or Path.cwd()
+    out = Path(output_dir or obj.output_dir)
+    out = out if out.is_absolute() else (base / out)
+    global_batch = obj.train.batch_size * obj.train.grad_accum * world
+    return RunSpec(
+        model=obj.model, sharding=obj.sharding, precision=obj.precision,
+        checkpointing=obj.checkpointing, cluster=obj.cluster, data=obj.data, train=obj.train,
+        eval=obj.eval, save=obj.save, tracking=obj.tracking, resume=obj.resume,
+        dry_run=obj.dry_run, force=obj.force,
+        strategy=strategy, device=device, backend="nccl" if device == "cuda" else "gloo",
+        nodes=obj.cluster.nodes, nproc_per_node=nproc, world_size=world, mesh=mesh,
+        policy=PRECISION_POLICIES[obj.precision.name], global_batch=global_batch,
+        tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
+        tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
+        run_name=_run_name(obj, strategy, world), git_commit=_git_commit(),
+        config_yaml=config_yaml, sweep_id=sweep_id,
+    )
+
+
+def replace(spec: RunSpec, **changes: Any) -> RunSpec:
+    return dataclasses.replace(spec, **changes)
