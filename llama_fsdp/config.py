@@ -94,6 +94,10 @@ class ClusterConfig:
     wait: bool = True
     # Torch threads per rank; null splits the node's cores between its ranks.
     threads_per_rank: Optional[int] = None
+    # Per-device memory and dense bf16 peak for planning and MFU; null: detected locally
+    # (CUDA properties / host RAM), or H100 values (80 GB, 989 TFLOP/s) for SLURM GPU jobs.
+    device_memory_gb: Optional[float] = None
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
