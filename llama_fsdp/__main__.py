@@ -1,0 +1,86 @@
+"""`python -m llama_fsdp [overrides]`: compose -> RunSpec -> plan -> launch -> summary."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .config import register_configs
+from .spec import ConfigError, RunSpec, build_spec
+
+log = logging.getLogger("llama_fsdp")
+
+
+def _sweep_id() -> Optional[str]:
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return "sweep-" + Path(hc.sweep.dir).as_posix().replace("/", "_").split("sweeps_")[-1]
+
+
+def _prepare(cfg: DictConfig) -> RunSpec:
+    spec = build_spec(cfg, output_dir=HydraConfig.get().runtime.output_dir,
+                      launch_dir=Path.cwd(), sweep_id=_sweep_id())
+    for key, value in spec.summary().items():
+        log.info("%-30s %s", key, value)
+    return spec
+
+
+def _summary(spec: RunSpec, results: list[Any]) -> None:
+    r0 = next(r for r in results if r and r.get("rank") == 0)
+    final = r0["final"]
+    lines = [
+        f"steps          {r0['steps']}",
+        f"final loss     {final.get('loss', float('nan')):.4f}"
+        + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else ""),
+        f"tokens/s       {final.get('tokens_per_sec', 0):.0f} global, "
+        f"{final.get('tokens_per_sec_per_device', 0):.0f} per device",
+        f"peak memory    {final.get('peak_memory_gb', 0):.2f} GB (max over ranks)",
+        f"run dir        {spec.output_dir}",
+    ]
+    if r0.get("mlflow_run_id"):
+        lines.append(f"mlflow run     {r0['mlflow_run_id']} in experiment "
+                     f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
+        if spec.tracking_uri.startswith("sqlite:///"):
+            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}")
+    log.info("done\n  %s", "\n  ".join(lines))
+
+
+def run(cfg: DictConfig) -> Any:
+    """The whole path for one composed config (one point of a sweep)."""
+    from launchers import launch
+
+    from .worker import run_worker
+
+    spec = _prepare(cfg)
+    if spec.dry_run:
+        log.info("dry_run=true: nothing launched")
+        return None
+    results = launch(spec, run_worker)
+    if spec.cluster.kind == "local" or spec.cluster.wait:
+        _summary(spec, results)
+    return results
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def _hydra_main(cfg: DictConfig) -> Any:
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        log.error("%s", e)
+        sys.exit(2)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

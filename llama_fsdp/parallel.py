@@ -1,0 +1,124 @@
+"""Parallelism applied to a model built elsewhere: mesh, activation checkpointing, compile, FSDP2.
+
+Order matters and follows torchtitan: activation checkpointing -> compile -> fully_shard on each
+decoder layer -> fully_shard on the root. No model definitions here (see model.py).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .spec import MeshSpec, PrecisionPolicy
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
+    """1-D ("shard",) or 2-D ("replicate", "shard") data-parallel mesh over all ranks."""
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.dim_names)
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, *, mode: str, every_k: int) -> int:
+    """Wrap decoder layers in non-reentrant checkpointing; return how many were wrapped.
+
+    ``full`` wraps every layer (only each layer's input is kept); ``selective`` is layer-level:
+    every ``every_k``-th layer is wrapped, trading memory for less recomputation.
+    """
+    match mode:
+        case "none":
+            return 0
+        case "full":
+            chosen = range(len(layers))
+        case "selective":
+            chosen = range(every_k - 1, len(layers), every_k)
+        case _:
+            raise ValueError(f"checkpointing mode {mode!r} is not one of none, full, selective")
+    for i in chosen:
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                       preserve_rng_state=False)
+    return len(chosen)
+
+
+def apply_compile(layers: nn.ModuleList) -> None:
+    """torch.compile each decoder layer separately: small graphs, reused across layers."""
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, dynamic=False)
+
+
+def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=DTYPES[policy.compute_dtype],
+                                reduce_dtype=DTYPES[policy.reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
+               reshard_after_forward: bool, policy: PrecisionPolicy, cpu_offload: bool) -> int:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, head).
+
+    The last layer is not resharded after forward: backward needs it again at once.
+    Returns the number of FSDP units; raises if nothing was sharded.
+    """
+    common = {"mesh": mesh, "mp_policy": mixed_precision(policy)}
+    if cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy()
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and not last, **common)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    if units != len(layers) + 1:
+        raise RuntimeError(f"expected {len(layers) + 1} FSDP units, found {units}")
+    return units
+
+
+def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, mesh_spec: MeshSpec,
+                policy: PrecisionPolicy, ac_mode: str, ac_every_k: int, compile: bool,
+                cpu_offload: bool) -> nn.Module:
+    """AC -> compile -> FSDP, in place; the model may still be on the meta device."""
+    wrapped = apply_activation_checkpointing(layers, mode=ac_mode, every_k=ac_every_k)
+    if compile:
+        apply_compile(layers)
+    units = apply_fsdp(model, layers, mesh=mesh, reshard_after_forward=mesh_spec.reshard_after_forward,
+                       policy=policy, cpu_offload=cpu_offload)
+    log.info("parallelized: %d FSDP units on mesh %s, %d layer(s) checkpointed, compile=%s",
+             units, dict(zip(mesh_spec.dim_names, mesh_spec.shape)), wrapped, compile)
+    return model
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds (its shards)."""
+    return sum(_local(p).numel() for p in model.parameters())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all shards (DTensor-aware); clip when max_norm > 0."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # reduce the partial norms across the mesh
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def model_dtype(name: str) -> Optional[torch.dtype]:
+    return DTYPES.get(name)

@@ -1,0 +1,162 @@
+"""What every rank runs: process group -> mesh -> sharded model -> data -> loop -> summary."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data import build_data
+from .model import build_meta_model, decoder_layers, init_weights
+from .parallel import build_mesh, local_numel, model_dtype, parallelize
+from .spec import RunSpec
+from .tracking import Console, MlflowTracker, NullConsole, NullTracker
+from .train import LoopContext, TrainState, build_optimizer, build_scheduler, run_loop
+
+log = logging.getLogger(__name__)
+
+ERROR_FILE = "rank{rank}.error"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        e = os.environ
+        return cls(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)),
+                   int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    for noisy in ("alembic", "mlflow", "urllib3", "httpx", "filelock", "submitit"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
+    threads = spec.cluster.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    if spec.device == "cuda":
+        device = torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_world_size() != spec.world_size:
+        raise RuntimeError(f"launched {dist.get_world_size()} ranks but the run expects "
+                           f"{spec.world_size}: the launcher and the spec disagree")
+    return device
+
+
+def build_model(spec: RunSpec, device: torch.device) -> nn.Module:
+    """Meta-device model -> AC/compile/FSDP2 -> materialize this rank's shards -> init."""
+    model = build_meta_model(spec.model)
+    model.to(model_dtype(spec.policy.param_dtype))
+    mesh = build_mesh(spec.mesh, device.type)
+    parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
+                ac_mode=spec.checkpointing.mode, ac_every_k=spec.checkpointing.every_k,
+                compile=spec.train.compile, cpu_offload=spec.sharding.cpu_offload)
+    model.to_empty(device="cpu" if spec.sharding.cpu_offload else device)
+    init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
+    return model
+
+
+def _trackers(spec: RunSpec, rank: int) -> tuple[Any, Any]:
+    if rank != 0:
+        return NullTracker(), NullConsole()
+    tracker: Any = NullTracker()
+    if spec.tracking.enabled:
+        tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
+                "hostname": socket.gethostname(), "world_size": str(spec.world_size),
+                "strategy": spec.strategy}
+        if spec.sweep_id:
+            tags["sweep_id"] = spec.sweep_id
+        tracker = MlflowTracker(uri=spec.tracking_uri, experiment=spec.tracking.experiment,
+                                run_name=spec.run_name, output_dir=spec.output_dir, tags=tags,
+                                config_yaml=spec.config_yaml)
+    return tracker, Console(total=spec.train.max_steps)
+
+
+def _flops(spec: RunSpec) -> tuple[Optional[float], Optional[float]]:
+    """FLOPs per token and peak FLOP/s of one device (MFU is only reported on CUDA)."""
+    try:
+        from .plan import make_plan
+    except ImportError:
+        return None, None
+    plan = make_plan(spec)
+    if spec.device != "cuda":
+        return plan.flops_per_token, None
+    peak = spec.cluster.peak_tflops * 1e12 if spec.cluster.peak_tflops else 989e12
+    return plan.flops_per_token, peak
+
+
+def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(spec.train.seed)
+    model = build_model(spec, device)
+    dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
+    data = build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
+                      dp_rank=dp_rank, dp_world=dp_size, seed=spec.train.seed,
+                      cache_dir=Path(spec.output_dir).parent / "cache",
+                      vocab_size=spec.model.vocab_size)
+    optimizer = build_optimizer(model, spec.train)
+    scheduler = build_scheduler(optimizer, spec.train)
+    tracker, console = _trackers(spec, env.rank)
+    flops, peak = _flops(spec)
+    tracker.log_params({"derived.world_size": spec.world_size,
+                        "derived.global_batch": spec.global_batch,
+                        "derived.tokens_per_step": spec.tokens_per_step,
+                        "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                        "derived.local_params_rank0": local_numel(model)})
+    tracker.log_metrics(dict(data.stats), step=0)
+    state = TrainState()
+    ctx = LoopContext(device=device, train=spec.train, eval=spec.eval,
+                      batches=data.train_batches(),
+                      eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
+                      tracker=tracker, console=console, flops_per_token=flops, peak_flops=peak)
+    status = "FAILED"
+    try:
+        last = run_loop(model, optimizer, scheduler, state, ctx)
+        status = "FINISHED"
+    finally:
+        console.close()
+        tracker.finish(status)
+    return {"rank": env.rank, "steps": state.step, "losses": state.losses, "final": last,
+            "tokens_seen": state.tokens_seen, "mlflow_run_id": tracker.run_id,
+            "tracking_uri": spec.tracking_uri, "output_dir": spec.output_dir}
+
+
+def run_worker(spec: RunSpec) -> dict[str, Any]:
+    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    try:
+        device = init_distributed(spec, env)
+        try:
+            return train_on_rank(spec, env, device)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        _report_failure(spec, env)
+        raise
+
+
+def _report_failure(spec: RunSpec, env: DistEnv) -> None:
+    """Leave the traceback where the launcher looks, so it can stop the other ranks at once."""
+    path = Path(spec.output_dir) / ERROR_FILE.format(rank=env.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"rank {env.rank} on {socket.gethostname()}:\n{traceback.format_exc()}")
