@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -109,10 +110,10 @@ def watch(job: Any, output_dir: str, *, stream: bool = True, poll_s: float = 0.5
             errors = rank_errors(output_dir)
             if errors:
                 time.sleep(1.0)  # let the other ranks' reports land too
-                job.cancel(check=False)
+                stop_job(job)
                 raise LaunchError(_failure_message(job, rank_errors(output_dir)))
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                job.cancel(check=False)
+                stop_job(job)
                 raise LaunchError(f"job {job.job_id} exceeded {timeout_s:.0f}s and was cancelled")
             time.sleep(poll_s)
     finally:
@@ -125,6 +126,26 @@ def watch(job: Any, output_dir: str, *, stream: bool = True, poll_s: float = 0.5
         return job.results()
     except Exception as e:  # submitit raises with the task's traceback or the job state
         raise LaunchError(f"job {job.job_id} failed: {e}") from e
+
+
+def stop_job(job: Any) -> None:
+    """Stop every rank of a job now.
+
+    A submitit-local job is a controller process whose children are the ranks: killing the
+    ranks lets the controller exit normally. SLURM jobs are cancelled with scancel.
+    """
+    proc = getattr(job, "_process", None)
+    if proc is None:
+        job.cancel(check=False)
+        return
+    import psutil
+
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.wait(timeout=30)
+    except (psutil.NoSuchProcess, subprocess.TimeoutExpired):
+        job.cancel(check=False)
 
 
 def _failure_message(job: Any, errors: list[str]) -> str:

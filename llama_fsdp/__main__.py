@@ -68,13 +68,29 @@ def run(cfg: DictConfig) -> Any:
     return results
 
 
+def _mark_failed(output_dir: str) -> None:
+    """Ranks killed after another rank's crash cannot close their MLflow run; do it here."""
+    from .tracking import mark_run_failed
+
+    try:
+        mark_run_failed(output_dir)
+    except Exception as e:  # noqa: BLE001 - the launch error matters more than this
+        log.warning("could not mark the MLflow run failed: %s", e)
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
+    from launchers import LaunchError
+
     try:
         return run(cfg)
     except ConfigError as e:
         log.error("%s", e)
         sys.exit(2)
+    except LaunchError as e:
+        log.error("%s", e)
+        _mark_failed(HydraConfig.get().runtime.output_dir)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -104,6 +104,7 @@ class RunSpec:
     global_batch: int
     tokens_per_step: int
     output_dir: str
+    cache_dir: str
     tracking_uri: str
     run_name: str
     git_commit: str
@@ -365,6 +366,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         nodes=obj.cluster.nodes, nproc_per_node=nproc, world_size=world, mesh=mesh,
         policy=PRECISION_POLICIES[obj.precision.name], global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
+        cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
         run_name=_run_name(obj, strategy, world), git_commit=_git_commit(),
         config_yaml=config_yaml, sweep_id=sweep_id,

@@ -101,6 +101,19 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+def mark_run_failed(output_dir: str) -> None:
+    """Set the run recorded in output_dir to FAILED if it is still RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    id_file = Path(output_dir) / RUN_ID_FILE
+    if not id_file.exists():
+        return
+    saved = json.loads(id_file.read_text())
+    client = MlflowClient(tracking_uri=saved["tracking_uri"])
+    if client.get_run(saved["run_id"]).info.status == "RUNNING":
+        client.set_terminated(saved["run_id"], status="FAILED")
+
+
 class NullTracker:
     """What ranks other than 0 hold: the same methods, doing nothing."""
 

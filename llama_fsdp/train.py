@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -126,6 +127,21 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     return s / max(c, 1.0)
 
 
+def inject_fault(step: int) -> None:
+    """Testing hook: LLAMA_FSDP_FAULT="rank=R,step=S" makes rank R raise after step S.
+
+    The launcher tests use it to show that one rank's crash ends the whole run with that
+    rank's traceback instead of a hang.
+    """
+    spec = os.environ.get("LLAMA_FSDP_FAULT")
+    if not spec:
+        return
+    want = dict(kv.split("=") for kv in spec.split(","))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if int(want["rank"]) == rank and int(want["step"]) == step:
+        raise RuntimeError(f"injected fault on rank {rank} after step {step} (LLAMA_FSDP_FAULT)")
+
+
 class MemoryMeter:
     """Peak memory of this process: CUDA max allocated/reserved, or peak RSS on CPU."""
 
@@ -193,6 +209,7 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         dt = time.perf_counter() - t0
         state.step += 1
         state.tokens_seen += res.tokens
+        inject_fault(state.step)
         state.losses.append(res.loss)
         if not math.isfinite(res.loss):
             raise FloatingPointError(f"loss is {res.loss} at step {state.step}: lower train.lr "

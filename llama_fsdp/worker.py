@@ -111,7 +111,7 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
     data = build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
                       dp_rank=dp_rank, dp_world=dp_size, seed=spec.train.seed,
-                      cache_dir=Path(spec.output_dir).parent / "cache",
+                      cache_dir=Path(spec.cache_dir),
                       vocab_size=spec.model.vocab_size)
     optimizer = build_optimizer(model, spec.train)
     scheduler = build_scheduler(optimizer, spec.train)

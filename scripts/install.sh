@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install llama_fsdp into a virtual environment (default .venv) with the right PyTorch build:
+#   - torch already importable there: kept as is;
+#   - an NVIDIA GPU (nvidia-smi works): the default PyPI wheel, which is the CUDA build;
+#   - otherwise the CPU build: a local wheel if pip can find one (torch==X+cpu), else
+#     PyTorch's CPU index. Never the multi-GB CUDA wheels on a machine without a GPU.
+# Then the package itself (editable) with its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+PY=${PYTHON:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip >/dev/null 2>&1 || true
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "GPU found: installing the CUDA build of torch"
+  pip install -q "torch>=2.6"
+else
+  echo "no GPU: installing the CPU build of torch"
+  pip install -q "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
+    || pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+# torch is already satisfied, so this resolves the rest without touching it.
+pip install -q -e ".[dev]"
+"$VENV/bin/python" -c "import torch, llama_fsdp; print('llama_fsdp ready: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -1,0 +1,77 @@
+"""The README's default command, end to end, in a fresh directory: real ranks, real MLflow."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+STEP_METRICS = {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device",
+                "step_time_s", "peak_memory_gb"}
+
+
+def _run(cwd: Path, *overrides: str, env_extra: dict | None = None, timeout: int = 600):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "llama_fsdp", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _only_run(db: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("llama_fsdp")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`python -m llama_fsdp` exactly as a user types it, in an empty directory."""
+    cwd = tmp_path_factory.mktemp("fresh")
+    out = _run(cwd)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return cwd, out
+
+
+def test_default_run_trains_and_reports(default_run):
+    cwd, out = default_run
+    log = out.stdout + out.stderr
+    assert "train: 100%" in log  # rank 0's progress bar reached the terminal
+    for line in ("steps          60", "final loss", "tokens/s", "peak memory", "mlflow run"):
+        assert line in log
+    assert (cwd / "outputs" / "mlflow.db").exists()
+    assert log.count("[rank1]") == 0  # only rank 0 talks
+
+
+def test_default_run_mlflow_record(default_run):
+    cwd, _ = default_run
+    client, run = _only_run(cwd / "outputs" / "mlflow.db")
+    assert run.info.status == "FINISHED"
+    assert STEP_METRICS <= set(run.data.metrics)
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 60
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5  # the loss visibly falls
+    assert len(client.get_metric_history(run.info.run_id, "tokens_per_sec")) == 60
+    assert run.data.params["train.batch_size"] == "8"
+    assert run.data.params["model.name"] == "tiny"
+    assert run.data.params["sharding.strategy"] == "full"
+    assert run.data.tags["git_commit"]
+    assert Path(run.data.tags["output_dir"]).is_relative_to(cwd / "outputs" / "runs")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "config.yaml" in artifacts
+
+
+def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
+    out = _run(tmp_path, "train.max_steps=20", "eval.every_steps=0",
+               env_extra={"LLAMA_FSDP_FAULT": "rank=1,step=2"}, timeout=300)
+    assert out.returncode == 1
+    assert "rank 1" in out.stderr and "injected fault on rank 1 after step 2" in out.stderr
+    assert "Traceback" in out.stderr
+    _, run = _only_run(tmp_path / "outputs" / "mlflow.db")
+    assert run.info.status == "FAILED"

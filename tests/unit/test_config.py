@@ -1,0 +1,153 @@
+"""Composition of the real conf/ tree and validation into a RunSpec (pure, no processes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from llama_fsdp.spec import ConfigError
+from tests.conftest import CONF, REPO, compose, make_spec
+
+GROUPS = ["model", "sharding", "precision", "checkpointing", "cluster", "data"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes_into_a_spec(group, option):
+    extra = {"cluster": ["cluster.nproc_per_node=2"], "sharding": ["cluster.nproc_per_node=2"]}
+    overrides = [f"{group}={option}", *extra.get(group, [])]
+    if group == "model" and option != "tiny":
+        overrides.append("cluster.device=cpu")
+    spec = make_spec(overrides)
+    assert getattr(spec, group).__class__.__name__.lower().startswith(group[:4])
+    if group == "model":
+        assert spec.model.name == option
+    if group == "sharding" and option != "auto":
+        assert spec.strategy == option
+
+
+def test_default_is_tiny_on_two_cpu_ranks_with_sqlite_mlflow():
+    spec = make_spec()
+    assert (spec.model.name, spec.device, spec.backend, spec.world_size) == ("tiny", "cpu", "gloo", 2)
+    assert spec.tracking_uri == f"sqlite:///{REPO}/outputs/mlflow.db"
+    assert spec.global_batch == spec.train.batch_size * spec.train.grad_accum * 2
+    assert spec.tokens_per_step == spec.global_batch * spec.train.seq_len
+
+
+def test_model_shapes_match_llama3_reference():
+    m = make_spec(["model=70b", "cluster.device=cpu"]).model
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size) == (
+        8192, 80, 64, 8, 28672)
+    assert m.rope_scaling.factor == 8.0 and m.rope_scaling.original_max_position_embeddings == 8192
+    assert make_spec(["model=1b", "cluster.device=cpu"]).model.rope_scaling.factor == 32.0
+    assert make_spec(["model=3b", "cluster.device=cpu"]).model.tie_word_embeddings is True
+
+
+def test_misspelled_key_fails_at_compose_with_its_name():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["train.batchsize=4"])
+    assert "batchsize" in str(e.value.__cause__ or e.value)
+
+
+def test_misspelled_key_in_a_group_fails_with_its_name():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["sharding.shardsize=2"])
+    assert "shardsize" in str(e.value.__cause__ or e.value)
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(MissingConfigException) as e:
+        compose(["sharding=foo"])
+    msg = str(e.value)
+    assert "foo" in msg
+    for option in ("full", "grad_op", "no_shard", "hybrid", "hybrid_grad_op"):
+        assert option in msg
+
+
+def test_wrong_type_fails_with_the_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["train.batch_size=abc"])
+    cause = e.value.__cause__
+    assert isinstance(cause, (ValidationError, ConfigKeyError))
+    assert "batch_size" in str(cause)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["sharding=hybrid", "cluster.nproc_per_node=6", "sharding.shard_size=4"],
+     "world size 6 is not divisible by sharding.shard_size=4: set sharding.shard_size to one of [1, 2, 3, 6]"),
+    (["train.batch_size=0"], "train.batch_size=0 must be >= 1"),
+    (["train.max_steps=5", "train.warmup_steps=5"], "train.warmup_steps=5"),
+    (["sharding=full", "sharding.shard_size=1"], "use sharding=hybrid"),
+    (["sharding.strategy=zero3"], "sharding.strategy='zero3' is not one of full, grad_op"),
+    (["sharding.cpu_offload=true"], "sharding.cpu_offload=true needs CUDA"),
+    (["cluster.nodes=2"], "use cluster=slurm for several nodes"),
+    (["model.num_kv_heads=3"], "not divisible by model.num_kv_heads=3"),
+    (["train.seq_len=4096"], "exceeds model.max_position_embeddings=2048"),
+    (["resume=/nonexistent/ckpt"], "resume='/nonexistent/ckpt' does not exist"),
+])
+def test_bad_values_are_refused_before_launch_with_the_fix(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        make_spec(overrides)
+    assert needle in str(e.value)
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        make_spec(["train.batch_size=0", "train.lr=-1", "precision.name=fp8"])
+    assert len(e.value.problems) == 3
+
+
+@pytest.mark.parametrize("strategy,nproc,shard_size,shape,reshard", [
+    ("full", 4, None, (4,), True),
+    ("grad_op", 4, None, (4,), False),
+    ("no_shard", 4, None, (4, 1), False),
+    ("hybrid", 4, 2, (2, 2), True),
+    ("hybrid_grad_op", 4, 2, (2, 2), False),
+    ("hybrid", 4, None, (4,), True),  # shard_size defaults to ranks per node: one node
+])
+def test_mesh_per_strategy(strategy, nproc, shard_size, shape, reshard):
+    o = [f"sharding={strategy}", f"cluster.nproc_per_node={nproc}"]
+    if shard_size:
+        o.append(f"sharding.shard_size={shard_size}")
+    spec = make_spec(o)
+    assert spec.mesh.shape == shape and spec.mesh.reshard_after_forward is reshard
+    assert spec.world_size == nproc
+
+
+def test_slurm_hybrid_replicates_across_nodes_and_shards_within():
+    spec = make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
+                      "sharding=hybrid", "model=70b"])
+    assert (spec.device, spec.backend, spec.world_size) == ("cuda", "nccl", 32)
+    assert spec.mesh.shape == (4, 8) and spec.mesh.dim_names == ("replicate", "shard")
+
+
+@pytest.mark.parametrize("precision,dtypes", [
+    ("fp32", ("float32", "float32", "float32")),
+    ("mixed", ("float32", "bfloat16", "float32")),
+    ("bf16", ("bfloat16", "bfloat16", "bfloat16")),
+])
+def test_precision_policies(precision, dtypes):
+    p = make_spec([f"precision={precision}"]).policy
+    assert (p.param_dtype, p.compute_dtype, p.reduce_dtype) == dtypes
+
+
+def test_cli_reports_a_bad_value_and_exits_nonzero(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "llama_fsdp", "train.batch_size=0", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "train.batch_size=0 must be >= 1" in out.stderr + out.stdout
+    assert not (tmp_path / "submitit").exists()  # refused before anything was launched
+
+
+def test_cli_unknown_option_lists_valid_ones(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "sharding=foo"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Available options in 'sharding'" in out.stderr and "hybrid_grad_op" in out.stderr
