@@ -102,19 +102,73 @@ class ClusterConfig:
 
 @dataclass
 class DataConfig:
+    """Records → tokens → masked, packed rows (llama_fsdp/data.py)."""
+
+    # Valid values (plain class attributes, not config keys).
+    SOURCES = ("synthetic", "jsonl", "hf")
+    FORMATS = ("auto", "instruction", "chat", "text")
+    OVERLONG = ("truncate", "drop", "error")
+
+    # synthetic (embedded, generated) | jsonl (local json/jsonl/parquet/csv/txt files)
+    # | hf (datasets.load_dataset: a hub name or a local dataset directory)
     name: str = "synthetic"
-    # synthetic: number of generated records (train); eval split is held out from the same seed.
+    # synthetic: generated train records. eval_records: generated held-out records (synthetic),
+    # or records held out of the train split (files, or hf without eval_split).
     num_records: int = 4000
     eval_records: int = 200
+    # Generation (synthetic) and held-out selection seed; the sampling order uses train.seed.
     seed: int = 1234
-    # Real-data sources (issue 3): local files or a hub dataset.
+    # jsonl: a file, a glob or a directory of files; hf: a hub dataset name or local directory.
     path: Optional[str] = None
+    subset: Optional[str] = None  # hf: the dataset's config name
+    revision: Optional[str] = None  # hf: git revision of a hub dataset
     split: str = "train"
+    eval_split: Optional[str] = None  # hf: a held-out split (null: hold out eval_records)
+    eval_path: Optional[str] = None  # jsonl: a held-out file or glob (null: hold out eval_records)
+    # auto | instruction (alpaca: instruction/input/output) | chat (a messages list, rendered
+    # with the tokenizer's chat template) | text. auto picks by the columns present.
     format: str = "auto"
+    instruction_column: str = "instruction"
+    input_column: str = "input"
+    output_column: str = "output"
+    messages_column: str = "messages"
+    text_column: str = "text"
+    # Instruction records: the prompt, then the output (tokenized apart, so the boundary is exact).
+    prompt_template: str = "### Instruction: {instruction}\n### Input: {input}\n### Response:\n"
+    prompt_template_no_input: str = "### Instruction: {instruction}\n### Response:\n"
+    # An HF tokenizer directory or hub name; null: the project tokenizer (512 pieces, trained
+    # once on the synthetic corpus and cached), which needs model.vocab_size=512.
     tokenizer: Optional[str] = None
+    # Loss on prompt tokens too (default: only responses / assistant turns, and their EOS).
     train_on_prompt: bool = False
+    # Several records per row (positions restart, no attention across records); false: one
+    # record per row, right-padded.
     packing: bool = True
+    # A record longer than train.seq_len: truncate (counted in the log) | drop | error.
+    overlong: str = "truncate"
+    # Processes for tokenization (datasets.map).
     num_proc: int = 1
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this node, for RunSpec's all-at-once report."""
+        out = []
+        if self.name not in DataConfig.SOURCES:
+            out.append(f"data.name={self.name!r}: valid: {', '.join(DataConfig.SOURCES)}")
+        if self.format not in DataConfig.FORMATS:
+            out.append(f"data.format={self.format!r}: valid: {', '.join(DataConfig.FORMATS)}")
+        if self.overlong not in DataConfig.OVERLONG:
+            out.append(f"data.overlong={self.overlong!r}: valid: {', '.join(DataConfig.OVERLONG)}")
+        if self.name in ("jsonl", "hf") and not self.path:
+            out.append(f"data.name={self.name} needs data.path (a file/glob/directory or hub name)")
+        if self.name == "synthetic" and self.num_records < 1:
+            out.append("data.num_records must be >= 1")
+        if self.eval_records < 0 or self.num_proc < 1:
+            out.append("data.eval_records must be >= 0 and data.num_proc >= 1")
+        if "{instruction}" not in self.prompt_template or "{input}" not in self.prompt_template:
+            out.append("data.prompt_template must contain {instruction} and {input}")
+        if "{instruction}" not in self.prompt_template_no_input:
+            out.append("data.prompt_template_no_input must contain {instruction}")
+        return out
 
 
 @dataclass
@@ -140,6 +194,11 @@ class TrainConfig:
 class EvalConfig:
     every_steps: int = 20
     max_batches: int = 4
+    # Task metric (DataModule.evaluate_task): greedy answers to this many held-out prompts,
+    # scored by exact match; 0 disables. Every rank runs the same number of forward calls.
+    task_prompts: int = 64
+    # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
+    max_new_tokens: Optional[int] = None
 
 
 @dataclass
@@ -176,6 +235,8 @@ class Config:
     force: bool = False
     # Where this run writes (checkpoints, logs, resolved config); Hydra's run dir by default.
     output_dir: str = "${hydra:runtime.output_dir}"
+    # Shared across runs: trained tokenizers, tokenized datasets. null: <launch dir>/outputs/cache.
+    cache_dir: Optional[str] = None
 
 
 GROUPS: dict[str, type] = {
