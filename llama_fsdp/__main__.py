@@ -52,6 +52,15 @@ def _summary(spec: RunSpec, results: list[Any]) -> None:
     log.info("done\n  %s", "\n  ".join(lines))
 
 
+def _launch_preview(spec: RunSpec) -> str:
+    if spec.cluster.kind == "slurm":
+        from launchers.slurm import sbatch_preview
+
+        return sbatch_preview(spec)
+    return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, each "
+            f"running llama_fsdp.worker.run_worker (backend {spec.backend}, device {spec.device})")
+
+
 def run(cfg: DictConfig) -> Any:
     """The whole path for one composed config (one point of a sweep)."""
     from launchers import launch
@@ -60,7 +69,7 @@ def run(cfg: DictConfig) -> Any:
 
     spec = _prepare(cfg)
     if spec.dry_run:
-        log.info("dry_run=true: nothing launched")
+        log.info("dry_run=true: nothing launched. Would run:\n%s", _launch_preview(spec))
         return None
     results = launch(spec, run_worker)
     if spec.cluster.kind == "local" or spec.cluster.wait:

@@ -1,0 +1,91 @@
+"""Precision policies train; activation checkpointing and compile keep the loss, change memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_spec
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+BASE = ["tracking.enabled=false", "eval.every_steps=0", "cluster.nproc_per_node=2",
+        "train.batch_size=4"]
+
+
+def _spec(tag: str, *extra: str, steps: int = 5):
+    return make_spec([*BASE, f"train.max_steps={steps}", "train.warmup_steps=1", *extra],
+                     output_dir=f"/tmp/llama_fsdp_test/prec_{tag}")
+
+
+def _saved_activation_bytes(model, batch) -> int:
+    """Bytes autograd keeps for backward during one forward: the activation memory."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    logits.float().sum().backward()
+    return total
+
+
+def _run(rank, world, specs, measure):
+    import torch.distributed as dist
+
+    from llama_fsdp.data import build_data
+    from llama_fsdp.worker import DistEnv, build_model, train_on_rank
+
+    out = {}
+    for name, spec in specs.items():
+        r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
+        out[name] = {"losses": r["losses"]}
+        if name in measure:
+            model = build_model(spec, torch.device("cpu"))
+            data = build_data(spec.data, seq_len=spec.train.seq_len,
+                              micro_batch=spec.train.batch_size, dp_rank=dist.get_rank(),
+                              dp_world=world, seed=0, cache_dir=__import__("pathlib").Path(spec.cache_dir),
+                              vocab_size=spec.model.vocab_size)
+            out[name]["saved_bytes"] = _saved_activation_bytes(model, next(data.train_batches()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    specs = {
+        "fp32": _spec("fp32"),
+        "ac_full": _spec("ac_full", "checkpointing=full"),
+        "ac_selective": _spec("ac_sel", "checkpointing=selective"),
+        "compile": _spec("compile", "train.compile=true"),
+        "bf16": _spec("bf16", "precision=bf16", steps=15),
+        "mixed": _spec("mixed", "precision=mixed", steps=15),
+    }
+    return run_ranks(_run, 2, specs, {"fp32", "ac_full", "ac_selective"}, timeout=900)[0]
+
+
+def test_activation_checkpointing_keeps_the_loss(results):
+    ref = results["fp32"]["losses"]
+    for name in ("ac_full", "ac_selective"):
+        torch.testing.assert_close(results[name]["losses"], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_saves_activation_memory(results):
+    none, full = results["fp32"]["saved_bytes"], results["ac_full"]["saved_bytes"]
+    selective = results["ac_selective"]["saved_bytes"]
+    assert full < selective < none
+    assert full < 0.5 * none  # only each layer's input (+ head/loss) is kept
+
+
+def test_compile_keeps_the_loss(results):
+    torch.testing.assert_close(results["compile"]["losses"], results["fp32"]["losses"],
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_low_precision_trains(precision, results):
+    losses = results[precision]["losses"]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
