@@ -25,10 +25,24 @@ def _sweep_id() -> Optional[str]:
 
 
 def _prepare(cfg: DictConfig) -> RunSpec:
+    """Config -> validated spec -> plan (printed) -> refused here if it cannot fit."""
+    from .plan import check_fits, choose_strategy, make_plan, resolve_auto
+
     spec = build_spec(cfg, output_dir=HydraConfig.get().runtime.output_dir,
                       launch_dir=Path.cwd(), sweep_id=_sweep_id())
+    if spec.strategy == "auto":
+        strategy, reason = choose_strategy(spec)
+        log.info("sharding=auto chose %s: %s", strategy, reason)
+        spec = resolve_auto(spec)
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
+    plan = make_plan(spec)
+    log.info("plan (per device):\n%s", plan.table())
+    if spec.dry_run:
+        if not plan.fits:
+            log.warning("this run would be refused at launch (it does not fit); see the plan")
+    else:
+        check_fits(spec, plan)
     return spec
 
 
@@ -91,9 +105,11 @@ def _mark_failed(output_dir: str) -> None:
 def _hydra_main(cfg: DictConfig) -> Any:
     from launchers import LaunchError
 
+    from .plan import PlanError
+
     try:
         return run(cfg)
-    except ConfigError as e:
+    except (ConfigError, PlanError) as e:
         log.error("%s", e)
         sys.exit(2)
     except LaunchError as e:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import checkpoint as ckpt_io
 from .data import build_data
 from .model import build_meta_model, decoder_layers, init_weights
 from .parallel import build_mesh, local_numel, model_dtype, parallelize
@@ -92,22 +93,17 @@ def _trackers(spec: RunSpec, rank: int) -> tuple[Any, Any]:
     return tracker, Console(total=spec.train.max_steps)
 
 
-def _flops(spec: RunSpec) -> tuple[Optional[float], Optional[float]]:
-    """FLOPs per token and peak FLOP/s of one device (MFU is only reported on CUDA)."""
-    try:
-        from .plan import make_plan
-    except ImportError:
-        return None, None
-    plan = make_plan(spec)
-    if spec.device != "cuda":
-        return plan.flops_per_token, None
-    peak = spec.cluster.peak_tflops * 1e12 if spec.cluster.peak_tflops else 989e12
-    return plan.flops_per_token, peak
+def _plan(spec: RunSpec) -> Any:
+    from .plan import make_plan
+
+    return make_plan(spec)
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(spec.train.seed)
     model = build_model(spec, device)
+    if spec.model.path:
+        ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
     dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
     data = build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
                       dp_rank=dp_rank, dp_world=dp_size, seed=spec.train.seed,
@@ -116,28 +112,43 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     optimizer = build_optimizer(model, spec.train)
     scheduler = build_scheduler(optimizer, spec.train)
     tracker, console = _trackers(spec, env.rank)
-    flops, peak = _flops(spec)
+    plan = _plan(spec)
     tracker.log_params({"derived.world_size": spec.world_size,
                         "derived.global_batch": spec.global_batch,
                         "derived.tokens_per_step": spec.tokens_per_step,
                         "derived.mesh": "x".join(map(str, spec.mesh.shape)),
                         "derived.local_params_rank0": local_numel(model)})
-    tracker.log_metrics(dict(data.stats), step=0)
+    tracker.log_metrics({**data.stats, **plan.metrics()}, step=0)
     state = TrainState()
+    tokenizer = getattr(data, "tokenizer", None)
+    hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
+    ckpt = ckpt_io.Checkpointer(spec.save, output_dir=spec.output_dir, device=device,
+                                app=ckpt_io.AppState(model, optimizer, scheduler, state, data),
+                                hf_config=hf_cfg, tokenizer=tokenizer, tracker=tracker)
+    resumed_from = ckpt.resume(spec.resume)  # before the loader's first batch
     ctx = LoopContext(device=device, train=spec.train, eval=spec.eval,
                       batches=data.train_batches(),
                       eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
-                      tracker=tracker, console=console, flops_per_token=flops, peak_flops=peak)
-    status = "FAILED"
+                      tracker=tracker, console=console, flops_per_token=flops, peak_flops=peak,
+                      on_step_end=ckpt.on_step_end)
+    status, export_dir = "FAILED", None
     try:
         last = run_loop(model, optimizer, scheduler, state, ctx)
+        ckpt.finish(state)
+        if spec.save.export_hf:
+            export_dir = ckpt_io.export_hf(model, Path(spec.output_dir) / ckpt_io.EXPORT,
+                                           config=hf_cfg, tokenizer=tokenizer)
         status = "FINISHED"
     finally:
+        ckpt.close()
         console.close()
         tracker.finish(status)
     return {"rank": env.rank, "steps": state.step, "losses": state.losses, "final": last,
             "tokens_seen": state.tokens_seen, "mlflow_run_id": tracker.run_id,
-            "tracking_uri": spec.tracking_uri, "output_dir": spec.output_dir}
+            "tracking_uri": spec.tracking_uri, "output_dir": spec.output_dir,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "checkpoints": [str(p) for _, p in ckpt_io.list_checkpoints(spec.output_dir)],
+            "export_dir": str(export_dir) if export_dir else None}
 
 
 def run_worker(spec: RunSpec) -> dict[str, Any]:

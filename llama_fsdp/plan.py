@@ -1,0 +1,667 @@
+"""Know before you launch: parameters, FLOPs per token and per-device memory of a RunSpec.
+
+Pure arithmetic on the spec (no process group, no GPU; torch is imported only to read a local
+CUDA device's size). ``make_plan`` -> ``Plan``; ``check_fits`` refuses a run that cannot fit;
+``choose_strategy`` / ``resolve_auto`` pick a strategy for ``sharding=auto``.
+
+Units: ``*_gb`` values are decimal GB (1e9 bytes), as the worker's ``peak_memory_gb`` metric
+(``torch.cuda.max_memory_allocated() / 1e9``); the table shows GiB beside them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .config import (
+    CheckpointingConfig,
+    ClusterConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    PrecisionConfig,
+    ShardingConfig,
+    TrainConfig,
+)
+from .spec import PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
+
+log = logging.getLogger(__name__)
+
+GB = 10**9
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_MARGIN = 0.10  # keep 10% of the device free (allocator fragmentation, CUDA context)
+DEFAULT_MFU = 0.40
+DEFAULT_GPU_MEMORY_GB = 80.0  # H100 80GB; conservative (torch reports ~85.5 GB for it)
+DEFAULT_GPU_PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+# sharding=auto tries these in order: least communication first.
+AUTO_ORDER = ("no_shard", "hybrid_grad_op", "hybrid", "grad_op", "full")
+HYBRID = ("hybrid", "hybrid_grad_op")
+
+
+class PlanError(ValueError):
+    """The run does not fit on its devices; the message has the numbers and the fixes."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, parameter count, FLOPs
+
+
+def layer_shapes(m: ModelConfig) -> list[tuple[int, ...]]:
+    """One decoder layer's parameters (no biases, as transformers' Llama)."""
+    h, q = m.hidden_size, m.hidden_size // m.num_heads
+    kv = m.num_kv_heads * q
+    i = m.intermediate_size
+    return [(h, h), (kv, h), (kv, h), (h, h),  # q, k, v, o projections
+            (i, h), (i, h), (h, i),  # gate, up, down
+            (h,), (h,)]  # input and post-attention RMSNorm
+
+
+def root_shapes(m: ModelConfig) -> list[tuple[int, ...]]:
+    """Parameters outside the decoder layers: embedding, final norm, head (once if tied)."""
+    shapes = [(m.vocab_size, m.hidden_size), (m.hidden_size,)]
+    if not m.tie_word_embeddings:
+        shapes.append((m.vocab_size, m.hidden_size))
+    return shapes
+
+
+def param_shapes(m: ModelConfig) -> list[tuple[int, ...]]:
+    """Every unique parameter tensor of LlamaForCausalLM."""
+    return root_shapes(m) + layer_shapes(m) * m.num_layers
+
+
+def _numel(shapes: list[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def count_params(m: ModelConfig) -> int:
+    """Exact parameter count (a tied embedding counts once)."""
+    return _numel(param_shapes(m))
+
+
+def n_matmul(m: ModelConfig) -> int:
+    """Parameters used in matmuls: all but the input embedding (kept when tied to the head)."""
+    embed = m.vocab_size * m.hidden_size
+    return count_params(m) - (0 if m.tie_word_embeddings else embed)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: 6·N_matmul + 12·L·H·Q·T (no causal discount)."""
+    q = m.hidden_size // m.num_heads
+    return 6.0 * n_matmul(m) + 12.0 * m.num_layers * m.num_heads * q * seq_len
+
+
+def sharded_numel(shapes: list[tuple[int, ...]], shard: int) -> int:
+    """Elements one rank stores: FSDP2 splits dim 0 in ceil(d0/shard) rows and pads the last."""
+    return sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+#
+# Bytes that autograd saves for backward, per token, in transformers' LlamaDecoderLayer with SDPA
+# (c = compute-dtype bytes, h = hidden, g = num_kv_heads·head_dim, i = intermediate):
+#   each of the 2 RMSNorms: the fp32 upcast of its input (4h, saved by pow and mul), x·rsqrt
+#     cast back before the weight (c·h, saved by the weight mul) and the weighted output,
+#     saved as the next Linear's input (c·h)                            -> 2·(4h + 2c·h)
+#   q, k, v after RoPE, saved by SDPA (RoPE's muls save only cos/sin);
+#     GQA k/v stay at g wide: transformers passes enable_gqa=True when
+#     there is no attention mask (a padding mask makes it repeat k/v to h) -> c·(h + 2g)
+#   SDPA output, which is also o_proj's input (flash/SDPA writes it in
+#     (b, s, heads, Q) layout, so HF's transpose(1, 2).contiguous() copies nothing) -> c·h
+#   SwiGLU: gate (SiLU's input), SiLU(gate), up, and their product (down_proj's input) -> 4c·i
+#   fp32 logsumexp per head (SDPA) and the 2 RMSNorm rsqrt values      -> 4·(heads + 2)
+# Residual adds, views and transposes save nothing; Llama has no dropout, so no masks. Fused
+# attention (flash / memory-efficient / CPU flash) keeps no s×s probabilities: there is no s²
+# term (eager attention would add about (2c + 1)·heads·s per token per layer).
+# Total: (8 + 6c)·h + 2c·g + 4c·i + 4·(heads + 2); bf16: 20h + 4g + 8i, which is 49h for 8B
+# (Korthikanti's GPT layer: 34h + 5·heads·s). Outside the layers: the final RMSNorm (4h + 2c·h
+# + 4), int64 input ids kept by the embedding (8) and RoPE cos/sin (2·s·Q·c per sequence).
+# tests/unit/test_plan.py checks all of this against the bytes autograd really saves.
+# Full activation checkpointing keeps only each layer's input (c·h); layer-selective wraps
+# every k-th layer (floor(L/k) layers, as parallel.py). Backward recomputes one wrapped layer
+# at a time, so one layer's full activations are added back while any layer is wrapped.
+
+
+def layer_activation_bytes(m: ModelConfig, c: int) -> int:
+    """Saved-for-backward bytes per token of one decoder layer (derivation above)."""
+    h, g, i = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads), m.intermediate_size
+    return (8 + 6 * c) * h + 2 * c * g + 4 * c * i + 4 * (m.num_heads + 2)
+
+
+def checkpointed_layers(num_layers: int, mode: str, every_k: int) -> int:
+    """How many decoder layers activation checkpointing wraps (as parallel.py does)."""
+    match mode:
+        case "none":
+            return 0
+        case "full":
+            return num_layers
+        case "selective":
+            return num_layers // every_k
+        case _:
+            raise ValueError(f"checkpointing mode {mode!r} is not one of none, full, selective")
+
+
+def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int, mode: str = "none",
+                     every_k: int = 2) -> int:
+    """Activations kept for backward by one micro-batch, loss buffers excluded."""
+    per_layer = layer_activation_bytes(m, c)
+    wrapped = checkpointed_layers(m.num_layers, mode, every_k)
+    layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
+    if wrapped:
+        layers += per_layer  # the layer being recomputed in backward
+    outside = 4 * m.hidden_size + 2 * c * m.hidden_size + 4 + 8
+    rope = 2 * seq_len * (m.hidden_size // m.num_heads) * c
+    return micro_batch * seq_len * (layers + outside) + rope
+
+
+def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int) -> int:
+    """Peak of the logits and F.cross_entropy(logits.float()) buffers, b·s·vocab wide.
+
+    Forward: logits (c) + their fp32 copy (4, none when c is 4) + the saved fp32 log-softmax
+    (4). Backward: saved log-softmax + its incoming grad + the grad to the logits (3 × 4), after
+    the worker's loss function dropped its logits reference. Chunked loss would remove this.
+    """
+    forward = c + (4 if c < 4 else 0) + 4
+    return micro_batch * seq_len * m.vocab_size * max(forward, 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per device
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes at the start of backward (the peak), conservatively summed."""
+
+    params: int  # sharded parameters (param dtype)
+    grads: int  # sharded gradients (param dtype)
+    optimizer: int  # AdamW exp_avg + exp_avg_sq (param dtype)
+    unsharded_params: int  # reshard_after_forward=False: all params in compute dtype
+    comm_buffers: int  # all-gather / reduce-scatter in flight; root's unsharded params + grads
+    activations: int
+    logits_loss: int
+    host: int = 0  # cpu_offload: sharded params, grads, optimizer state in host RAM
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return (self.model_state + self.unsharded_params + self.comm_buffers + self.activations
+                + self.logits_loss)
+
+
+def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds for its shards, wherever they live."""
+    local = sharded_numel(param_shapes(spec.model), spec.mesh.shard)
+    b = DTYPE_BYTES[spec.policy.param_dtype]
+    return local * b, local * b, 2 * local * b
+
+
+def _comm_bytes(spec: RunSpec) -> int:
+    """Two layers in flight (current + prefetched): unsharded params (unless kept anyway) and
+    grads in compute dtype, one reduce-scatter input in reduce dtype, and the root's unsharded
+    embedding / norm / head with their grads (the root is not resharded after forward)."""
+    m, p = spec.model, spec.policy
+    c, r = DTYPE_BYTES[p.compute_dtype], DTYPE_BYTES[p.reduce_dtype]
+    layer, root = _numel(layer_shapes(m)), _numel(root_shapes(m))
+    params = 0 if not spec.mesh.reshard_after_forward else (2 * layer + root) * c
+    return params + (2 * layer + root) * c + layer * r
+
+
+def memory_breakdown(spec: RunSpec) -> Memory:
+    """Per-device memory of one training step of this spec."""
+    params, grads, optim = model_state_bytes(spec)
+    c = DTYPE_BYTES[spec.policy.compute_dtype]
+    t, ac = spec.train, spec.checkpointing
+    host = 0
+    if spec.sharding.cpu_offload:
+        host, params, grads, optim = params + grads + optim, 0, 0, 0
+    kept = 0 if spec.mesh.reshard_after_forward else count_params(spec.model) * c
+    return Memory(
+        params=params, grads=grads, optimizer=optim, unsharded_params=kept,
+        comm_buffers=_comm_bytes(spec),
+        activations=activation_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
+                                     c=c, mode=ac.mode, every_k=ac.every_k),
+        logits_loss=logits_loss_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
+                                      c=c),
+        host=host,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Device
+
+
+def _host_ram_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _local_cuda_bytes() -> Optional[int]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except (ImportError, RuntimeError):
+        pass
+    return None
+
+
+def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
+    """(bytes one rank may use, where that number came from)."""
+    c = spec.cluster
+    if c.device_memory_gb is not None:
+        return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
+    if spec.device == "cuda":
+        local = _local_cuda_bytes() if c.kind == "local" else None
+        if local is not None:
+            return local, "torch.cuda.get_device_properties"
+        return int(DEFAULT_GPU_MEMORY_GB * GB), "default H100 80 GB"
+    if c.kind == "slurm" and c.mem_gb:
+        return int(c.mem_gb * GB) // spec.nproc_per_node, "cluster.mem_gb / ranks per node"
+    return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
+
+
+def peak_flops(spec: RunSpec) -> Optional[float]:
+    """Dense peak FLOP/s of one device: cluster.peak_tflops, H100 bf16 for CUDA, none for CPU."""
+    if spec.cluster.peak_tflops is not None:
+        return spec.cluster.peak_tflops * 1e12
+    return DEFAULT_GPU_PEAK_TFLOPS * 1e12 if spec.device == "cuda" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run needs per device, and what it should achieve."""
+
+    spec: RunSpec
+    num_params: int
+    n_matmul: int
+    flops_per_token: float
+    memory: Memory
+    capacity_bytes: int
+    capacity_source: str
+    peak_flops: Optional[float]
+    margin: float = DEFAULT_MARGIN
+    mfu: float = DEFAULT_MFU
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.memory.total
+
+    @property
+    def predicted_peak_gb(self) -> float:
+        """Decimal GB, comparable with the worker's peak_memory_gb metric."""
+        return self.memory.total / GB
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.memory.total
+
+    @property
+    def usable_bytes(self) -> int:
+        """Capacity less the safety margin."""
+        return int(self.capacity_bytes * (1 - self.margin))
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def tokens_per_device_step(self) -> int:
+        t = self.spec.train
+        return t.batch_size * t.grad_accum * t.seq_len
+
+    def tokens_per_s_per_device(self, mfu: Optional[float] = None) -> Optional[float]:
+        """Throughput at the given MFU (default: the plan's), if the peak FLOP/s is known."""
+        if self.peak_flops is None:
+            return None
+        return (mfu or self.mfu) * self.peak_flops / self.flops_per_token
+
+    def step_time_s(self, mfu: Optional[float] = None) -> Optional[float]:
+        """Seconds per optimizer step at the given MFU, if the peak FLOP/s is known."""
+        tps = self.tokens_per_s_per_device(mfu)
+        return None if tps is None else self.tokens_per_device_step / tps
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers to log with the run (MLflow params / metrics)."""
+        out = {"predicted_peak_memory_gb": round(self.predicted_peak_gb, 3),
+               "plan_device_capacity_gb": round(self.capacity_bytes / GB, 3),
+               "plan_num_params": float(self.num_params),
+               "plan_flops_per_token": self.flops_per_token}
+        if (step := self.step_time_s()) is not None:
+            out[f"plan_step_time_s_at_{round(self.mfu * 100)}pct_mfu"] = step
+        return out
+
+    def table(self) -> str:
+        return _table(self)
+
+
+def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAULT_MARGIN) -> Plan:
+    """Parameters, FLOPs per token and per-device memory of a run, against its device."""
+    capacity, source = device_capacity_bytes(spec)
+    return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
+                flops_per_token=flops_per_token(spec.model, spec.train.seq_len),
+                memory=memory_breakdown(spec), capacity_bytes=capacity, capacity_source=source,
+                peak_flops=peak_flops(spec), margin=margin, mfu=mfu)
+
+
+def _rows(plan: Plan) -> list[tuple[str, int]]:
+    s, mem = plan.spec, plan.memory
+    p, t, ac = s.policy, s.train, s.checkpointing
+    where = "sharded, offloaded to host" if s.sharding.cpu_offload else "sharded"
+    ac_text = ac.mode + (f", every {ac.every_k}" if ac.mode == "selective" else "")
+    return [
+        (f"parameters ({where}, {p.param_dtype})", mem.params),
+        (f"gradients ({where}, {p.param_dtype})", mem.grads),
+        (f"optimizer (AdamW 2 moments, {p.param_dtype})", mem.optimizer),
+        (f"unsharded params kept fwd->bwd ({p.compute_dtype})", mem.unsharded_params),
+        ("all-gather / reduce-scatter buffers", mem.comm_buffers),
+        (f"activations (b={t.batch_size}, s={t.seq_len}, AC {ac_text})", mem.activations),
+        ("logits + fp32 loss (b x s x vocab)", mem.logits_loss),
+    ]
+
+
+def _table(plan: Plan) -> str:
+    s = plan.spec
+    mesh = " x ".join(f"{n}={v}" for n, v in zip(s.mesh.dim_names, s.mesh.shape))
+    lines = [
+        f"plan: model={s.model.name} strategy={s.strategy} ({mesh}, reshard_after_forward="
+        f"{s.mesh.reshard_after_forward}) precision={s.precision.name} device={s.device} "
+        f"world={s.world_size}",
+        f"parameters   {plan.num_params:,} (N_matmul {plan.n_matmul:,})",
+        f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP (6*N_matmul + 12*L*H*Q*T, "
+        f"T={s.train.seq_len})",
+        f"{'per-device memory':<52}{'GB':>10}{'GiB':>10}",
+    ]
+    rows = _rows(plan) + [("total (predicted peak)", plan.memory.total),
+                          (f"capacity ({plan.capacity_source})", plan.capacity_bytes),
+                          ("headroom", plan.headroom_bytes)]
+    lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
+    if plan.memory.host:
+        lines.append(f"  {'host RAM per rank (cpu offload)':<50}{plan.memory.host / GB:>10.2f}"
+                     f"{plan.memory.host / GIB:>10.2f}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  {verdict} with a {plan.margin:.0%} margin (usable "
+                 f"{plan.usable_bytes / GB:.2f} GB)")
+    if (tps := plan.tokens_per_s_per_device()) is not None:
+        lines.append(f"at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s: "
+                     f"{tps:,.0f} tokens/s per device, {plan.step_time_s():.3f} s per step "
+                     f"({plan.tokens_per_device_step:,} tokens per device)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants of a spec (strategy, nodes, precision, AC, offload) and what fits
+
+
+def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
+    """The spec with another sharding strategy and its mesh; raise ConfigError if invalid."""
+    shard_size = spec.sharding.shard_size if strategy in HYBRID else None
+    problems: list[str] = []
+    mesh = _mesh(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
+    if problems:
+        raise ConfigError(problems)
+    name = spec.run_name
+    if spec.tracking.run_name is None:  # the generated name carries the strategy
+        prefix = f"{spec.model.name}-"
+        name = name.replace(f"{prefix}{spec.strategy}-", f"{prefix}{strategy}-", 1)
+    return dataclasses.replace(
+        spec, strategy=strategy, mesh=mesh, run_name=name,
+        sharding=dataclasses.replace(spec.sharding, strategy=strategy, shard_size=shard_size))
+
+
+def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
+    """The spec on another number of nodes (same ranks per node)."""
+    world = nodes * spec.nproc_per_node
+    problems: list[str] = []
+    mesh = _mesh(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
+    if problems:
+        raise ConfigError(problems)
+    batch = spec.train.batch_size * spec.train.grad_accum * world
+    return dataclasses.replace(
+        spec, cluster=dataclasses.replace(spec.cluster, nodes=nodes), nodes=nodes,
+        world_size=world, mesh=mesh, global_batch=batch, tokens_per_step=batch * spec.train.seq_len)
+
+
+def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
+    """Single changes that lower memory, cheapest first, as (override text, spec)."""
+    out: list[tuple[str, RunSpec]] = []
+    if spec.strategy != "full" and spec.world_size > 1:
+        out.append(("sharding=full", with_strategy(spec, "full")))
+    if spec.checkpointing.mode != "full":
+        ck = dataclasses.replace(spec.checkpointing, mode="full")
+        out.append(("checkpointing=full", dataclasses.replace(spec, checkpointing=ck)))
+    if spec.train.batch_size > 1:
+        t = dataclasses.replace(spec.train, batch_size=1,
+                                grad_accum=spec.train.grad_accum * spec.train.batch_size)
+        out.append((f"train.batch_size=1 train.grad_accum={t.grad_accum}",
+                    dataclasses.replace(spec, train=t)))
+    if spec.precision.name != "bf16":
+        out.append(("precision=bf16 (bf16 params, grads and optimizer state)",
+                    dataclasses.replace(spec, precision=PrecisionConfig(name="bf16"),
+                                        policy=PRECISION_POLICIES["bf16"])))
+    if spec.device == "cuda" and not spec.sharding.cpu_offload:
+        sh = dataclasses.replace(spec.sharding, cpu_offload=True)
+        out.append(("sharding.cpu_offload=true", dataclasses.replace(spec, sharding=sh)))
+    return out
+
+
+def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
+    """Fewest nodes above spec.nodes (same ranks per node) where it fits fully sharded."""
+    base = with_strategy(spec, "full")
+    for nodes in range(spec.nodes + 1, max_nodes + 1):
+        if make_plan(with_nodes(base, nodes)).fits:
+            return nodes
+    return None
+
+
+def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
+    """Full sharding, full activation checkpointing, micro-batch 1 and bf16 together."""
+    texts = [text.split(" (")[0] for text, _ in _variants(spec)
+             if text != "sharding.cpu_offload=true"]
+    t = dataclasses.replace(spec.train, batch_size=1,
+                            grad_accum=spec.train.grad_accum * spec.train.batch_size)
+    combo = dataclasses.replace(
+        with_strategy(spec, "full") if spec.world_size > 1 else spec,
+        checkpointing=dataclasses.replace(spec.checkpointing, mode="full"), train=t,
+        precision=PrecisionConfig(name="bf16"), policy=PRECISION_POLICIES["bf16"])
+    return " ".join(texts), combo
+
+
+def _fixes(spec: RunSpec) -> list[str]:
+    """Cheapest first: more nodes, then single config changes, then all of them together."""
+    lines = []
+    if spec.device == "cuda" and (n := nodes_needed(spec)) is not None:
+        p = make_plan(with_nodes(with_strategy(spec, "full"), n))
+        lines.append(f"cluster=slurm cluster.nodes={n} sharding=full "
+                     f"({n * spec.nproc_per_node} ranks): {p.predicted_peak_gb:.1f} GB (fits)")
+    singles = [(text, make_plan(v)) for text, v in _variants(spec)]
+    lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
+                                                          " (not enough alone)")
+              for text, p in singles]
+    if not any(p.fits for _, p in singles):
+        text, combo = _combined(spec)
+        p = make_plan(combo)
+        lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
+                     + (" (fits)" if p.fits else " (not enough)"))
+        if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
+            peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
+            lines.append(f"{text} cluster=slurm cluster.nodes={n} "
+                         f"({n * spec.nproc_per_node} ranks): {peak:.1f} GB (fits)")
+    return lines
+
+
+def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
+    """Raise PlanError if the run cannot fit its devices (unless spec.force); log the verdict."""
+    plan = plan or make_plan(spec)
+    if plan.fits:
+        log.info("plan: %.2f GB of %.2f GB per device fits", plan.predicted_peak_gb,
+                 plan.capacity_bytes / GB)
+        return
+    head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
+            f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
+            f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
+            f"GB is usable ({plan.capacity_bytes / GB:.1f} GB from {plan.capacity_source}, less "
+            f"a {plan.margin:.0%} margin)")
+    if spec.force:
+        log.warning("%s; force=true: launching anyway", head)
+        return
+    fixes = "\n".join(f"  - {f}" for f in _fixes(spec))
+    raise PlanError(f"{head}.\nCheapest fixes (predicted peak per device):\n{fixes}\n"
+                    f"{plan.table()}\nOr set force=true to launch anyway.")
+
+
+def _candidates(spec: RunSpec) -> list[str]:
+    multi = spec.nodes > 1 or spec.sharding.shard_size is not None
+    return [s for s in AUTO_ORDER if s not in HYBRID or multi]
+
+
+def choose_strategy(spec: RunSpec) -> tuple[str, str]:
+    """For sharding=auto: the least-communication strategy that fits, and why."""
+    tried = []
+    for strategy in _candidates(spec):
+        try:
+            plan = make_plan(with_strategy(spec, strategy))
+        except ConfigError:
+            continue
+        if plan.fits:
+            skipped = "; ".join(tried)
+            return strategy, (f"{strategy}: {plan.predicted_peak_gb:.1f} GB of "
+                              f"{plan.usable_bytes / GB:.1f} GB usable per device"
+                              + (f" (did not fit: {skipped})" if skipped else ""))
+        tried.append(f"{strategy} {plan.predicted_peak_gb:.1f} GB")
+    return "full", (f"full: nothing fits ({'; '.join(tried)}); full needs the least memory")
+
+
+def resolve_auto(spec: RunSpec) -> RunSpec:
+    """Replace sharding=auto by the chosen strategy (other specs are returned unchanged)."""
+    if spec.strategy != "auto":
+        return spec
+    strategy, reason = choose_strategy(spec)
+    log.info("sharding=auto -> %s", reason)
+    return with_strategy(spec, strategy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The seeds' memory budget, side by side with this framework's policies
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# (model, nominal billions, seed moment bytes, what the seeds said)
+SEED_CASES = (
+    ("8b", 8, 4, "8B, 8 GPUs, bf16 params + bf16 grads + fp32 Adam moments"),
+    ("70b", 70, 4, "70B, 8 GPUs, bf16 params + bf16 grads + fp32 Adam moments"),
+    ("70b", 70, 2, "70B, 8 GPUs, bf16 params + bf16 grads + bf16 Adam moments"),
+)
+
+
+def seed_budget_gb(params_billion: float, world: int, *, param_bytes: int = 2,
+                   grad_bytes: int = 2, moment_bytes: int = 4) -> float:
+    """The seeds' back-of-envelope: billions × (params + grads + 2 moments) bytes / ranks."""
+    return params_billion * (param_bytes + grad_bytes + 2 * moment_bytes) / world
+
+
+def model_config(name: str, conf_dir: Path = CONF_DIR) -> ModelConfig:
+    """A conf/model/<name>.yaml option as a typed ModelConfig (no Hydra needed)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(conf_dir / "model" / f"{name}.yaml")
+    raw.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+
+
+def reference_spec(model: str, *, nodes: int = 1, gpus_per_node: int = 8, strategy: str = "full",
+                   precision: str = "bf16", ac: str = "full", batch: int = 1, seq_len: int = 2048,
+                   device_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> RunSpec:
+    """A SLURM GPU RunSpec built without Hydra, for tables and what-ifs."""
+    cfg = Config(model=model_config(model), sharding=ShardingConfig(strategy=strategy),
+                 precision=PrecisionConfig(name=precision),
+                 checkpointing=CheckpointingConfig(mode=ac),
+                 cluster=ClusterConfig(kind="slurm", nodes=nodes, gpus_per_node=gpus_per_node,
+                                       device_memory_gb=device_memory_gb),
+                 data=DataConfig(), train=TrainConfig(batch_size=batch, seq_len=seq_len),
+                 output_dir="outputs/plan", resume="none")
+    return build_spec(cfg, output_dir="outputs/plan")
+
+
+def _state_gb(model: str, precision: str) -> float:
+    return sum(model_state_bytes(reference_spec(model, precision=precision))) / GB
+
+
+def _seed_rows() -> list[str]:
+    rows = []
+    for model, billions, moment, text in SEED_CASES:
+        seed = seed_budget_gb(billions, 8, moment_bytes=moment)
+        formula = f"({2 * billions}+{2 * billions}+{2 * moment * billions})/8"
+        rows.append(f"| {text} | {formula} = {seed:.1f} | {count_params(model_config(model)):,} "
+                    f"| {_state_gb(model, 'bf16'):.2f} | {_state_gb(model, 'mixed'):.2f} |")
+    return rows
+
+
+def _plan_rows() -> list[str]:
+    rows = []
+    for model in ("8b", "70b"):
+        for precision in ("bf16", "mixed"):
+            p = make_plan(reference_spec(model, precision=precision))
+            m = p.memory
+            need = "-" if p.fits else str(nodes_needed(p.spec))
+            rows.append(
+                f"| {model} | `{precision}` | {m.model_state / GB:.2f} | "
+                f"{(m.unsharded_params + m.comm_buffers) / GB:.2f} | {m.activations / GB:.2f} | "
+                f"{m.logits_loss / GB:.2f} | {p.predicted_peak_gb:.2f} | "
+                f"{'yes' if p.fits else 'no'} | {need} |")
+    return rows
+
+
+def seed_table_markdown() -> str:
+    """benchmarks/plan_seed_table.md: the seeds' budget next to this framework's plans."""
+    head = [
+        "# Memory budget: the seeds' arithmetic and this framework's plan",
+        "",
+        "Generated by `llama_fsdp.plan.seed_table_markdown()`; checked by "
+        "`tests/unit/test_plan.py`. GB = 1e9 bytes.",
+        "",
+        "## Model state per GPU, 8 GPUs, full sharding",
+        "",
+        "The seeds count nominal billions of parameters × bytes (params + grads + 2 Adam "
+        "moments) / 8 ranks, activations extra. This framework has no policy with bf16 params "
+        "and fp32 moments: `bf16` keeps everything in bf16 (8 B/param, the seeds' \"bf16 "
+        "optimizer state\" case) and `mixed` keeps fp32 params, grads and moments (16 B/param) "
+        "and computes in bf16.",
+        "",
+        "| seed case | seed GB / GPU | exact params | `bf16` GB / GPU | `mixed` GB / GPU |",
+        "|---|---|---|---|---|",
+    ]
+    plans = [
+        "",
+        "## Whole plan per GPU: 1 node × 8 × 80 GB, full sharding, micro-batch 1 × 2048, "
+        "full activation checkpointing",
+        "",
+        "Usable = 80 GB less a 10% margin = 72 GB. Transient = all-gather / reduce-scatter "
+        "buffers and the root's unsharded embedding and head with their grads.",
+        "",
+        "| model | precision | model state | transient | activations | logits + loss "
+        "| peak GB | fits | nodes needed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + _seed_rows() + plans + _plan_rows()) + "\n"
+
+
+def write_seed_table(path: Path = CONF_DIR.parent / "benchmarks" / "plan_seed_table.md") -> Path:
+    path.write_text(seed_table_markdown())
+    return path

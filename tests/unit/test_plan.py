@@ -1,0 +1,285 @@
+"""The planner: parameter counts, FLOPs, per-device memory, fits-or-not, auto strategy."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from llama_fsdp import plan as P
+from llama_fsdp.spec import RunSpec, _mesh
+from tests import conftest
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+REFERENCE_PARAMS = {"tiny": 3_410_176, "1b": 1_235_814_400, "3b": 3_212_749_824,
+                    "8b": 8_030_261_248, "70b": 70_553_706_496, "405b": 405_853_388_800}
+GPUS = ["cluster=slurm", "cluster.gpus_per_node=8"]
+
+
+def make_spec(*overrides: str) -> RunSpec:
+    """The real composed config (conf/), as `python -m llama_fsdp <overrides>` would see it."""
+    return conftest.make_spec(list(overrides), output_dir="/tmp/llama_fsdp_test/plan")
+
+
+# --- parameters and FLOPs ---------------------------------------------------------------------
+
+
+def test_every_model_option_is_covered():
+    assert set(MODELS) == set(REFERENCE_PARAMS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_param_count_equals_transformers_meta_model(name):
+    from llama_fsdp.model import build_meta_model, num_parameters
+
+    spec = make_spec(f"model={name}", "cluster.device=cpu")
+    plan = P.make_plan(spec)
+    assert plan.num_params == num_parameters(build_meta_model(spec.model))
+    assert plan.num_params == REFERENCE_PARAMS[name]
+
+
+def test_n_matmul_drops_the_input_embedding_unless_tied():
+    m8, m1 = P.model_config("8b"), P.model_config("1b")
+    assert P.n_matmul(m8) == P.count_params(m8) - 128256 * 4096
+    assert P.n_matmul(m1) == P.count_params(m1)  # tied: the matrix is the output head
+
+
+def test_flops_per_token_check_values():
+    assert P.flops_per_token(P.model_config("8b"), 8192) / 1e9 == pytest.approx(57.91, abs=0.005)
+    assert P.flops_per_token(P.model_config("1b"), 2048) / 1e9 == pytest.approx(8.22, abs=0.005)
+
+
+def test_step_time_at_stated_mfu_on_h100():
+    plan = P.make_plan(make_spec("model=8b", *GPUS, "train.seq_len=8192", "train.batch_size=2"))
+    tps = 0.4 * 989e12 / plan.flops_per_token
+    assert plan.tokens_per_s_per_device() == pytest.approx(tps)
+    assert plan.step_time_s() == pytest.approx(2 * 8192 / tps)
+    # The REFERENCE check value: 5,762 tok/s/GPU is 33.7% MFU.
+    assert plan.step_time_s(0.337) == pytest.approx(2 * 8192 / 5762, rel=2e-3)
+    assert P.make_plan(make_spec("cluster.device=cpu")).step_time_s() is None
+
+
+# --- model state ------------------------------------------------------------------------------
+
+TINY = REFERENCE_PARAMS["tiny"]
+BYTES_PER_PARAM = {"fp32": 16, "mixed": 16, "bf16": 8}
+STATE_CASES = ([(s, "mixed", w) for s in ("full", "grad_op", "no_shard", "hybrid")
+                for w in (1, 2, 4)]
+               + [(s, p, 4) for s in ("full", "grad_op") for p in ("fp32", "bf16")])
+
+
+@pytest.mark.parametrize("strategy,precision,world", STATE_CASES)
+def test_model_state_bytes(strategy, precision, world):
+    extra = ["sharding.shard_size=2"] if strategy == "hybrid" and world > 1 else []
+    spec = make_spec(f"sharding={strategy}", f"precision={precision}", "cluster.device=cpu",
+                     f"cluster.nproc_per_node={world}", *extra)
+    shard = {"full": world, "grad_op": world, "no_shard": 1, "hybrid": min(world, 2)}[strategy]
+    mem = P.make_plan(spec).memory
+    assert mem.model_state == TINY * BYTES_PER_PARAM[precision] // shard
+    assert mem.optimizer == 2 * mem.params == 2 * mem.grads
+    compute = 4 if precision == "fp32" else 2
+    kept = strategy in ("grad_op", "no_shard")
+    assert mem.unsharded_params == (TINY * compute if kept else 0)
+
+
+def test_8b_on_8_gpus_model_state():
+    p = P.count_params(P.model_config("8b"))
+    mixed = P.make_plan(make_spec("model=8b", *GPUS, "precision=mixed")).memory
+    assert mixed.model_state == 16 * p // 8 and mixed.unsharded_params == 0
+    grad_op = P.make_plan(make_spec("model=8b", *GPUS, "precision=mixed", "sharding=grad_op"))
+    assert grad_op.memory.unsharded_params == 2 * p  # one bf16 copy kept through backward
+    bf16 = P.make_plan(make_spec("model=8b", *GPUS, "precision=bf16", "cluster.nodes=2",
+                                 "sharding=hybrid")).memory
+    assert bf16.model_state == 8 * p // 8  # hybrid shards within a node only
+
+
+def test_cpu_offload_moves_model_state_to_host():
+    on = P.make_plan(make_spec("model=8b", *GPUS, "precision=mixed", "sharding.cpu_offload=true"))
+    off = P.make_plan(make_spec("model=8b", *GPUS, "precision=mixed"))
+    assert on.memory.model_state == 0
+    assert on.memory.host == off.memory.model_state
+    assert on.memory.total == off.memory.total - off.memory.model_state
+
+
+def test_sharded_numel_pads_dim0_like_fsdp2():
+    assert P.sharded_numel([(5, 3), (7,)], 4) == 2 * 3 + 2  # ceil(5/4) rows, ceil(7/4)
+    assert P.sharded_numel([(8, 3)], 4) == 6
+
+
+# --- activations ------------------------------------------------------------------------------
+
+
+def test_activation_checkpointing_lowers_activations():
+    acts = {mode: P.make_plan(make_spec("model=8b", *GPUS, f"checkpointing={mode}",
+                                        "train.seq_len=4096")).memory.activations
+            for mode in ("none", "selective", "full")}
+    assert acts["none"] > acts["selective"] > acts["full"]
+    m = P.model_config("8b")
+    per_layer = 4096 * 8 * P.layer_activation_bytes(m, 4)  # default precision fp32
+    assert acts["none"] - acts["selective"] == pytest.approx(
+        16 * per_layer - 16 * 4096 * 8 * 4 * 4096 - per_layer)
+    assert P.checkpointed_layers(32, "selective", 3) == 10
+
+
+def test_activation_constants_for_llama_3():
+    m = P.model_config("8b")
+    h, g, i = 4096, 1024, 14336
+    assert P.layer_activation_bytes(m, 2) == 20 * h + 4 * g + 8 * i + 4 * (32 + 2)
+    assert P.layer_activation_bytes(m, 2) // h == 49
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_activation_estimate_matches_bytes_autograd_saves(dtype):
+    """Sum the tensors autograd really saves in forward + loss, as the worker computes it."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.config import ModelConfig
+    from llama_fsdp.model import llama_config
+
+    m = ModelConfig(name="t", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=384, vocab_size=256, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(m)).to(getattr(torch, dtype))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    b, s = 2, 32
+    ids = torch.randint(0, 256, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids).logits
+        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    c = 2 if dtype == "bfloat16" else 4
+    log_probs, total_weight = b * s * 256 * 4, 4  # saved by log_softmax and nll_loss
+    expected = P.activation_bytes(m, micro_batch=b, seq_len=s, c=c) + log_probs + total_weight
+    assert sum(saved.values()) == expected
+
+
+# --- device and fits --------------------------------------------------------------------------
+
+
+def test_device_capacity_sources():
+    import psutil
+
+    cpu = P.make_plan(make_spec("cluster.device=cpu", "cluster.nproc_per_node=2"))
+    assert cpu.capacity_bytes == psutil.virtual_memory().total // 2
+    assert P.make_plan(make_spec("model=8b", *GPUS)).capacity_bytes == 80 * 10**9
+    given = P.make_plan(make_spec("model=8b", *GPUS, "cluster.device_memory_gb=141",
+                                  "cluster.peak_tflops=500"))
+    assert given.capacity_bytes == 141 * 10**9 and given.peak_flops == 500e12
+
+
+def test_check_fits_refuses_70b_on_one_gpu_and_names_fixes():
+    spec = make_spec("model=70b", "cluster=slurm", "cluster.gpus_per_node=1", "precision=mixed")
+    plan = P.make_plan(spec)
+    assert not plan.fits and plan.predicted_peak_gb > 1000
+    with pytest.raises(P.PlanError) as err:
+        P.check_fits(spec, plan)
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert f"{plan.predicted_peak_gb:.1f} GB" in msg and "72.0 GB is usable" in msg
+    for fix in ("cluster.nodes=", "checkpointing=full", "precision=bf16",
+                "sharding.cpu_offload=true", "force=true"):
+        assert fix in msg
+
+
+def test_check_fits_suggests_full_instead_of_grad_op():
+    spec = make_spec("model=70b", *GPUS, "cluster.nodes=4", "precision=mixed",
+                     "sharding=grad_op", "checkpointing=full", "train.batch_size=1",
+                     "train.seq_len=2048")
+    with pytest.raises(P.PlanError, match=r"sharding=full: [\d.]+ GB \(fits\)"):
+        P.check_fits(spec)
+
+
+def test_force_launches_anyway(caplog):
+    spec = make_spec("model=70b", "cluster=slurm", "cluster.gpus_per_node=1", "force=true")
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.plan"):
+        P.check_fits(spec)
+    assert "force=true" in caplog.text
+
+
+def test_tiny_fits_and_table_reads_well():
+    plan = P.make_plan(make_spec("cluster.device=cpu"))
+    P.check_fits(plan.spec, plan)
+    table = plan.table()
+    for text in ("parameters   3,410,176", "FLOPs/token", "total (predicted peak)", "capacity",
+                 "headroom", "fits with a 10% margin"):
+        assert text in table
+    assert plan.metrics()["predicted_peak_memory_gb"] == round(plan.predicted_peak_gb, 3)
+
+
+# --- sharding=auto ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["cluster.device=cpu", "cluster.nproc_per_node=2"], "no_shard"),
+    (["model=8b", *GPUS, "precision=bf16", "checkpointing=full", "train.batch_size=1",
+      "train.seq_len=2048"], "grad_op"),
+    (["model=8b", *GPUS, "cluster.nodes=2", "precision=mixed", "checkpointing=full",
+      "train.batch_size=1", "train.seq_len=2048"], "hybrid_grad_op"),
+    (["model=8b", *GPUS, "cluster.nodes=2", "precision=mixed", "checkpointing=full",
+      "train.batch_size=2", "train.seq_len=8192", "cluster.device_memory_gb=70"], "hybrid"),
+    (["model=70b", *GPUS, "cluster.nodes=4", "precision=mixed", "checkpointing=full",
+      "train.batch_size=1", "train.seq_len=2048"], "full"),
+])
+def test_choose_strategy_takes_first_that_fits(overrides, expected):
+    spec = make_spec("sharding=auto", *overrides)
+    strategy, reason = P.choose_strategy(spec)
+    assert strategy == expected and reason.startswith(expected)
+    order = P._candidates(spec)
+    if spec.nodes == 1:
+        assert "hybrid" not in order and "hybrid_grad_op" not in order
+    for earlier in order[: order.index(strategy)]:
+        assert not P.make_plan(P.with_strategy(spec, earlier)).fits
+    assert P.make_plan(P.with_strategy(spec, strategy)).fits
+
+
+def test_resolve_auto_replaces_strategy_and_mesh():
+    spec = make_spec("sharding=auto", "model=8b", *GPUS, "cluster.nodes=2", "precision=mixed",
+                     "checkpointing=full", "train.batch_size=2", "train.seq_len=8192",
+                     "cluster.device_memory_gb=70")
+    resolved = P.resolve_auto(spec)
+    assert resolved.strategy == resolved.sharding.strategy == "hybrid"
+    assert resolved.mesh == _mesh("hybrid", None, 16, 8, [])
+    assert resolved.mesh.shape == (2, 8) and resolved.run_name.startswith("8b-hybrid-")
+    fixed = make_spec("sharding=grad_op", "cluster.device=cpu")
+    assert P.resolve_auto(fixed) is fixed
+
+
+def test_nothing_fits_falls_back_to_full():
+    spec = make_spec("sharding=auto", "model=405b", "cluster=slurm", "cluster.gpus_per_node=1")
+    assert P.choose_strategy(spec)[0] == "full"
+    with pytest.raises(P.PlanError):
+        P.check_fits(P.resolve_auto(spec))
+
+
+# --- the seeds' budget ------------------------------------------------------------------------
+
+
+def test_seed_budget_numbers():
+    assert P.seed_budget_gb(8, 8) == pytest.approx(12.0)
+    assert P.seed_budget_gb(70, 8) == pytest.approx(105.0)
+    assert P.seed_budget_gb(70, 8, moment_bytes=2) == pytest.approx(70.0)
+
+
+def test_framework_policies_for_the_seed_cases():
+    for model in ("8b", "70b"):
+        p = REFERENCE_PARAMS[model]
+        bf16 = sum(P.model_state_bytes(P.reference_spec(model, precision="bf16")))
+        mixed = sum(P.model_state_bytes(P.reference_spec(model, precision="mixed")))
+        assert (bf16, mixed) == (8 * p // 8, 16 * p // 8)
+    assert not P.make_plan(P.reference_spec("70b", precision="bf16")).fits
+    assert P.nodes_needed(P.reference_spec("70b", precision="bf16")) == 2
+
+
+def test_seed_table_file_is_current():
+    table = P.seed_table_markdown()
+    assert "(16+16+64)/8 = 12.0" in table and "(140+140+560)/8 = 105.0" in table
+    assert "(140+140+280)/8 = 70.0" in table and "| 8.03 | 16.06 |" in table
+    assert (CONF.parent / "benchmarks" / "plan_seed_table.md").read_text() == table
