@@ -18,10 +18,10 @@ log = logging.getLogger("llama_fsdp")
 
 
 def _sweep_id() -> Optional[str]:
+    from .sweep import sweep_id_for
+
     hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    return "sweep-" + Path(hc.sweep.dir).as_posix().replace("/", "_").split("sweeps_")[-1]
+    return sweep_id_for(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
 
 
 def _prepare(cfg: DictConfig) -> RunSpec:
