@@ -18,6 +18,16 @@ log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run.json"
 
 
+def artifact_location(uri: str, experiment: str) -> Optional[str]:
+    """Artifacts of a sqlite store live beside it (outputs/mlartifacts), not in ./mlruns of
+    whatever directory the run was started from. Servers keep their own default."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return (db.parent / "mlartifacts" / experiment).resolve().as_uri()
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -37,12 +47,11 @@ class MlflowTracker:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            experiment, artifact_location=artifact_location(uri, experiment))
         self._id_file = Path(output_dir) / RUN_ID_FILE
         self.run_id = self._existing_run(exp_id)
         self.resumed = self.run_id is not None

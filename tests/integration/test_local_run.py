@@ -65,6 +65,8 @@ def test_default_run_mlflow_record(default_run):
     assert Path(run.data.tags["output_dir"]).is_relative_to(cwd / "outputs" / "runs")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert "config.yaml" in artifacts
+    assert not (cwd / "mlruns").exists()  # artifacts stay under outputs/, beside the store
+    assert list((cwd / "outputs" / "mlartifacts").rglob("config.yaml"))
 
 
 def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
