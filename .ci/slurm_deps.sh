@@ -10,7 +10,7 @@
 set -euo pipefail
 
 PKGS=(slurm-wlm slurmdbd munge mariadb-server mariadb-client iproute2 util-linux procps)
-BINS=(slurmctld slurmd slurmdbd sbatch sacct sacctmgr munged mariadbd mariadb-install-db ip nsenter unshare)
+BINS=(slurmctld slurmd slurmdbd sbatch sacct sacctmgr munged munge mariadbd mariadb-install-db mariadb mariadb-dump mariadb-admin ip nsenter unshare)
 
 missing=0
 for b in "${BINS[@]}"; do
