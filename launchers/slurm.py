@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import Entry, RankEntry, clear_stale_errors, watch, worker_env
+from .common import Entry, LaunchError, RankEntry, clear_stale_errors, watch, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,10 @@ def launch_slurm(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
     """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait."""
     clear_stale_errors(spec.output_dir)
     executor = make_executor(spec)
-    job = executor.submit(RankEntry(entry), spec)
+    try:
+        job = executor.submit(RankEntry(entry), spec)
+    except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
+        raise LaunchError(f"SLURM refused the job: {e}".strip()) from e
     paths = job.paths
     log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 err: %s"
              "\n  MLflow: experiment '%s' at %s, run '%s'", job.job_id, spec.nodes,

@@ -72,8 +72,9 @@ def test_default_run_mlflow_record(default_run):
 def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
     out = _run(tmp_path, "train.max_steps=20", "eval.every_steps=0",
                env_extra={"LLAMA_FSDP_FAULT": "rank=1,step=2"}, timeout=300)
+    log = out.stdout + out.stderr
     assert out.returncode == 1
-    assert "rank 1" in out.stderr and "injected fault on rank 1 after step 2" in out.stderr
-    assert "Traceback" in out.stderr
+    assert "rank 1" in log and "injected fault on rank 1 after step 2" in log
+    assert "Traceback" in log
     _, run = _only_run(tmp_path / "outputs" / "mlflow.db")
     assert run.info.status == "FAILED"

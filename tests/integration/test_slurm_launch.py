@@ -1,0 +1,141 @@
+"""`cluster=slurm` end to end on a real SLURM cluster (2 nodes, each its own network namespace).
+
+The command is the one users type; the cluster comes from the `slurm_cluster` fixture.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
+
+
+def _cli(cwd: Path, cluster, *overrides: str, env_extra: dict | None = None, timeout: int = 600):
+    env = {**os.environ, **cluster.env, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+                           f"cluster.partition={cluster.partition}", *overrides],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _client(cwd: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{cwd}/outputs/mlflow.db")
+
+
+def _runs(cwd: Path):
+    client = _client(cwd)
+    exp = client.get_experiment_by_name("llama_fsdp")
+    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+def test_two_nodes_hybrid_job_places_ranks_per_node(tmp_path, slurm_cluster):
+    out = _cli(tmp_path, slurm_cluster, "cluster.nodes=2", "cluster.nproc_per_node=2",
+               "sharding=hybrid", "cluster.wait=true", "train.max_steps=4", "train.batch_size=4",
+               *FAST)
+    assert out.returncode == 0, out.stderr[-4000:] + slurm_cluster.logs()
+    assert "submitted SLURM job" in out.stdout + out.stderr
+    client, runs = _runs(tmp_path)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run = runs[0]
+    hosts = run.data.tags["rank_hosts"].split(",")
+    assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
+    assert set(hosts) == set(slurm_cluster.nodes)
+    assert run.data.params["derived.mesh"] == "2x2"  # replicate across nodes, shard within
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
+    assert {"tokens_per_sec", "peak_memory_gb"} <= set(run.data.metrics)
+
+
+def test_a_crashing_rank_fails_the_job_with_its_error(tmp_path, slurm_cluster):
+    out = _cli(tmp_path, slurm_cluster, "cluster.nodes=2", "cluster.nproc_per_node=1",
+               "cluster.wait=true", "train.max_steps=6", *FAST,
+               env_extra={"LLAMA_FSDP_FAULT": "rank=1,step=1"})
+    assert out.returncode == 1
+    assert "injected fault on rank 1 after step 1" in out.stdout + out.stderr
+
+
+def test_invalid_partition_fails_at_submission_with_slurms_message(tmp_path, slurm_cluster):
+    env = {**os.environ, **slurm_cluster.env}
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+                          "cluster.partition=no_such_partition"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "invalid partition" in (out.stderr + out.stdout).lower()
+
+
+def _wait_all_finished(cwd: Path, n: int, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, runs = _runs(cwd)
+        done = [r for r in runs if r.info.status in ("FINISHED", "FAILED", "KILLED")
+                and r.data.tags.get("llama_fsdp.kind") != "sweep-summary"]
+        if len(done) >= n:
+            return done
+        time.sleep(2)
+    raise TimeoutError(f"{n} runs did not finish in {timeout}s")
+
+
+def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
+    t0 = time.monotonic()
+    out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4", "sharding=full,no_shard",
+               "cluster.nproc_per_node=1", "train.max_steps=2", *FAST)
+    submit_s = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = out.stdout + out.stderr
+    assert log.count("submitted SLURM job") == 4
+    assert "python -m llama_fsdp.sweep" in log  # how to summarize once they finish
+    runs = _wait_all_finished(tmp_path, 4, timeout=480)
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert len({r.data.tags["sweep_id"] for r in runs}) == 1
+    sweep_id = runs[0].data.tags["sweep_id"]
+    # submitted at once: every job started before the slowest finished the submit loop would
+    # have needed running them one after another
+    starts = sorted(r.info.start_time for r in runs)
+    ends = sorted(r.info.end_time for r in runs)
+    assert starts[-1] < ends[0] or submit_s < 60
+    summary = subprocess.run([sys.executable, "-m", "llama_fsdp.sweep", sweep_id], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster):
+    steps, every = 30, 5
+    out = _cli(tmp_path, slurm_cluster, "cluster.nproc_per_node=2", f"train.max_steps={steps}",
+               f"save.every_steps={every}", "cluster.wait=false", *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job_id = (out.stdout + out.stderr).split("submitted SLURM job ")[1].split(":")[0].strip()
+    client = _client(tmp_path)
+    deadline = time.monotonic() + 300
+    run = None
+    while time.monotonic() < deadline:  # wait until training is under way (past a save)
+        _, runs = _runs(tmp_path)
+        if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 7:
+            run = runs[0]
+            break
+        time.sleep(1)
+    assert run is not None, "the job never got going\n" + slurm_cluster.logs()
+    # what SLURM sends before preempting or at the time limit (submitit: --signal=USR2@delay)
+    subprocess.run(["scancel", "--signal=USR2", job_id], env={**os.environ, **slurm_cluster.env},
+                   check=True, timeout=30)
+    runs = _wait_all_finished(tmp_path, 1, timeout=480)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        run = client.get_run(run.info.run_id)
+        if run.info.status == "FINISHED":
+            break
+        time.sleep(2)
+    assert run.info.status == "FINISHED", slurm_cluster.logs()
+    history = client.get_metric_history(run.info.run_id, "loss")
+    steps_logged = sorted({m.step for m in history})
+    assert steps_logged == list(range(1, steps + 1))  # the same final step count, no gap
+    resume_step = int(run.data.tags["resume_step"])
+    assert resume_step >= 7 and resume_step % 1 == 0  # saved on the signal, not only at every_steps
+    rows = slurm_cluster.sacct(job_id)
+    assert any("REQUEUE" in r.get("State", "") for r in rows) or run.data.tags.get("resumed")
