@@ -19,8 +19,10 @@ FAST = ["eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
 
 def _cli(cwd: Path, cluster, *overrides: str, env_extra: dict | None = None, timeout: int = 600):
     env = {**os.environ, **cluster.env, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
-                           f"cluster.partition={cluster.partition}", *overrides],
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra wants flags before overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "llama_fsdp", *flags, "cluster=slurm",
+                           f"cluster.partition={cluster.partition}", *rest],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
