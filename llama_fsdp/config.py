@@ -134,8 +134,10 @@ class DataConfig:
     messages_column: str = "messages"
     text_column: str = "text"
     # Instruction records: the prompt, then the output (tokenized apart, so the boundary is exact).
-    prompt_template: str = "### Instruction: {instruction}\n### Input: {input}\n### Response:\n"
-    prompt_template_no_input: str = "### Instruction: {instruction}\n### Response:\n"
+    # The default is compact, for the synthetic task (short rows learn fastest); conf/data/jsonl
+    # and hf use the Alpaca layout.
+    prompt_template: str = "{instruction} {input} ="
+    prompt_template_no_input: str = "{instruction} ="
     # An HF tokenizer directory or hub name; null: the project tokenizer (512 pieces, trained
     # once on the synthetic corpus and cached), which needs model.vocab_size=512.
     tokenizer: Optional[str] = None
@@ -188,6 +190,9 @@ class TrainConfig:
     compile: bool = False
     max_grad_norm: float = 1.0
     log_every: int = 1
+    # Stop after this step without changing the LR schedule (which runs to max_steps): train a
+    # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.
+    stop_after: Optional[int] = None
 
 
 @dataclass
@@ -203,10 +208,22 @@ class EvalConfig:
 
 @dataclass
 class SaveConfig:
+    """Weight checkpoints (llama_fsdp/checkpoint.py); resume is the root ``resume`` key."""
+
+    # A sharded DCP checkpoint in <output_dir>/checkpoints/step_N every N steps and at the end
+    # of training; 0: none (resume=auto then finds nothing to resume from).
     every_steps: int = 0
+    # Complete checkpoints kept; older ones (and .tmp of interrupted saves) are deleted.
     keep_last: int = 2
+    # dcp.async_save: the loop waits only for a CPU copy of the state, the write runs in a thread.
     async_save: bool = False
+    # A consolidated HF directory (<output_dir>/export: safetensors, config.json, tokenizer)
+    # at the end, loadable with from_pretrained; `python -m llama_fsdp.convert` does the same
+    # for any checkpoint.
     export_hf: bool = False
+    # Gather model + optimizer to rank 0 (CPU) and write one file there, instead of every rank
+    # writing its shards. Still a DCP checkpoint: resume and convert read it the same way.
+    full_state_dict: bool = False
 
 
 @dataclass

@@ -333,6 +333,9 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     _check_choices(obj, problems)
     _check_positive(obj, problems)
     _check_model(obj.model, obj.train, problems)
+    from .checkpoint import checkpoint_problems  # model.path vs config.json, resume, save options
+
+    problems.extend(checkpoint_problems(obj))
 
     device = _resolve_device(obj.cluster)
     nproc = _resolve_nproc(obj.cluster, device)

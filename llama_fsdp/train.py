@@ -199,6 +199,8 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
     if ctx.eval.every_steps and state.step == 0:
         _run_eval(model, ctx, 0, last)  # the baseline the eval curve falls from
     while state.step < t.max_steps:
+        if t.stop_after is not None and state.step >= t.stop_after:
+            break  # a chunk of a longer run: the schedule still ends at max_steps
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
         lr = scheduler.get_last_lr()[0]
         t0 = time.perf_counter()

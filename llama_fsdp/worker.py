@@ -112,6 +112,9 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     optimizer = build_optimizer(model, spec.train)
     scheduler = build_scheduler(optimizer, spec.train)
     tracker, console = _trackers(spec, env.rank)
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    tracker.set_tags({"rank_hosts": ",".join(hosts)})  # which node each rank ran on
     plan = _plan(spec)
     tracker.log_params({"derived.world_size": spec.world_size,
                         "derived.global_batch": spec.global_batch,
@@ -129,7 +132,8 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     ctx = LoopContext(device=device, train=spec.train, eval=spec.eval,
                       batches=data.train_batches(),
                       eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
-                      tracker=tracker, console=console, flops_per_token=flops, peak_flops=peak,
+                      tracker=tracker, console=console, flops_per_token=plan.flops_per_token,
+                      peak_flops=plan.peak_flops if spec.device == "cuda" else None,
                       on_step_end=ckpt.on_step_end)
     status, export_dir = "FAILED", None
     try:

@@ -1,0 +1,238 @@
+"""Weights in and out on real gloo ranks (fp32, CPU): HF load, exact and resharded resume, crash
+safety, retention, export and conversion.
+
+One module fixture runs four short trainings that every test reads, all starting from an HF
+directory this module writes (model.path):
+
+- ``a``: 2 ranks, 6 steps, a checkpoint every 2 steps written as one gathered file
+  (save.full_state_dict), keep 2, HF export at the end. The uninterrupted reference.
+- ``b``: the same run through the real launcher, killed (every rank ``os._exit``) in the middle
+  of writing its step-4 checkpoint.
+- ``b2``: ``output_dir=<b's run dir>`` and ``resume=auto``: continues b from step 2 with async
+  sharded saves; must reproduce a's losses 3..6 exactly.
+- ``c``: 4 ranks, hybrid 2x2, micro-batch 4 (same global batch), ``resume=<a>/step_000004``,
+  ``train.stop_after=5``: one resharded step.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, make_spec
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+STEPS = 6
+BASE = ["eval.every_steps=0", "train.warmup_steps=1", f"train.max_steps={STEPS}",
+        "save.every_steps=2", "save.keep_last=2", "cluster.nproc_per_node=2"]
+PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
+# Resharded resume: 4 ranks x micro-batch 4 see the same 16 rows per step as 2 ranks x 8, so
+# the loss is the same number computed with other summation orders (reduce-scatter over 2 and
+# all-reduce over 2 instead of one reduce-scatter over 2; GEMMs on 4-row instead of 8-row
+# batches). fp32 rounding of that is ~1e-7 relative per op; we see ~1e-6 on the loss. A real
+# resume fault (optimizer moments, LR step or data position off by one) moves it by >1e-2.
+RESHARD_RTOL = 1e-4
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _logits(model):
+    """Logits of the probe batch, as numpy (passes between processes by value)."""
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits.float().numpy().copy()
+
+
+def _close(x, y, **kw) -> None:
+    torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y), **kw)
+
+
+def _two_rank_session(rank, world, spec_a, spec_b2, step6):
+    """a (uninterrupted), then b2 (auto-resume of the crashed b), then the sharded model's
+    logits straight after an HF load and after loading a's final checkpoint."""
+    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.worker import DistEnv, build_model, train_on_rank
+
+    env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
+    out = {"a": train_on_rank(spec_a, env, cpu), "b2": train_on_rank(spec_b2, env, cpu)}
+    fresh = build_model(spec_a, cpu)
+    ck.load_hf_weights(fresh, spec_a.model.path)
+    out["hf_logits"] = _logits(fresh)
+    trained = build_model(spec_a, cpu)
+    ck.load_model_weights(trained, Path(step6))
+    out["a_logits"] = _logits(trained)
+    return out
+
+
+def _train(rank, world, spec):
+    from llama_fsdp.worker import DistEnv, train_on_rank
+
+    return train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Llama saved by transformers in several safetensors files with an index."""
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.model import llama_config
+
+    spec = make_spec()
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    LlamaForCausalLM(llama_config(spec.model)).save_pretrained(path, max_shard_size="2MB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_dir):
+    from launchers import LaunchError, launch
+    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.worker import run_worker
+
+    root = tmp_path_factory.mktemp("ckpt")
+    store = tmp_path_factory.mktemp("mlflow")  # beside, not inside, the runs' parent
+    base = [*BASE, f"model.path={hf_dir}", f"tracking.uri=sqlite:///{store}/mlflow.db"]
+
+    def spec(name, *extra):
+        return make_spec([*base, *extra], output_dir=root / name)
+
+    spec_a = spec("a", "save.full_state_dict=true", "save.export_hf=true")
+    spec_b, spec_b2 = spec("b"), spec("b", "resume=auto", "save.async_save=true")
+    os.environ[ck.FAULT_ENV] = "4"
+    try:
+        with pytest.raises(LaunchError):
+            launch(spec_b, run_worker, stream=False)
+    finally:
+        del os.environ[ck.FAULT_ENV]
+    ckpts_b = root / "b" / ck.CHECKPOINTS
+    after_crash = {p.name: sorted(f.name for f in p.iterdir() if f.is_file())
+                   for p in ckpts_b.iterdir()}
+    step6 = ck.step_dir(root / "a", 6)
+    two = run_ranks(_two_rank_session, 2, spec_a, spec_b2, str(step6))
+    a_before_c = _snapshot(root / "a")
+    spec_c = spec("c", "cluster.nproc_per_node=4", "sharding=hybrid", "sharding.shard_size=2",
+                  "train.batch_size=4", f"resume={ck.step_dir(root / 'a', 4)}",
+                  "train.stop_after=5")
+    four = run_ranks(_train, 4, spec_c)
+    return {"root": root, "hf": hf_dir, "a": two[0]["a"], "b2": two[0]["b2"], "c": four,
+            "hf_logits": two[0]["hf_logits"], "a_logits": two[0]["a_logits"],
+            "after_crash": after_crash, "a_snapshot": (a_before_c, _snapshot(root / "a")),
+            "specs": {"a": spec_a, "b": spec_b, "c": spec_c}}
+
+
+def test_sharded_load_from_hf_matches_transformers(runs):
+    from transformers import LlamaForCausalLM
+
+    ref = LlamaForCausalLM.from_pretrained(runs["hf"]).eval()
+    assert len(list(runs["hf"].glob("*.safetensors"))) > 1  # several files + index were read
+    _close(runs["hf_logits"], _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_exact_resume_after_a_crash_mid_save(runs):
+    from llama_fsdp import checkpoint as ck
+
+    root = runs["root"]
+    # the killed save left its .tmp without DCP metadata; step 2 stayed the newest checkpoint
+    crash = runs["after_crash"]
+    assert sorted(crash) == ["step_000002", "step_000004.tmp"]
+    assert crash["step_000002"] == [ck.METADATA, "__0_0.distcp", "__1_0.distcp"]
+    assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp"]  # data, no metadata
+    b2 = runs["b2"]
+    assert b2["resumed_from"] == str(ck.step_dir(root / "b", 2))
+    assert b2["steps"] == STEPS and len(b2["losses"]) == STEPS - 2
+    # same world size, fp32, same data order: the continuation is the uninterrupted run
+    assert b2["losses"] == runs["a"]["losses"][2:], (b2["losses"], runs["a"]["losses"])
+    assert b2["tokens_seen"] == runs["a"]["tokens_seen"]
+    # the async save of step 4 holds step 4's weights, not those of steps 5-6 trained while
+    # it was written (the staging copy), equal to a's gathered step-4 checkpoint
+    ours, theirs = (ck.read_model_state(ck.step_dir(root / run, 4)) for run in ("b", "a"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # async saves published 4 and 6; retention dropped 2 and the interrupted 4.tmp
+    assert [Path(p).name for p in b2["checkpoints"]] == ["step_000004", "step_000006"]
+    assert sorted(p.name for p in (root / "b" / ck.CHECKPOINTS).iterdir()) == [
+        "step_000004", "step_000006"]
+
+
+def test_mlflow_run_continues_in_the_same_dir_and_records_the_source_elsewhere(runs):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    root = runs["root"]
+    client = MlflowClient(tracking_uri=runs["specs"]["a"].tracking_uri)
+    b_id = json.loads((root / "b" / "mlflow_run.json").read_text())["run_id"]
+    assert runs["b2"]["mlflow_run_id"] == b_id  # the crashed run's MLflow run goes on
+    b_run = client.get_run(b_id)
+    assert b_run.info.status == "FINISHED" and b_run.data.tags["resume_step"] == "2"
+    assert "resumed_from" not in b_run.data.tags
+    c_run = client.get_run(runs["c"][0]["mlflow_run_id"])
+    assert c_run.info.run_id != runs["a"]["mlflow_run_id"]
+    assert c_run.data.tags["resumed_from"] == str(root / "a" / "checkpoints" / "step_000004")
+    steps = [m.step for m in client.get_metric_history(b_id, "loss")]
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))  # 1..4 from b, 3..6 from b2
+
+
+def test_resharded_resume_two_ranks_full_to_four_ranks_hybrid(runs):
+    from llama_fsdp import checkpoint as ck
+
+    c, a = runs["c"][0], runs["a"]
+    assert runs["specs"]["c"].mesh.shape == (2, 2) and runs["specs"]["c"].global_batch == 16
+    assert c["steps"] == 5 and len(c["losses"]) == 1  # stop_after=5 on a 6-step schedule
+    print(f"resharded resume: step 5 loss {c['losses'][0]!r} vs {a['losses'][4]!r} "
+          f"(relative {abs(c['losses'][0] / a['losses'][4] - 1):.1e})")
+    torch.testing.assert_close(c["losses"][0], a["losses"][4], rtol=RESHARD_RTOL, atol=0)
+    assert c["checkpoints"] == [str(ck.step_dir(runs["root"] / "c", 5))]
+    before, after = runs["a_snapshot"]
+    assert before == after  # resuming from a's checkpoint changed nothing in a's run dir
+
+
+def test_full_state_dict_checkpoints_and_retention(runs):
+    a, root = runs["a"], runs["root"]
+    assert a["steps"] == STEPS and a["resumed_from"] is None
+    names = [Path(p).name for p in a["checkpoints"]]
+    assert names == ["step_000004", "step_000006"]  # keep_last=2 of 2, 4, 6
+    for p in a["checkpoints"]:
+        data = sorted(f.name for f in Path(p).iterdir() if f.is_file())
+        assert data == [".metadata", "__0_0.distcp"]  # gathered, one file from rank 0
+    assert sorted(p.name for p in root.iterdir()) == ["a", "b", "c"]  # nothing else written
+
+
+def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    export = Path(runs["a"]["export_dir"])
+    assert export == runs["root"] / "a" / "export"
+    names = sorted(p.name for p in export.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(names)
+    exported = LlamaForCausalLM.from_pretrained(export).eval()
+    _close(_logits(exported), runs["a_logits"], rtol=1e-5, atol=1e-5)
+    # the converter, as a real CLI, on a's last (gathered) checkpoint: the same files
+    out = tmp_path / "converted"
+    step6 = runs["root"] / "a" / "checkpoints" / "step_000006"
+    subprocess.run([sys.executable, "-m", "llama_fsdp.convert", str(step6), str(out)],
+                   cwd=REPO, check=True, capture_output=True)
+    assert sorted(p.name for p in out.iterdir()) == names
+    for name in names:
+        if name.endswith(".safetensors"):
+            ours, theirs = load_file(out / name), load_file(export / name)
+            assert ours.keys() == theirs.keys()
+            assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        else:
+            assert (out / name).read_bytes() == (export / name).read_bytes(), name
+    # and on b2's sharded, async-written step 6 (same training, so the same model)
+    out_b = tmp_path / "converted_b"
+    from llama_fsdp.convert import convert
+
+    convert(runs["root"] / "b", out_b)
+    resumed = LlamaForCausalLM.from_pretrained(out_b).eval()
+    _close(_logits(resumed), runs["a_logits"], rtol=1e-5, atol=1e-5)
