@@ -50,8 +50,12 @@ class RankEntry:
 
     def checkpoint(self, spec: Any) -> Any:
         """submitit calls this on preemption / timeout: requeue the same spec (resume=auto)."""
+        import dataclasses
+
         import submitit
 
+        if dataclasses.is_dataclass(spec) and hasattr(spec, "resume"):
+            spec = dataclasses.replace(spec, resume="auto")  # the requeued job continues
         return submitit.helpers.DelayedSubmission(self, spec)
 
 

@@ -28,8 +28,8 @@ def _prepare(cfg: DictConfig) -> RunSpec:
     """Config -> validated spec -> plan (printed) -> refused here if it cannot fit."""
     from .plan import check_fits, choose_strategy, make_plan, resolve_auto
 
-    spec = build_spec(cfg, output_dir=HydraConfig.get().runtime.output_dir,
-                      launch_dir=Path.cwd(), sweep_id=_sweep_id())
+    # cfg.output_dir is Hydra's run dir unless the user points it at an earlier run to resume.
+    spec = build_spec(cfg, launch_dir=Path.cwd(), sweep_id=_sweep_id())
     if spec.strategy == "auto":
         strategy, reason = choose_strategy(spec)
         log.info("sharding=auto chose %s: %s", strategy, reason)
@@ -114,7 +114,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
         sys.exit(2)
     except LaunchError as e:
         log.error("%s", e)
-        _mark_failed(HydraConfig.get().runtime.output_dir)
+        _mark_failed(str(Path(cfg.output_dir).resolve()))
         sys.exit(1)
 
 

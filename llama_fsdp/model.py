@@ -89,7 +89,12 @@ def init_weights(model: LlamaForCausalLM, *, std: float, seed: int) -> None:
                 s = std / math.sqrt(2 * n_layers)  # GPT-2-style residual scaling
             full = torch.randn(full_shape, generator=gen) * s
         _copy_full_into(p, full)
-    for buf_name, buf in model.named_buffers():
+    init_buffers(model)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (RoPE frequencies): computed, never loaded from a checkpoint."""
+    for buf_name, _ in model.named_buffers():
         if "inv_freq" in buf_name:
             _reset_rope_buffer(model, buf_name)
 

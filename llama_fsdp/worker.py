@@ -15,7 +15,8 @@ from torch import nn
 
 from . import checkpoint as ckpt_io
 from .data import build_data
-from .model import build_meta_model, decoder_layers, init_weights
+from .model import build_meta_model, decoder_layers, init_buffers, init_weights
+from .preemption import Preempted, PreemptionWatcher
 from .parallel import build_mesh, local_numel, model_dtype, parallelize
 from .spec import RunSpec
 from .tracking import Console, MlflowTracker, NullConsole, NullTracker
@@ -73,7 +74,10 @@ def build_model(spec: RunSpec, device: torch.device) -> nn.Module:
                 ac_mode=spec.checkpointing.mode, ac_every_k=spec.checkpointing.every_k,
                 compile=spec.train.compile, cpu_offload=spec.sharding.cpu_offload)
     model.to_empty(device="cpu" if spec.sharding.cpu_offload else device)
-    init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
+    if spec.model.path:  # weights come from the checkpoint: no full tensors built for nothing
+        init_buffers(model)
+    else:
+        init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
     return model
 
 
@@ -129,12 +133,13 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
                                 app=ckpt_io.AppState(model, optimizer, scheduler, state, data),
                                 hf_config=hf_cfg, tokenizer=tokenizer, tracker=tracker)
     resumed_from = ckpt.resume(spec.resume)  # before the loader's first batch
+    preemption = PreemptionWatcher().install()
     ctx = LoopContext(device=device, train=spec.train, eval=spec.eval,
                       batches=data.train_batches(),
                       eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
                       tracker=tracker, console=console, flops_per_token=plan.flops_per_token,
                       peak_flops=plan.peak_flops if spec.device == "cuda" else None,
-                      on_step_end=ckpt.on_step_end)
+                      on_step_end=_chain(ckpt.on_step_end, preemption.step_hook(device, ckpt.save_now)))
     status, export_dir = "FAILED", None
     try:
         last = run_loop(model, optimizer, scheduler, state, ctx)
@@ -143,6 +148,9 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
             export_dir = ckpt_io.export_hf(model, Path(spec.output_dir) / ckpt_io.EXPORT,
                                            config=hf_cfg, tokenizer=tokenizer)
         status = "FINISHED"
+    except (Preempted, SystemExit):
+        status = "KILLED"  # preempted: checkpoint saved, job requeued; the next job resumes
+        raise
     finally:
         ckpt.close()
         console.close()
@@ -155,6 +163,14 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
             "export_dir": str(export_dir) if export_dir else None}
 
 
+def _chain(*hooks: Any) -> Any:
+    def hook(state: TrainState) -> None:
+        for h in hooks:
+            h(state)
+
+    return hook
+
+
 def run_worker(spec: RunSpec) -> dict[str, Any]:
     """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
     env = DistEnv.from_environ()
@@ -165,6 +181,11 @@ def run_worker(spec: RunSpec) -> dict[str, Any]:
             return train_on_rank(spec, env, device)
         finally:
             dist.destroy_process_group()
+    except Preempted as e:
+        log.warning("%s", e)
+        raise SystemExit(0) from None  # not a failure: the requeued job carries on
+    except SystemExit:
+        raise  # submitit's requeue exit on rank 0
     except BaseException:
         _report_failure(spec, env)
         raise
