@@ -106,7 +106,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llama_fsdp.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="a DCP checkpoint dir (step_N) or a run dir")
-    p.add_argument("out", type=Path, help="the HF directory to write (replaced if it exists)")
+    p.add_argument("out", type=Path, help="the HF directory to write (must not exist, "
+                   "unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output directory")
     p.add_argument("--config", type=Path, default=None,
                    help="the run's config.yaml, for checkpoints without an hf/ folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -114,6 +117,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="per safetensors file (e.g. 2GB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+        log.error("%s exists and is not empty: choose another output directory, or pass "
+                  "--overwrite to replace it", args.out)
+        return 2
     try:
         convert(args.checkpoint, args.out, config_yaml=args.config, dtype=args.dtype,
                 max_shard_bytes=_parse_size(args.max_shard_size))

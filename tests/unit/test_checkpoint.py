@@ -220,6 +220,17 @@ def test_convert_casts_and_takes_the_config_from_a_run_yaml(tmp_path):
     assert convert_main([str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 2
 
 
+def test_convert_never_replaces_an_existing_directory_unless_asked(tmp_path):
+    _dcp_checkpoint(tmp_path / "run" / ck.CHECKPOINTS / "step_000003")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "precious.txt").write_text("user data")
+    assert convert_main([str(tmp_path / "run"), str(out)]) == 2
+    assert (out / "precious.txt").read_text() == "user data"
+    assert convert_main([str(tmp_path / "run"), str(out), "--overwrite"]) == 0
+    assert (out / "config.json").exists() and not (out / "precious.txt").exists()
+
+
 # --- hub names -----------------------------------------------------------------------------------
 
 def test_hub_names_go_through_the_hub_client(tmp_path, monkeypatch):
