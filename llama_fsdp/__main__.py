@@ -52,7 +52,8 @@ def _summary(spec: RunSpec, results: list[Any]) -> None:
     lines = [
         f"steps          {r0['steps']}",
         f"final loss     {final.get('loss', float('nan')):.4f}"
-        + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else ""),
+        + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+        + (f"   exact match {final['eval_exact_match']:.2f}" if "eval_exact_match" in final else ""),
         f"tokens/s       {final.get('tokens_per_sec', 0):.0f} global, "
         f"{final.get('tokens_per_sec_per_device', 0):.0f} per device",
         f"peak memory    {final.get('peak_memory_gb', 0):.2f} GB (max over ranks)",

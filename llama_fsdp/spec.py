@@ -336,6 +336,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     from .checkpoint import checkpoint_problems  # model.path vs config.json, resume, save options
 
     problems.extend(checkpoint_problems(obj))
+    problems.extend(obj.data.problems())
 
     device = _resolve_device(obj.cluster)
     nproc = _resolve_nproc(obj.cluster, device)

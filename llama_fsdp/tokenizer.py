@@ -46,8 +46,8 @@ def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
                    corpus: Optional[Callable[[], Iterable[str]]] = None) -> PreTrainedTokenizerBase:
     """An HF tokenizer: ``name_or_path`` through AutoTokenizer, or (None) the project tokenizer.
 
-    ``corpus`` produces the project tokenizer's training text; it is only called when the
-    tokenizer is not cached yet. A tokenizer without a pad token gets its EOS as pad (labels
+    ``corpus`` produces the project tokenizer's training text: its hash names the cached
+    tokenizer, trained on it the first time. A tokenizer without a pad token gets its EOS as pad (labels
     mask padding by position, never by id, so this is safe).
     """
     if name_or_path is None:
@@ -134,10 +134,11 @@ def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
     )
-    model_file = out_dir / "tokenizer.model"
-    os.replace(f"{prefix}.model", model_file)
+    os.replace(f"{prefix}.model", out_dir / "tokenizer.model")
     os.remove(f"{prefix}.vocab")
-    tok = _as_llama_tokenizer(model_file)
+    # transformers converts the .model to a tokenizers-backed LlamaTokenizer (BPE, byte fallback)
+    tok = LlamaTokenizer.from_pretrained(str(out_dir), pad_token="<pad>", add_bos_token=True,
+                                         legacy=False)
     missing = vocab_size - len(tok)
     if missing < 0:
         raise RuntimeError(f"SentencePiece produced {len(tok)} pieces, more than {vocab_size}")
@@ -149,16 +150,6 @@ def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size
     tok.save_pretrained(str(out_dir))
     if len(AutoTokenizer.from_pretrained(str(out_dir))) != vocab_size:
         raise RuntimeError(f"saved tokenizer in {out_dir} does not have {vocab_size} tokens")
-
-
-def _as_llama_tokenizer(model_file: Path) -> PreTrainedTokenizerBase:
-    """Load the trained .model as a (tokenizers-backed) LlamaTokenizer."""
-    src = Path(tempfile.mkdtemp(prefix="spm-"))
-    try:
-        shutil.copy(model_file, src / "tokenizer.model")
-        return LlamaTokenizer.from_pretrained(str(src), pad_token="<pad>", legacy=False)
-    finally:
-        shutil.rmtree(src, ignore_errors=True)
 
 
 # --- records to ids and loss masks ------------------------------------------------------------
@@ -195,7 +186,8 @@ def encode_text(tok: PreTrainedTokenizerBase, text: str) -> Encoded:
     return ids, [0] + [1] * (len(ids) - 1), 0
 
 
-def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *, train_on_prompt: bool) -> Encoded:
+def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
+                train_on_prompt: bool) -> Encoded:
     """A conversation through the tokenizer's chat template; the loss covers assistant turns.
 
     The template renders each growing prefix of the conversation (with a generation prompt
@@ -212,13 +204,16 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *, train_on_
     for i, m in enumerate(messages):
         is_answer = m["role"] == "assistant"
         if is_answer:
-            head = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            head = (tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                    if i else "")
             done = _append_segment(tok, ids, mask, done, head, train_on_prompt)
             prompt_len = len(ids)
         full = tok.apply_chat_template(messages[:i + 1], tokenize=False)
         done = _append_segment(tok, ids, mask, done, full, is_answer or train_on_prompt)
     if mask:
         mask[0] = 0
+    if messages[-1]["role"] != "assistant":
+        prompt_len = 0  # no final answer to generate
     return ids, mask, prompt_len
 
 

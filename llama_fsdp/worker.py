@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt_io
-from .data import build_data
+from .data import build_data, prepare_data
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights
 from .preemption import Preempted, PreemptionWatcher
 from .parallel import build_mesh, local_numel, model_dtype, parallelize
@@ -109,6 +109,9 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     if spec.model.path:
         ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
     dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
+    if env.rank == 0:  # tokenize once, with progress shown, while the other ranks wait
+        prepare_data(spec.data, seq_len=spec.train.seq_len, cache_dir=Path(spec.cache_dir))
+    dist.barrier()
     data = build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
                       dp_rank=dp_rank, dp_world=dp_size, seed=spec.train.seed,
                       cache_dir=Path(spec.cache_dir),
@@ -139,7 +142,8 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
                       eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
                       tracker=tracker, console=console, flops_per_token=plan.flops_per_token,
                       peak_flops=plan.peak_flops if spec.device == "cuda" else None,
-                      on_step_end=_chain(ckpt.on_step_end, preemption.step_hook(device, ckpt.save_now)))
+                      on_step_end=_chain(ckpt.on_step_end, preemption.step_hook(device, ckpt.save_now)),
+                      on_eval=lambda step: task_metrics(model, data, spec, device))
     status, export_dir = "FAILED", None
     try:
         last = run_loop(model, optimizer, scheduler, state, ctx)
@@ -161,6 +165,17 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoints": [str(p) for _, p in ckpt_io.list_checkpoints(spec.output_dir)],
             "export_dir": str(export_dir) if export_dir else None}
+
+
+def task_metrics(model: nn.Module, data: Any, spec: RunSpec, device: torch.device) -> dict:
+    """Exact match of greedy answers on held-out prompts (synthetic data); all ranks call it."""
+    if not spec.eval.task_prompts:
+        return {}
+    # Generation grows the sequence one token at a time: run it eagerly, not recompiled per length.
+    with torch.compiler.set_stance("force_eager"):
+        scores = data.evaluate_task(model, device=device, max_prompts=spec.eval.task_prompts,
+                                    max_new_tokens=spec.eval.max_new_tokens)
+    return {f"eval_{k}": v for k, v in scores.items()}
 
 
 def _chain(*hooks: Any) -> Any:

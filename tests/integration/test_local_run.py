@@ -58,6 +58,13 @@ def test_default_run_mlflow_record(default_run):
     assert len(losses) == 60
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5  # the loss visibly falls
     assert len(client.get_metric_history(run.info.run_id, "tokens_per_sec")) == 60
+    # the held-out split: eval loss falls and the task metric (greedy exact match) rises
+    ev = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval_loss")}
+    em = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval_exact_match")}
+    assert sorted(ev) == [0, 20, 40, 60] and ev[60] < ev[20] < ev[0]
+    assert em[0] == 0.0 and em[60] > 0.2
+    assert run.data.metrics["packing_efficiency"] > 0.9
+    assert run.data.metrics["predicted_peak_memory_gb"] > 0
     assert run.data.params["train.batch_size"] == "8"
     assert run.data.params["model.name"] == "tiny"
     assert run.data.params["sharding.strategy"] == "full"

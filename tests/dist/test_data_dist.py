@@ -1,0 +1,63 @@
+"""Data on real gloo ranks (one spawn, to keep it quick): concurrent cache builds, disjoint
+shares, and the task metric on an FSDP2-sharded model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def _on_rank(rank, world, cache):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.config import DataConfig, ModelConfig
+    from llama_fsdp.data import _greedy, _task_prompts, build_data
+    from llama_fsdp.model import llama_config
+
+    # every rank builds at once into an empty cache
+    dm = build_data(DataConfig(num_records=400, eval_records=30), seq_len=64, micro_batch=2,
+                    dp_rank=rank, dp_world=world, seed=0, cache_dir=Path(cache), vocab_size=512)
+    it = dm.train_batches()
+    rows = [tuple(r.tolist()) for _ in range(dm.batches_per_epoch) for r in next(it)["input_ids"]]
+    out = {"from_cache": dm.stats["tokenized_from_cache"], "rows": rows,
+           "n_rows": dm.stats["train_rows"], "eval_batches": len(dm.eval_batches())}
+
+    # the task metric: the same answers sharded as unsharded, the same number of forward calls
+    m = ModelConfig(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=128, vocab_size=512, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(m))
+    prompts = _task_prompts(dm.eval.store, dm.tokenizer, 7)
+    cpu = torch.device("cpu")
+    reference = _greedy(model.eval(), [p[0] for p in prompts], dm.tokenizer, cpu, 4)
+    out["expected"] = sum(r == p[1] for r, p in zip(reference, prompts)) / len(prompts)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    mine = [p[0] for p in prompts[rank * 4:(rank + 1) * 4]]  # 4 and 3 prompts: one batch each
+    out["sharded_ok"] = _greedy(model, mine, dm.tokenizer, cpu, 4) == reference[rank * 4:(rank + 1) * 4]
+    # 7 prompts, micro-batch 2: rank 1 answers an uncounted stand-in to keep calls equal
+    out["metric"] = dm.evaluate_task(model, device=cpu, max_prompts=7, max_new_tokens=4)
+    return out
+
+
+def test_data_on_two_gloo_ranks(tmp_path):
+    r0, r1 = run_ranks(_on_rank, 2, str(tmp_path))
+    # one rank tokenized (and trained the tokenizer), the other waited on the lock and reused it
+    assert sorted([r0["from_cache"], r1["from_cache"]]) == [0.0, 1.0]
+    assert len([p for p in (tmp_path / "data").iterdir() if p.is_dir()]) == 1
+    assert len([p for p in (tmp_path / "tokenizers").iterdir() if p.is_dir()]) == 1
+    a, b = set(r0["rows"]), set(r1["rows"])
+    assert not a & b and len(a) + len(b) > r0["n_rows"] - 4  # disjoint, covering up to a batch
+    assert r0["eval_batches"] == r1["eval_batches"]
+    assert r0["sharded_ok"] and r1["sharded_ok"]
+    assert r0["metric"] == r1["metric"]  # all-reduced
+    assert r0["metric"]["exact_match"] == pytest.approx(r0["expected"])

@@ -1,0 +1,168 @@
+"""Masking, packing and the block-causal attention of packed rows."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from llama_fsdp.config import DataConfig, ModelConfig
+from llama_fsdp.data import IGNORE_INDEX, build_data, pack
+from llama_fsdp.model import llama_config
+
+ALPACA = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+WORDS = "cat dog sun moon tree fish bird star rain snow wind fire rock leaf ship king".split()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "data-cache"
+
+
+def _records(n: int, seed: int = 0) -> list[dict]:
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        rec = {"instruction": " ".join(r.choices(WORDS, k=r.randint(1, 6))),
+               "input": " ".join(r.choices(WORDS, k=r.randint(0, 8))),
+               "output": " ".join(r.choices(WORDS, k=r.randint(1, 10)))}
+        out.append(rec)
+    return out
+
+
+def _write(path: Path, recs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _module(tmp_path, cache, *, packing=True, train_on_prompt=False, seq_len=128, n=120, world=1,
+            rank=0, micro_batch=1):
+    f = _write(tmp_path / "d.jsonl", _records(n))
+    cfg = DataConfig(name="jsonl", path=str(f), packing=packing, train_on_prompt=train_on_prompt,
+                     eval_records=10, prompt_template=ALPACA, prompt_template_no_input=ALPACA_NO_INPUT)
+    return build_data(cfg, seq_len=seq_len, micro_batch=micro_batch, dp_rank=rank, dp_world=world,
+                      seed=0, cache_dir=cache, vocab_size=512)
+
+
+def _epoch_rows(dm):
+    """All rows of one epoch (single rank), as (input_ids, labels, position_ids) numpy arrays."""
+    it = dm.train_batches()
+    batches = [next(it) for _ in range(dm.batches_per_epoch)]
+    return [np.concatenate([b[k].numpy() for b in batches])
+            for k in ("input_ids", "labels", "position_ids")]
+
+
+def _documents(ids, labels, pos):
+    """Split packed rows back into documents (position 0 starts one), dropping padding."""
+    docs = []
+    for r in range(ids.shape[0]):
+        starts = list(np.flatnonzero(pos[r] == 0)) + [ids.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            # a record ends at its EOS; what follows (padding) continues its positions
+            eos = a + int(np.flatnonzero(ids[r, a:b] == 2)[-1]) + 1
+            docs.append((tuple(ids[r, a:eos]), tuple(labels[r, a:eos]), (r, a, eos)))
+    return docs
+
+
+def test_pack_keeps_every_record_once_and_fits():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, size=500)
+    rows = pack(lengths, 128)
+    flat = sorted(d for r in rows for d in r)
+    assert flat == list(range(500))
+    assert all(sum(lengths[d] for d in r) <= 128 for r in rows)
+    # close to the lower bound on the number of rows
+    assert len(rows) <= int(np.ceil(lengths.sum() / 128)) * 1.05 + 1
+    with pytest.raises(ValueError, match="does not fit"):
+        pack(np.array([10, 200]), 128)
+
+
+def test_no_token_lost_or_duplicated(tmp_path, cache):
+    dm = _module(tmp_path, cache)
+    assert dm.stats["records_truncated"] == 0
+    ids, labels, pos = _epoch_rows(dm)
+    assert dm.batches_per_epoch == dm.stats["train_rows"]  # 1 rank, micro-batch 1: every row
+    docs = _documents(ids, labels, pos)
+    store = dm.train.store
+    expected = sorted(tuple(store.record(i)[0].tolist()) for i in range(len(store)))
+    assert sorted(d[0] for d in docs) == expected
+    assert sum(len(d[0]) for d in docs) == dm.stats["train_tokens"]
+
+
+def test_labels_are_shifted_and_masked_on_prompt_and_pad(tmp_path, cache):
+    dm = _module(tmp_path, cache)
+    tok = dm.tokenizer
+    ids, labels, pos = _epoch_rows(dm)
+    n_docs = 0
+    for doc_ids, doc_labels, (r, a, b) in _documents(ids, labels, pos):
+        n_docs += 1
+        text = tok.decode(list(doc_ids))
+        plen = next(i for i in range(len(doc_ids))
+                    if tok.decode(list(doc_ids[:i + 1])).endswith("Response:\n"))
+        assert pos[r, a:b].tolist() == list(range(b - a))  # positions restart per record
+        # prompt targets are ignored; response targets are the next tokens, EOS included
+        assert all(l == IGNORE_INDEX for l in doc_labels[:plen])
+        assert list(doc_labels[plen:-1]) == list(doc_ids[plen + 1:])
+        assert doc_labels[-1] == IGNORE_INDEX  # nothing after a record's EOS is predicted
+        assert "### Response:\n" in text
+    assert n_docs == dm.stats["train_records"]
+    # padding: no labels
+    pad_cols = np.ones_like(ids, dtype=bool)
+    for _, _, (r, a, b) in _documents(ids, labels, pos):
+        pad_cols[r, a:b] = False
+    assert (labels[pad_cols] == IGNORE_INDEX).all() and (ids[pad_cols] == tok.pad_token_id).all()
+    assert dm.stats["train_target_tokens"] == (labels != IGNORE_INDEX).sum()
+
+
+def test_train_on_prompt_labels_everything_but_the_first_token(tmp_path, cache):
+    dm = _module(tmp_path, cache, train_on_prompt=True)
+    ids, labels, pos = _epoch_rows(dm)
+    for doc_ids, doc_labels, _ in _documents(ids, labels, pos):
+        assert list(doc_labels[:-1]) == list(doc_ids[1:])
+
+
+def test_padding_mode_one_record_per_row(tmp_path, cache):
+    packed = _module(tmp_path, cache)
+    padded = _module(tmp_path, cache, packing=False)
+    ids, labels, pos = _epoch_rows(padded)
+    assert (pos == np.arange(ids.shape[1])).all()  # plain causal rows
+    assert all(len(np.flatnonzero(r == 2)) == 1 for r in ids)
+    assert padded.stats["train_rows"] == padded.stats["train_records"]
+    assert padded.stats["packing_efficiency"] < packed.stats["packing_efficiency"]
+    assert packed.stats["packing_efficiency"] > 0.9
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
+    """transformers builds a block-causal mask from restarting position_ids: no attention across
+    records, so each record's logits are what it gets alone."""
+    dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
+    m = ModelConfig(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                    attn_implementation=attn)
+    torch.manual_seed(0)
+    config = llama_config(m)
+    # a KV cache would switch off transformers' packed-sequence detection
+    assert config.use_cache is False
+    model = LlamaForCausalLM(config).eval()
+    batch = next(dm.train_batches())
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        packed = model(**batch).logits
+        plain = model(input_ids=batch["input_ids"]).logits  # no positions: attends across records
+        checked = 0
+        for r in range(batch["input_ids"].shape[0]):
+            pos = batch["position_ids"][r].numpy()
+            starts = list(np.flatnonzero(pos == 0)) + [len(pos)]
+            assert len(starts) > 2  # the row holds several records
+            for a, b in zip(starts, starts[1:]):
+                alone = model(input_ids=batch["input_ids"][r:r + 1, a:b]).logits[0]
+                torch.testing.assert_close(packed[r, a:b], alone, atol=2e-5, rtol=1e-4)
+                checked += 1
+        assert checked > 8
+        assert not torch.allclose(packed, plain, atol=1e-3)

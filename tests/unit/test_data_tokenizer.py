@@ -1,0 +1,147 @@
+"""The project tokenizer (SentencePiece → HF directory) and the record encoders."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from llama_fsdp.data import build_tokenizer, synthetic_corpus
+from llama_fsdp.config import DataConfig
+from llama_fsdp.tokenizer import (
+    PROJECT_VOCAB_SIZE,
+    encode_chat,
+    encode_prompt_response,
+    encode_text,
+    load_tokenizer,
+    project_tokenizer_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "data-cache"
+
+
+@pytest.fixture(scope="module")
+def tok(cache):
+    return build_tokenizer(DataConfig(), cache)
+
+
+def test_project_tokenizer_is_a_512_token_hf_directory(tok, cache):
+    assert len(tok) == PROJECT_VOCAB_SIZE == 512
+    path = project_tokenizer_dir(cache, synthetic_corpus)
+    again = AutoTokenizer.from_pretrained(str(path))  # an ordinary HF tokenizer directory
+    assert len(again) == 512 and type(again).__name__ == "LlamaTokenizer"
+    specials = (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token)
+    assert specials == ("<s>", "</s>", "<pad>", "<unk>")
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2, 3)
+    assert tok("cat")["input_ids"][0] == tok.bos_token_id  # Llama convention for plain calls
+
+
+def test_project_tokenizer_trained_once_and_reused(cache, tok):
+    path = project_tokenizer_dir(cache, synthetic_corpus)
+    stamp = (path / "tokenizer.json").stat().st_mtime_ns
+    assert project_tokenizer_dir(cache, synthetic_corpus) == path
+    assert (path / "tokenizer.json").stat().st_mtime_ns == stamp
+    # a different corpus is a different tokenizer directory
+    other = project_tokenizer_dir(cache, lambda: synthetic_corpus()[:500])
+    assert other != path and len(AutoTokenizer.from_pretrained(str(other))) == 512
+
+
+@pytest.mark.parametrize("text", [
+    "### Instruction: Reverse the words.\n### Input: cat dog\n### Response:\nPlain ASCII 0123 {x}!",
+    "unicode é ✓ 漢字 and emoji 🙂 fall back to bytes",
+    "repeated   spaces\n\n\ttabs and trailing space ",  # (a leading space is dropped, as in Llama 2)
+])
+def test_round_trip(tok, text):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+
+
+def test_synthetic_words_are_single_tokens(tok):
+    ids = tok(" cat dog wolf", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 3
+
+
+def test_chat_template(tok):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "cat"}]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == "<s><|system|>\nbe brief</s><|user|>\nhi</s><|assistant|>\ncat</s>"
+    gen = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
+    assert gen.endswith("<|assistant|>\n") and text.startswith(gen)
+    ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    assert tok.convert_ids_to_tokens(ids[:2]) == ["<s>", "<|system|>"]  # one BOS
+
+
+def test_any_hf_tokenizer_directory_loads(tok, tmp_path, cache):
+    tok.save_pretrained(tmp_path / "tk")
+    loaded = load_tokenizer(str(tmp_path / "tk"), cache_dir=cache)
+    assert len(loaded) == 512 and loaded.pad_token_id == 3
+    with pytest.raises(ValueError, match="data.tokenizer="):
+        load_tokenizer(str(tmp_path / "missing"), cache_dir=cache)
+
+
+def test_prompt_response_mask(tok):
+    ids, mask, plen = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=False)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert mask == [0] * plen + [1] * (len(ids) - plen)
+    assert tok.decode(ids[plen:], skip_special_tokens=True).strip() == "cat dog"
+    ids2, mask2, _ = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=True)
+    assert ids2 == ids and mask2 == [0] + [1] * (len(ids) - 1)
+
+
+def test_text_mask(tok):
+    ids, mask, plen = encode_text(tok, "hello there")
+    assert plen == 0 and ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert mask == [0] + [1] * (len(ids) - 1)
+
+
+def test_multi_turn_chat_masks_every_non_assistant_turn(tok):
+    msgs = [{"role": "system", "content": "sys text"}, {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "cat"}, {"role": "user", "content": "second question"},
+            {"role": "assistant", "content": "dog wolf"}]
+    ids, mask, plen = encode_chat(tok, msgs, train_on_prompt=False)
+    # the targets are exactly the two assistant contents and their end-of-turn tokens
+    spans = _runs(mask)
+    assert len(spans) == 2
+    answers = [tok.decode(ids[a:b], skip_special_tokens=True).strip() for a, b in spans]
+    assert answers == ["cat", "dog wolf"]
+    assert all(ids[b - 1] == tok.eos_token_id for a, b in spans)
+    # the prompt for the final answer ends with the generation prompt
+    assert tok.decode(ids[:plen]).endswith("<|assistant|>\n") and plen == spans[-1][0]
+    # segments are tokenized apart (each may gain a leading "▁"); the text is otherwise the template's
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(ids).replace(" ", "") == full.replace(" ", "")
+    _, mask_all, _ = encode_chat(tok, msgs, train_on_prompt=True)
+    assert mask_all == [0] + [1] * (len(ids) - 1)
+
+
+def test_chat_needs_a_template(tok, tmp_path):
+    tok.save_pretrained(tmp_path / "tk")
+    bare = AutoTokenizer.from_pretrained(str(tmp_path / "tk"))
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_chat(bare, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                    train_on_prompt=False)
+
+
+def _runs(mask):
+    out, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_small_corpus_is_filled_with_reserved_tokens(tmp_path):
+    path = project_tokenizer_dir(tmp_path, lambda: ["cat dog"], vocab_size=1024)
+    tk = AutoTokenizer.from_pretrained(str(path))
+    assert len(tk) == 1024
+    assert tk.convert_ids_to_tokens(1023).startswith("<|reserved_special_token_")
+    assert tk.decode(tk("cat dog é", add_special_tokens=False)["input_ids"]) == "cat dog é"
