@@ -20,7 +20,8 @@ def _options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes_into_a_spec(group, option):
-    extra = {"cluster": ["cluster.nproc_per_node=2"], "sharding": ["cluster.nproc_per_node=2"]}
+    extra = {"cluster": ["cluster.nproc_per_node=2"], "sharding": ["cluster.nproc_per_node=2"],
+             "data": [] if option == "synthetic" else ["data.path=/data/train.jsonl"]}
     overrides = [f"{group}={option}", *extra.get(group, [])]
     if group == "model" and option != "tiny":
         overrides.append("cluster.device=cpu")
@@ -30,6 +31,12 @@ def test_every_group_option_composes_into_a_spec(group, option):
         assert spec.model.name == option
     if group == "sharding" and option != "auto":
         assert spec.strategy == option
+
+
+def test_real_data_sources_need_a_path():
+    with pytest.raises(ConfigError) as e:
+        make_spec(["data=jsonl"])
+    assert "data.name=jsonl needs data.path" in str(e.value)
 
 
 def test_default_is_tiny_on_two_cpu_ranks_with_sqlite_mlflow():
