@@ -7,7 +7,7 @@ import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,9 @@ from torch import nn
 from . import checkpoint as ckpt_io
 from .data import build_data, prepare_data
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights
-from .preemption import Preempted, PreemptionWatcher
 from .parallel import build_mesh, local_numel, model_dtype, parallelize
+from .plan import make_plan
+from .preemption import Preempted, PreemptionWatcher
 from .spec import RunSpec
 from .tracking import Console, MlflowTracker, NullConsole, NullTracker
 from .train import LoopContext, TrainState, build_optimizer, build_scheduler, run_loop
@@ -97,10 +98,28 @@ def _trackers(spec: RunSpec, rank: int) -> tuple[Any, Any]:
     return tracker, Console(total=spec.train.max_steps)
 
 
-def _plan(spec: RunSpec) -> Any:
-    from .plan import make_plan
+def load_data(spec: RunSpec, env: DistEnv) -> Any:
+    """Rank 0 tokenizes (or finds the cache) with progress shown; then every rank loads."""
+    if env.rank == 0:
+        prepare_data(spec.data, seq_len=spec.train.seq_len, cache_dir=Path(spec.cache_dir))
+    dist.barrier()
+    return build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
+                      dp_rank=dist.get_rank(), dp_world=dist.get_world_size(),
+                      seed=spec.train.seed, cache_dir=Path(spec.cache_dir),
+                      vocab_size=spec.model.vocab_size)
 
-    return make_plan(spec)
+
+def record_start(tracker: Any, spec: RunSpec, model: nn.Module, data: Any, plan: Any) -> None:
+    """Derived values, rank placement, data statistics and the plan's prediction."""
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    tracker.set_tags({"rank_hosts": ",".join(hosts)})  # which node each rank ran on
+    tracker.log_params({"derived.world_size": spec.world_size,
+                        "derived.global_batch": spec.global_batch,
+                        "derived.tokens_per_step": spec.tokens_per_step,
+                        "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                        "derived.local_params_rank0": local_numel(model)})
+    tracker.log_metrics({**data.stats, **plan.metrics()}, step=0)
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str, Any]:
@@ -108,27 +127,12 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
     model = build_model(spec, device)
     if spec.model.path:
         ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
-    dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
-    if env.rank == 0:  # tokenize once, with progress shown, while the other ranks wait
-        prepare_data(spec.data, seq_len=spec.train.seq_len, cache_dir=Path(spec.cache_dir))
-    dist.barrier()
-    data = build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
-                      dp_rank=dp_rank, dp_world=dp_size, seed=spec.train.seed,
-                      cache_dir=Path(spec.cache_dir),
-                      vocab_size=spec.model.vocab_size)
+    data = load_data(spec, env)
     optimizer = build_optimizer(model, spec.train)
     scheduler = build_scheduler(optimizer, spec.train)
     tracker, console = _trackers(spec, env.rank)
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    tracker.set_tags({"rank_hosts": ",".join(hosts)})  # which node each rank ran on
-    plan = _plan(spec)
-    tracker.log_params({"derived.world_size": spec.world_size,
-                        "derived.global_batch": spec.global_batch,
-                        "derived.tokens_per_step": spec.tokens_per_step,
-                        "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                        "derived.local_params_rank0": local_numel(model)})
-    tracker.log_metrics({**data.stats, **plan.metrics()}, step=0)
+    plan = make_plan(spec)
+    record_start(tracker, spec, model, data, plan)
     state = TrainState()
     tokenizer = getattr(data, "tokenizer", None)
     hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
@@ -142,7 +146,8 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str
                       eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
                       tracker=tracker, console=console, flops_per_token=plan.flops_per_token,
                       peak_flops=plan.peak_flops if spec.device == "cuda" else None,
-                      on_step_end=_chain(ckpt.on_step_end, preemption.step_hook(device, ckpt.save_now)),
+                      on_step_end=_chain(ckpt.on_step_end,
+                                         preemption.step_hook(device, ckpt.save_now)),
                       on_eval=lambda step: task_metrics(model, data, spec, device))
     status, export_dir = "FAILED", None
     try:

@@ -27,7 +27,7 @@ def cache(tmp_path_factory) -> Path:
 def _records(n: int, seed: int = 0) -> list[dict]:
     r = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         rec = {"instruction": " ".join(r.choices(WORDS, k=r.randint(1, 6))),
                "input": " ".join(r.choices(WORDS, k=r.randint(0, 8))),
                "output": " ".join(r.choices(WORDS, k=r.randint(1, 10)))}
@@ -151,7 +151,7 @@ def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
     assert config.use_cache is False
     model = LlamaForCausalLM(config).eval()
     batch = next(dm.train_batches())
-    labels = batch.pop("labels")
+    batch.pop("labels")
     with torch.no_grad():
         packed = model(**batch).logits
         plain = model(input_ids=batch["input_ids"]).logits  # no positions: attends across records
