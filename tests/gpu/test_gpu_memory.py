@@ -1,0 +1,127 @@
+"""GPU: torch.cuda.max_memory_allocated of real training steps against the plan, 1b shape.
+
+One CUDA rank (NCCL process group of 1, in this process), Llama 3.2 1B's layer, head and
+vocabulary shape with 4 of its 16 layers, seq_len 2048; full and grad_op sharding x AC none /
+full x bf16 / mixed x micro-batch 1 and 4. The peak of the second step (the first with AdamW
+state) is read with torch.cuda.max_memory_allocated, less the allocations still live before the
+model was built; what stays allocated after the model and optimizer are deleted (cuBLAS
+workspaces) is the process overhead and is subtracted too, as in
+tests/multirank/test_plan_memory.py.
+
+Asserted: plan.predicted_peak_bytes is an upper bound (it sums per-component maxima that are
+never live together) and the per-phase model (benchmarks/plan_vs_measured.py: phase_peaks with
+NCCL, i.e. no gloo reduce-scatter copy) is within 10% of the measured peak.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GB = 10**9
+LAYERS, SEQ_LEN = 4, 2048
+MODEL_TOLERANCE = 0.10
+MAX_OVERHEAD = 2 * GB
+CASES = [(s, p, ac, b) for s in ("full", "grad_op") for p in ("bf16", "mixed")
+         for ac in ("none", "full") for b in (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A 1-rank NCCL process group on cuda:0, as the worker makes one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spec(strategy: str, precision: str, ac: str, batch: int):
+    from tests.conftest import make_spec
+
+    return make_spec(["tracking.enabled=false", "model=1b", f"model.num_layers={LAYERS}",
+                      "cluster.device=cuda", "cluster.nproc_per_node=1", f"sharding={strategy}",
+                      f"precision={precision}", f"checkpointing={ac}",
+                      f"train.batch_size={batch}", f"train.seq_len={SEQ_LEN}"],
+                     output_dir="/tmp/llama_fsdp_test/gpu_memory")
+
+
+def _measure(spec) -> tuple[int, int]:
+    """(peak bytes of step 2 above the pre-build allocation, bytes left after teardown)."""
+    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.worker import build_model
+
+    device = torch.device("cuda", 0)
+    t = spec.train
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    for _ in range(2):
+        ids = torch.randint(0, spec.model.vocab_size, (t.batch_size, t.seq_len), generator=gen)
+        steps.append([{"input_ids": ids, "labels": ids.clone()}])
+    gc.collect()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    model = build_model(spec, device)
+    optimizer = build_optimizer(model, t)
+    scheduler = build_scheduler(optimizer, t)
+    train_step(model, optimizer, scheduler, steps[0], device=device,
+               max_grad_norm=t.max_grad_norm)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    train_step(model, optimizer, scheduler, steps[1], device=device,
+               max_grad_norm=t.max_grad_norm)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del model, optimizer, scheduler
+    gc.collect()
+    torch.cuda.synchronize(device)
+    left = torch.cuda.memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak, left
+
+
+@pytest.mark.parametrize("strategy,precision,ac,batch", CASES)
+def test_cuda_peak_is_within_tolerance_of_the_plan(one_rank_group, strategy, precision, ac,
+                                                   batch):
+    from benchmarks.plan_vs_measured import phase_peak_bytes
+    from llama_fsdp.plan import make_plan
+
+    spec = _spec(strategy, precision, ac, batch)
+    plan = make_plan(spec)
+    peak, overhead = _measure(spec)
+    measured = peak - overhead
+    predicted, model = plan.predicted_peak_bytes, phase_peak_bytes(spec, gloo=False)
+    text = (f"{strategy} {precision} AC {ac} b={batch}: measured {measured / GB:.3f} GB "
+            f"(overhead {overhead / GB:.3f}), predicted {predicted / GB:.3f} GB "
+            f"({measured / predicted:.3f}), phase model {model / GB:.3f} GB "
+            f"({measured / model:.3f})")
+    print(text)
+    assert 0 <= overhead <= MAX_OVERHEAD, text
+    assert measured <= predicted, "the plan under-predicts: " + text
+    assert abs(measured / model - 1) <= MODEL_TOLERANCE, text
