@@ -16,8 +16,11 @@ profiled thread only. Gloo's worker threads free the buffers its collectives hol
 ``_reduce_scatter_base_`` makes of its input, all-gather outputs, ``distribute_tensor``'s
 scatter outputs), so the profiler's running sum drifts by tens of MB within a step.
 
-``phase_peaks`` is the per-phase model proposed for plan.py: ``max`` over the phases matches the
-measured peak to within 10% (never below it) where the summed plan is 10-37% above it.
+``phase_peaks`` (llama_fsdp.plan) is the per-phase model the plan now predicts with:
+``Plan.predicted_peak_bytes`` is its maximum over the phases, which matches the measured peak to
+within 10% (never below it) where the old summed plan (``Plan.memory.total``) is 10-37% above it.
+The batches measured here are input_ids only (no packed documents), so the cases set
+data.packing=false, as the plan's packed-sequence mask term would otherwise count.
 
     .venv/bin/python benchmarks/plan_vs_measured.py --out benchmarks/plan_vs_measured_cpu.md
     .venv/bin/python benchmarks/plan_vs_measured.py --quick
@@ -48,7 +51,8 @@ MIN_BLOCK = 64 * 1024
 # the logits and loss weigh as in real Llamas (vocab/h: 128256/4096 = 31 for 8B; 8192/256 = 32).
 SHAPE = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8",
          "model.num_kv_heads=4", "model.intermediate_size=768", "model.vocab_size=8192"]
-PHASES = ("forward", "loss", "layers", "root", "optimizer")
+# the per-phase model is the plan's prediction now (Plan.predicted_peak_bytes is its maximum)
+from llama_fsdp.plan import PHASES, phase_peak_bytes, phase_peaks  # noqa: F401
 
 # --- the malloc shim ----------------------------------------------------------------------------
 
@@ -164,6 +168,7 @@ def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
     o = ["tracking.enabled=false", "cluster.device=cpu", f"cluster.nproc_per_node={world}",
          f"sharding={strategy}", f"precision={precision}", f"checkpointing={ac}",
          f"train.batch_size={batch}", f"train.grad_accum={grad_accum}", "train.seq_len=256",
+         "data.packing=false",  # _batches makes unpacked input_ids: no 4-D document mask
          *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}"]
     if strategy in ("hybrid", "hybrid_grad_op") and world == 4:
         o.append("sharding.shard_size=2")
@@ -284,86 +289,6 @@ def peak_of(result: dict) -> int:
     return max(v for s in result["steps"] for k, v in s.items() if k in PHASES) - result["end"]
 
 
-# --- the per-phase model ------------------------------------------------------------------------
-
-
-def phase_peaks(spec, *, gloo: bool) -> dict[str, int]:
-    """Bytes per rank at the peak of each phase of a training step (from the second step on,
-    with optimizer state; grads are None between steps: zero_grad(set_to_none=True), so they
-    are live before the backward only with gradient accumulation).
-
-    Built from plan.py's terms; ``gloo`` adds the copy of its input that gloo's reduce-scatter
-    makes (NCCL reduces in place). Per phase, what is live besides params + optimizer state:
-
-    forward   (at the head) saved activations, unsharded params kept (all of them without
-              resharding, else the last layer, which parallel.py never reshards), the root's
-              unsharded params (resharded only after forward), 2 layers being all-gathered
-              (output buffer + copy-out), the logits in compute dtype;
-    loss      the plan's logits + loss buffers, or, when the root's pre-backward all-gather
-              fires on the logits' grad, that all-gather (2 x root) beside the fp32 grad of the
-              logits and its compute-dtype cast;
-    layers    the head's grad, then either the lm_head backward (saved activations, grad of
-              logits and of hidden; the root's all-gather output may still be held beside its
-              unsharded params until the next all-gather) or a layer's backward (all
-              activations, a checkpointed layer recomputed; the root still unsharded, sharded
-              layer grads so far, 2 layers in flight, one layer's unsharded grads, its
-              reduce-scatter input, gloo's copy of it);
-    root      all sharded grads and the root's unsharded grads, with either its unsharded
-              params during the embedding's backward (a tied embedding's grad is made beside
-              the head's and added to it out of place: 2 more) or, once resharded, its
-              reduce-scatter input (the largest group: embedding + head), gloo's copy of it
-              and, with accumulation, the new grad shard added to the old;
-    optimizer params, grads, both moments and foreach AdamW's denominator (one param-size
-              temporary).
-    """
-    from llama_fsdp import plan as P
-
-    m, pol, t, ac, mesh = spec.model, spec.policy, spec.train, spec.checkpointing, spec.mesh
-    c, r = P.DTYPE_BYTES[pol.compute_dtype], P.DTYPE_BYTES[pol.reduce_dtype]
-    params, grads, optim = P.model_state_bytes(spec)
-    if spec.sharding.cpu_offload:
-        params = grads = optim = 0
-    layer, root = P._numel(P.layer_shapes(m)), P._numel(P.root_shapes(m))
-    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
-    resharded = mesh.reshard_after_forward
-    kept = layer * c if resharded else P.count_params(m) * c
-    acts = P.activation_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c,
-                              mode=ac.mode, every_k=ac.every_k)
-    wrapped = P.checkpointed_layers(m.num_layers, ac.mode, ac.every_k)
-    saved = acts - (tokens * P.layer_activation_bytes(m, c) if wrapped else 0)
-    root_unsharded = root * c if resharded else 0
-    in_flight = 2 * layer * c if resharded else 0
-    rs_copies = 2 if gloo else 1
-    layer_grads = (P.sharded_numel(P.layer_shapes(m) * m.num_layers, mesh.shard)
-                   * P.DTYPE_BYTES[pol.param_dtype])
-    grad_logits_fp32 = (4 + (c if c < 4 else 0)) * tokens * vocab
-    # tied embedding: the embedding's grad is made beside the head's and added out of place
-    tied_grad = 2 * vocab * hidden * c if m.tie_word_embeddings else 0
-    # gradient accumulation: the sharded grads of earlier micro-batches stay through the step
-    accumulated = grads if t.grad_accum > 1 else 0
-    # ... and each reduce-scatter's output is added to them
-    new_root_shard = P.sharded_numel(P.root_shapes(m), mesh.shard) * r if accumulated else 0
-    state = params + optim
-    return {
-        "forward": state + accumulated + saved + kept + root_unsharded + in_flight
-        + c * tokens * vocab,
-        "loss": state + accumulated + saved + kept + max(
-            P.logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c),
-            2 * root_unsharded + grad_logits_fp32),
-        "layers": state + kept + vocab * hidden * c + max(
-            saved + accumulated + 2 * root_unsharded + c * tokens * (vocab + hidden),
-            acts + root_unsharded + (accumulated or layer_grads) + in_flight + layer * c
-            + rs_copies * layer * r),
-        "root": state + grads + max(2 * root * c + tied_grad,
-                                    root * c + rs_copies * root * r + new_root_shard),
-        "optimizer": state + grads + params,
-    }
-
-
-def phase_peak_bytes(spec, *, gloo: bool) -> int:
-    return max(phase_peaks(spec, gloo=gloo).values())
-
-
 # --- driver -----------------------------------------------------------------------------------
 
 FULL_CASES = (
@@ -454,7 +379,7 @@ def _gb(b: float) -> str:
 
 
 def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
-    ratio = [r["measured"] / r["plan"].predicted_peak_bytes for r in rows]
+    ratio = [r["measured"] / r["plan"].memory.total for r in rows]
     model = [r["measured"] / max(r["model"].values()) for r in rows]
     lines = [
         "# Planned vs measured peak memory per rank, CPU gloo ranks",
@@ -463,31 +388,34 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "config; the method is in the script's docstring). Model: h=256, 4 layers, 8/4 heads, "
         "i=768, vocab 8192, seq_len 256. GB = 1e9 bytes.",
         "",
-        "- *predicted*: `make_plan(spec).predicted_peak_bytes` (plan.py as is).",
+        "- *sum*: `make_plan(spec).memory.total`, the sum of the plan's components (what "
+        "`predicted_peak_bytes` was before the plan adopted the phase model).",
         "- *measured*: the highest heap high-water mark of any rank in any phase of the 2 steps, "
         "above the heap just before the model was built, less the process overhead "
         "(*ovh*: what the runtime still holds after the model, optimizer and batches are "
         "deleted: MKL / oneDNN / gloo buffers, 0-10 MB).",
-        "- *phase model*: `max(phase_peaks(spec, gloo=True).values())`, the per-phase formula "
-        "proposed for plan.py (docstring of `phase_peaks`).",
+        "- *predicted*: `make_plan(spec).predicted_peak_bytes`, i.e. "
+        "`max(phase_peaks(spec, gloo=True).values())`, the plan's per-phase model "
+        "(docstring of `llama_fsdp.plan.phase_peaks`). The cases set data.packing=false: "
+        "the batches are unpacked input_ids.",
         "- *peak phase*: where the measured peak is / where the phase model puts it.",
         "",
-        "| config | predicted GB | measured GB | measured / predicted | phase model GB "
-        "| measured / model | peak phase | ovh MB |",
+        "| config | sum GB | measured GB | measured / sum | predicted GB "
+        "| measured / predicted | peak phase | ovh MB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mod = r["model"]
         lines.append(
-            f"| {r['name']} | {_gb(r['plan'].predicted_peak_bytes)} | {_gb(r['measured'])} | "
-            f"{r['measured'] / r['plan'].predicted_peak_bytes:.3f} | {_gb(max(mod.values()))} | "
+            f"| {r['name']} | {_gb(r['plan'].memory.total)} | {_gb(r['measured'])} | "
+            f"{r['measured'] / r['plan'].memory.total:.3f} | {_gb(max(mod.values()))} | "
             f"{r['measured'] / max(mod.values()):.3f} | {max(r['phases'], key=r['phases'].get)} / "
             f"{max(mod, key=mod.get)} | {r['overhead'] / 1e6:.1f} |")
     lines += [
         "",
-        f"{len(rows)} configs. measured / predicted: {min(ratio):.3f} to {max(ratio):.3f} "
-        f"(the plan is an upper bound, {1 / min(ratio) - 1:.0%} above the real peak at worst). "
-        f"measured / phase model: {min(model):.3f} to {max(model):.3f}.",
+        f"{len(rows)} configs. measured / sum: {min(ratio):.3f} to {max(ratio):.3f} "
+        f"(the sum is {1 / min(ratio) - 1:.0%} above the real peak at worst). "
+        f"measured / predicted (phase model): {min(model):.3f} to {max(model):.3f}.",
         "",
         "## What the numbers say",
         "",
@@ -502,30 +430,32 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "layer, which parallel.py never reshards, is unsharded; the root is all-gathered again "
         "when the logits' grad arrives); and the layer that activation checkpointing recomputes "
         "(inside the layers' backward, once the loss buffers are gone). Hence the real "
-        f"peak is {min(ratio):.0%} to {max(ratio):.0%} of the prediction, the least with AC "
-        "on.",
-        "- Other phases need terms the plan lacks; they win when the loss buffers are small "
+        f"peak is {min(ratio):.0%} to {max(ratio):.0%} of the sum, the least with AC on.",
+        "- Other phases need terms the sum lacks; they win when the loss buffers are small "
         "(micro-batch 1): the root's reduce-scatter input is root-sized (embedding + head), not "
         "`layer * reduce_bytes`; gloo's `_reduce_scatter_base_` clones its input (CPU only); "
         "foreach AdamW makes one param-sized temporary; a tied embedding's grad is made beside "
         "the head's and summed out of place; with `grad_accum > 1` the sharded grads are live "
         "in forward.",
-        "- `phase_peaks` in the script puts those together, phase by phase; its maximum is the "
-        "proposed `predicted_peak_bytes` (`gloo=True` for CPU runs). Adopting it in plan.py "
-        "changes what fits: `sharding=auto` picks hybrid_grad_op instead of hybrid for 8B on 2 "
-        "nodes at micro-batch 2 x 8192 on 70 GB, so 2 cases of tests/unit/test_plan.py and "
-        "benchmarks/plan_seed_table.md need new expectations.",
+        "- `llama_fsdp.plan.phase_peaks` puts those together, phase by phase, and the library "
+        "now uses it: `Plan.predicted_peak_bytes` is its maximum (`gloo=True` for CPU runs), "
+        "so fits / headroom / `check_fits` / `sharding=auto` use it, and `Plan.table()` shows "
+        "the peak by phase beside the component sizes (`Memory`, whose `total` is the sum "
+        "above).",
         "- The batches here are input_ids only. Packed batches (position_ids restarting per "
         "document) make transformers build a 4-D mask, and SDPA then gets k/v repeated to all "
         "heads and keeps a compute-dtype copy of the b x s x s mask per layer: "
         "+ layers x b x s x (2c(h - g) + c s) bytes, measured +8.7 MB (fp32, b=4, s=256), "
-        "+12.7 MB (fp32, b=2, s=512) and +6.4 MB (bf16, b=2, s=512) with AC none. Neither the "
-        "plan nor `phase_peaks` counts it yet; at s=8192 it is GBs per layer stack.",
+        "+12.7 MB (fp32, b=2, s=512) and +6.4 MB (bf16, b=2, s=512) with AC none. The plan "
+        "counts it (`packed_mask_bytes`, in the activations of every saved layer and of the "
+        "recomputed one) when data.packing is true, the default; at s=8192 it is GBs per layer "
+        "stack. The cases here set data.packing=false to match their batches.",
         "- `tests/multirank/test_plan_memory.py` checks 8 of these configs on every run: measured "
-        "<= predicted, measured >= 0.6 x predicted, measured within [0.88, 1.02] x the phase "
-        "model, and the heap at the start of step 2 equal to params + AdamW moments (1 MB + 1%).",
+        "within [0.88, 1.02] x `predicted_peak_bytes` (the phase model), measured <= the sum "
+        "and >= 0.6 x the sum, and the heap at the start of step 2 equal to params + AdamW "
+        "moments (1 MB + 1%).",
         "",
-        "## Per phase, measured / phase model",
+        "## Per phase, measured / predicted",
         "",
         "| config | " + " | ".join(PHASES) + " |",
         "|---|" + "---|" * len(PHASES),
@@ -544,12 +474,12 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
             "stacks, and the code and JIT kernels loaded on first use, so it is no measure of "
             "the plan at this size.",
             "",
-            "| config | predicted GB | heap peak GB | RSS before build GB "
-            "| peak RSS - before GB | (peak RSS - before) / predicted |",
+            "| config | sum GB | heap peak GB | RSS before build GB "
+            "| peak RSS - before GB | (peak RSS - before) / sum |",
             "|---|---|---|---|---|---|",
         ]
         for r in rss:
-            pred = r["plan"].predicted_peak_bytes
+            pred = r["plan"].memory.total
             lines.append(f"| {r['name']} | {_gb(pred)} | {_gb(r['measured'])} | "
                          f"{r['rss0'] / GB:.3f} | {_gb(r['rss_delta'])} | "
                          f"{r['rss_delta'] / pred:.2f} |")
@@ -576,8 +506,9 @@ def main() -> None:
             sys.exit("needs a C compiler (cc) on Linux to build the malloc shim")
         rows = run_cases(QUICK_CASES if args.quick else FULL_CASES, lib)
         for r in rows:
-            print(f"{r['name']:<40} predicted {_gb(r['plan'].predicted_peak_bytes)}  measured "
-                  f"{_gb(r['measured'])}  model {_gb(max(r['model'].values()))}", flush=True)
+            print(f"{r['name']:<40} sum {_gb(r['plan'].memory.total)}  measured "
+                  f"{_gb(r['measured'])}  predicted {_gb(r['plan'].predicted_peak_bytes)}",
+                  flush=True)
         rss = [] if args.no_rss else rss_rows(RSS_CASES, lib)
         seconds = time.perf_counter() - t0
         if args.json:

@@ -127,6 +127,26 @@ def sharded_numel(shapes: list[tuple[int, ...]], shard: int) -> int:
 # at a time, so one layer's full activations are added back while any layer is wrapped.
 
 
+# Packed sequences (data.packing=true): position_ids restart at every document, so transformers
+# builds a 4-D block-diagonal causal mask (b x 1 x s x s) instead of passing none. With a mask,
+# SDPA no longer takes the GQA fast path: transformers repeats k and v to all heads, and SDPA
+# keeps a compute-dtype copy of the b x s x s mask; both are saved for backward per layer:
+#   k, v repeated from g to h wide                                      -> 2c·(h - g)
+#   the mask in compute dtype, one row of s per token                   -> c·s
+# per token and saved layer, i.e. layers x b x s x (2c(h - g) + c·s) bytes. Measured on CPU
+# gloo ranks (benchmarks/plan_vs_measured_cpu.md, AC none): +8.7 MB (fp32, b=4, s=256),
+# +12.7 MB (fp32, b=2, s=512), +6.4 MB (bf16, b=2, s=512), as this formula gives. It counts where
+# the layer's other activations count: not for a checkpointed layer (which keeps its input
+# only), once more for the layer recomputed in backward. The s term makes it quadratic in the
+# sequence: at s=8192 it is GBs over a layer stack.
+
+
+def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int) -> int:
+    """Extra saved-for-backward bytes per token of one layer when sequences are packed."""
+    h, g = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
+    return 2 * c * (h - g) + c * seq_len
+
+
 def layer_activation_bytes(m: ModelConfig, c: int) -> int:
     """Saved-for-backward bytes per token of one decoder layer (derivation above)."""
     h, g, i = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads), m.intermediate_size
@@ -146,10 +166,17 @@ def checkpointed_layers(num_layers: int, mode: str, every_k: int) -> int:
             raise ValueError(f"checkpointing mode {mode!r} is not one of none, full, selective")
 
 
+def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False) -> int:
+    """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
+    sequences' mask term when ``packing``."""
+    return layer_activation_bytes(m, c) + (packed_mask_bytes(m, seq_len, c) if packing else 0)
+
+
 def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int, mode: str = "none",
-                     every_k: int = 2) -> int:
-    """Activations kept for backward by one micro-batch, loss buffers excluded."""
-    per_layer = layer_activation_bytes(m, c)
+                     every_k: int = 2, packing: bool = False) -> int:
+    """Activations kept for backward by one micro-batch, loss buffers excluded (``packing``:
+    data.packing, which adds the 4-D mask term above)."""
+    per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing)
     wrapped = checkpointed_layers(m.num_layers, mode, every_k)
     layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
     if wrapped:
@@ -176,7 +203,14 @@ def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int)
 
 @dataclass(frozen=True)
 class Memory:
-    """Per-device bytes at the start of backward (the peak), conservatively summed."""
+    """Per-device sizes of the components of a training step's memory.
+
+    They are never all live at once (grads are None until the first reduce-scatter, the
+    all-gather / reduce-scatter buffers and the recomputed layer come and go during backward),
+    so ``total``, their sum, mostly over-states the peak (by 10-37% on CPU, see
+    benchmarks/plan_vs_measured_cpu.md), and it misses foreach AdamW's param-sized temporary.
+    The prediction is ``phase_peaks``'s maximum (``Plan.predicted_peak_bytes``).
+    """
 
     params: int  # sharded parameters (param dtype)
     grads: int  # sharded gradients (param dtype)
@@ -193,6 +227,7 @@ class Memory:
 
     @property
     def total(self) -> int:
+        """The sum of the components: an upper bound, not the predicted peak."""
         return (self.model_state + self.unsharded_params + self.comm_buffers + self.activations
                 + self.logits_loss)
 
@@ -228,11 +263,106 @@ def memory_breakdown(spec: RunSpec) -> Memory:
         params=params, grads=grads, optimizer=optim, unsharded_params=kept,
         comm_buffers=_comm_bytes(spec),
         activations=activation_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
-                                     c=c, mode=ac.mode, every_k=ac.every_k),
+                                     c=c, mode=ac.mode, every_k=ac.every_k,
+                                     packing=spec.data.packing),
         logits_loss=logits_loss_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
                                       c=c),
         host=host,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak per phase of a training step
+#
+# The predicted peak is the largest of what is live in each phase of a step, from the second
+# step on (with optimizer state). Measured against real CPU gloo ranks in
+# benchmarks/plan_vs_measured_cpu.md (58 configs: measured / max over phases 0.90 to 1.00,
+# never above); tests/multirank/test_plan_memory.py checks it on every run.
+
+PHASES = ("forward", "loss", "layers", "root", "optimizer")
+
+
+def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
+    """Bytes per rank at the peak of each phase of a training step (from the second step on,
+    with optimizer state; grads are None between steps: zero_grad(set_to_none=True), so they
+    are live before the backward only with gradient accumulation).
+
+    ``gloo`` adds the copy of its input that gloo's reduce-scatter makes (NCCL reduces in
+    place); make_plan passes it for CPU runs. Per phase, what is live besides params +
+    optimizer state:
+
+    forward   (at the head) saved activations, unsharded params kept (all of them without
+              resharding, else the last layer, which parallel.py never reshards), the root's
+              unsharded params (resharded only after forward), 2 layers being all-gathered
+              (output buffer + copy-out), the logits in compute dtype;
+    loss      the plan's logits + loss buffers, or, when the root's pre-backward all-gather
+              fires on the logits' grad, that all-gather (2 x root) beside the fp32 grad of the
+              logits and its compute-dtype cast;
+    layers    the head's grad, then either the lm_head backward (saved activations, grad of
+              logits and of hidden; the root's all-gather output may still be held beside its
+              unsharded params until the next all-gather) or a layer's backward (all
+              activations, a checkpointed layer recomputed; the root still unsharded, sharded
+              layer grads so far, 2 layers in flight, one layer's unsharded grads, its
+              reduce-scatter input, gloo's copy of it);
+    root      all sharded grads and the root's unsharded grads, with either its unsharded
+              params during the embedding's backward (a tied embedding's grad is made beside
+              the head's and added to it out of place: 2 more) or, once resharded, its
+              reduce-scatter input (the largest group: embedding + head), gloo's copy of it
+              and, with accumulation, the new grad shard added to the old;
+    optimizer params, grads, both moments and foreach AdamW's denominator (one param-size
+              temporary).
+
+    Activations include the packed sequences' mask term when data.packing is true (see
+    ``packed_mask_bytes``), in every phase that holds saved activations.
+    """
+    m, pol, t, ac, mesh = spec.model, spec.policy, spec.train, spec.checkpointing, spec.mesh
+    c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
+    params, grads, optim = model_state_bytes(spec)
+    if spec.sharding.cpu_offload:
+        params = grads = optim = 0
+    layer, root = _numel(layer_shapes(m)), _numel(root_shapes(m))
+    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
+    resharded = mesh.reshard_after_forward
+    kept = layer * c if resharded else count_params(m) * c
+    packing = spec.data.packing
+    acts = activation_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c,
+                            mode=ac.mode, every_k=ac.every_k, packing=packing)
+    wrapped = checkpointed_layers(m.num_layers, ac.mode, ac.every_k)
+    # the layer recomputed in backward is not live before it
+    recomputed = tokens * saved_layer_bytes(m, seq_len=t.seq_len, c=c, packing=packing)
+    saved = acts - (recomputed if wrapped else 0)
+    root_unsharded = root * c if resharded else 0
+    in_flight = 2 * layer * c if resharded else 0
+    rs_copies = 2 if gloo else 1
+    layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
+                   * DTYPE_BYTES[pol.param_dtype])
+    grad_logits_fp32 = (4 + (c if c < 4 else 0)) * tokens * vocab
+    # tied embedding: the embedding's grad is made beside the head's and added out of place
+    tied_grad = 2 * vocab * hidden * c if m.tie_word_embeddings else 0
+    # gradient accumulation: the sharded grads of earlier micro-batches stay through the step
+    accumulated = grads if t.grad_accum > 1 else 0
+    # ... and each reduce-scatter's output is added to them
+    new_root_shard = sharded_numel(root_shapes(m), mesh.shard) * r if accumulated else 0
+    state = params + optim
+    return {
+        "forward": state + accumulated + saved + kept + root_unsharded + in_flight
+        + c * tokens * vocab,
+        "loss": state + accumulated + saved + kept + max(
+            logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c),
+            2 * root_unsharded + grad_logits_fp32),
+        "layers": state + kept + vocab * hidden * c + max(
+            saved + accumulated + 2 * root_unsharded + c * tokens * (vocab + hidden),
+            acts + root_unsharded + (accumulated or layer_grads) + in_flight + layer * c
+            + rs_copies * layer * r),
+        "root": state + grads + max(2 * root * c + tied_grad,
+                                    root * c + rs_copies * root * r + new_root_shard),
+        "optimizer": state + grads + params,
+    }
+
+
+def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:
+    """The largest of phase_peaks: the predicted peak per rank."""
+    return max(phase_peaks(spec, gloo=gloo).values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,19 +429,32 @@ class Plan:
     peak_flops: Optional[float]
     margin: float = DEFAULT_MARGIN
     mfu: float = DEFAULT_MFU
+    # phase_peaks(spec, gloo=spec.device == "cpu"); make_plan fills it, computed if left empty
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            object.__setattr__(self, "phases",
+                               phase_peaks(self.spec, gloo=self.spec.device == "cpu"))
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase of the step where the predicted peak is."""
+        return max(self.phases, key=self.phases.get)
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.memory.total
+        """The largest phase peak (not memory.total, which adds what is never live at once)."""
+        return self.phases[self.peak_phase]
 
     @property
     def predicted_peak_gb(self) -> float:
         """Decimal GB, comparable with the worker's peak_memory_gb metric."""
-        return self.memory.total / GB
+        return self.predicted_peak_bytes / GB
 
     @property
     def headroom_bytes(self) -> int:
-        return self.capacity_bytes - self.memory.total
+        return self.capacity_bytes - self.predicted_peak_bytes
 
     @property
     def usable_bytes(self) -> int:
@@ -320,7 +463,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.usable_bytes
+        return self.predicted_peak_bytes <= self.usable_bytes
 
     @property
     def tokens_per_device_step(self) -> int:
@@ -358,7 +501,8 @@ def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAUL
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
                 flops_per_token=flops_per_token(spec.model, spec.train.seq_len),
                 memory=memory_breakdown(spec), capacity_bytes=capacity, capacity_source=source,
-                peak_flops=peak_flops(spec), margin=margin, mfu=mfu)
+                peak_flops=peak_flops(spec), margin=margin, mfu=mfu,
+                phases=phase_peaks(spec, gloo=spec.device == "cpu"))
 
 
 def _rows(plan: Plan) -> list[tuple[str, int]]:
@@ -389,9 +533,16 @@ def _table(plan: Plan) -> str:
         f"T={s.train.seq_len})",
         f"{'per-device memory':<52}{'GB':>10}{'GiB':>10}",
     ]
-    rows = _rows(plan) + [("total (predicted peak)", plan.memory.total),
-                          (f"capacity ({plan.capacity_source})", plan.capacity_bytes),
-                          ("headroom", plan.headroom_bytes)]
+    rows = _rows(plan) + [("sum (never all live at once)", plan.memory.total)]
+    lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
+    comm = "gloo" if s.device == "cpu" else "NCCL"
+    lines.append(f"{'peak by phase (live at once, ' + comm + ')':<52}{'GB':>10}{'GiB':>10}")
+    peak = plan.peak_phase
+    lines += [f"  {name + (' <- peak' if name == peak else ''):<50}{b / GB:>10.2f}"
+              f"{b / GIB:>10.2f}" for name, b in plan.phases.items()]
+    rows = [(f"predicted peak (max over phases: {peak})", plan.predicted_peak_bytes),
+            (f"capacity ({plan.capacity_source})", plan.capacity_bytes),
+            ("headroom", plan.headroom_bytes)]
     lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
     if plan.memory.host:
         lines.append(f"  {'host RAM per rank (cpu offload)':<50}{plan.memory.host / GB:>10.2f}"
@@ -623,7 +774,7 @@ def _plan_rows() -> list[str]:
             rows.append(
                 f"| {model} | `{precision}` | {m.model_state / GB:.2f} | "
                 f"{(m.unsharded_params + m.comm_buffers) / GB:.2f} | {m.activations / GB:.2f} | "
-                f"{m.logits_loss / GB:.2f} | {p.predicted_peak_gb:.2f} | "
+                f"{m.logits_loss / GB:.2f} | {p.predicted_peak_gb:.2f} ({p.peak_phase}) | "
                 f"{'yes' if p.fits else 'no'} | {need} |")
     return rows
 
@@ -653,7 +804,10 @@ def seed_table_markdown() -> str:
         "full activation checkpointing",
         "",
         "Usable = 80 GB less a 10% margin = 72 GB. Transient = all-gather / reduce-scatter "
-        "buffers and the root's unsharded embedding and head with their grads.",
+        "buffers and the root's unsharded embedding and head with their grads. The columns are "
+        "component sizes, never all live at once; peak GB is the plan's prediction, the largest "
+        "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Activations "
+        "include the packed-sequence mask term (data.packing=true, the default).",
         "",
         "| model | precision | model state | transient | activations | logits + loss "
         "| peak GB | fits | nodes needed |",
