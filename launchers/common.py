@@ -60,7 +60,10 @@ class RankEntry:
 
 
 def rank_errors(output_dir: str) -> list[str]:
-    return [p.read_text() for p in sorted(Path(output_dir).glob(ERROR_GLOB))]
+    """Tracebacks the ranks left, earliest first: the first is the cause, the rest are usually
+    its echo (peers whose collectives broke when the failing rank went away)."""
+    paths = sorted(Path(output_dir).glob(ERROR_GLOB), key=lambda p: p.stat().st_mtime_ns)
+    return [p.read_text() for p in paths]
 
 
 class LogStreamer(threading.Thread):
@@ -153,8 +156,9 @@ def stop_job(job: Any) -> None:
 
 
 def _failure_message(job: Any, errors: list[str]) -> str:
-    first = errors[0]
-    more = f"\n({len(errors) - 1} other rank(s) failed too)" if len(errors) > 1 else ""
+    first, rest = errors[0], errors[1:]
+    more = "".join(f"\n  then {e.splitlines()[0].rstrip(':')}: {e.strip().splitlines()[-1]}"
+                   for e in rest)
     return f"job {job.job_id} failed; the first failing rank's error:\n{first}{more}"
 
 
