@@ -84,7 +84,10 @@ class LogStreamer(threading.Thread):
                 chunk = f.read()
             if chunk:
                 self.offsets[path] += len(chunk)
-                sink.buffer.write(chunk) if hasattr(sink, "buffer") else sink.write(chunk.decode())
+                if hasattr(sink, "buffer"):  # raw bytes keep tqdm's carriage returns intact
+                    sink.buffer.write(chunk)
+                else:
+                    sink.write(chunk.decode(errors="replace"))
                 sink.flush()
 
     def run(self) -> None:

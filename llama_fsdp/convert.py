@@ -20,8 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from .checkpoint import (
     HF_META,
     MAX_SHARD_BYTES,
@@ -30,10 +28,10 @@ from .checkpoint import (
     resolve_resume,
     write_hf_dir,
 )
+from .parallel import DTYPES
 
 log = logging.getLogger("llama_fsdp.convert")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parse_size(text: str) -> int:

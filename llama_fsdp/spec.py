@@ -6,7 +6,6 @@ error that can be caught before processes start is caught here, all of them at o
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -376,6 +375,3 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         config_yaml=config_yaml, sweep_id=sweep_id,
     )
 
-
-def replace(spec: RunSpec, **changes: Any) -> RunSpec:
-    return dataclasses.replace(spec, **changes)

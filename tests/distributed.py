@@ -6,17 +6,12 @@ rank is re-raised in the test with that rank's traceback, and hung ranks are kil
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launchers.local import free_port
 
 
 def _entry(fn, rank, world_size, port, args, queue) -> None:
