@@ -206,9 +206,38 @@ def _batches(spec, rank: int, steps: int) -> list[list[dict]]:
     return out
 
 
-def measure_case(spec, rank: int, steps: int = 2) -> dict[str, Any]:
+def warm_up(spec, batches: list[list[dict]]) -> None:
+    """One throw-away step with the case's shapes, so the math libraries' caches exist before
+    the baseline is taken.
+
+    MKL keeps the packing buffers of its GEMMs in its own memory pool, and oneDNN keeps its
+    primitives (with their packed weights) in a cache and its scratchpad per thread; none of
+    them is freed when the tensors are. Their sizes depend on the kernels the CPU gets: MKL
+    takes its AVX-512 paths only on Intel CPUs, oneDNN uses AMX tiles where the CPU has them,
+    and avx512_bf16 or plain AVX2 elsewhere. Measured on an AMD EPYC (Zen 4, avx512_bf16):
+    5.1 MB of MKL pool after an fp32 step (0.1 MB with MKL_DISABLE_FAST_MM=1) and 4-9 MB of
+    oneDNN state after a bf16 step (0.1 MB with ONEDNN_MAX_CPU_ISA=AVX2); another machine
+    left 23 MB. Warmed up, a case's own step leaves nothing behind on any CPU, so what remains
+    after it ("end") is a real leak, and the peaks are the tensors alone.
+    """
+    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.worker import build_model
+
+    import torch
+
+    model = build_model(spec, torch.device("cpu"))
+    optimizer = build_optimizer(model, spec.train)
+    scheduler = build_scheduler(optimizer, spec.train)
+    train_step(model, optimizer, scheduler, batches[0], device=torch.device("cpu"),
+               max_grad_norm=spec.train.max_grad_norm)
+    del model, optimizer, scheduler
+    gc.collect()
+
+
+def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[str, Any]:
     """Build the sharded model, run `steps` real train_steps; heap bytes above the baseline.
 
+    warm: run warm_up first, so the baseline already holds the math libraries' caches.
     init: live after model + optimizer construction (the optimizer state is created lazily);
     steps: per step, the live bytes at its start and the peak of each phase.
     """
@@ -221,6 +250,8 @@ def measure_case(spec, rank: int, steps: int = 2) -> dict[str, Any]:
     heap = Heap()
     device = torch.device("cpu")
     batches = _batches(spec, rank, steps)
+    if warm:
+        warm_up(spec, batches)
     gc.collect()
     base, rss0, t0 = heap.current(), _rss_bytes(), time.perf_counter()
     model = build_model(spec, device)
@@ -279,7 +310,7 @@ def rss_on_rank(rank: int, world: int, spec) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    res = measure_case(spec, rank, steps=2)
+    res = measure_case(spec, rank, steps=2, warm=False)  # ru_maxrss: the first step's too
     return {**res, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

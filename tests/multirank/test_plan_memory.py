@@ -3,8 +3,11 @@
 Measured per rank by benchmarks/plan_vs_measured.py: a malloc shim, LD_PRELOADed into the
 ranks, tracks the live heap blocks of >= 64 KiB in every thread (every tensor of that size, and
 gloo's buffers); hooks read the high-water mark of each phase of the second training step (the
-first with optimizer state). What the runtime still holds after the model and optimizer are
-deleted (MKL / oneDNN / gloo buffers, <= 10 MB here) is the process overhead and is subtracted.
+first with optimizer state). Each case first runs one throw-away step of its own shapes
+(plan_vs_measured.warm_up), so MKL's buffer pool and oneDNN's primitive cache and scratchpad,
+whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another machine), are
+already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
+behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
 Tolerances, from the 58-config sweep in benchmarks/plan_vs_measured_cpu.md:
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
@@ -32,7 +35,7 @@ from tests.distributed import run_ranks
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 MB = 10**6
-MAX_OVERHEAD = 16 * MB
+MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
 PLAN_LOOSEST = 0.60
 PREDICTED_BAND = (0.88, 1.02)
 # (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum]):
@@ -72,13 +75,13 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
         state = plan.memory.params + plan.memory.optimizer
         for rank, res in enumerate(results):
             r = res[name]
-            measured, overhead = B.peak_of(r), r["end"]
+            measured, leftover = B.peak_of(r), r["end"]
             report.append(f"{name} rank {rank}: measured {measured / MB:.1f} MB, predicted "
                           f"{predicted / MB:.1f} ({measured / predicted:.3f}, peak in "
                           f"{plan.peak_phase}), sum {total / MB:.1f} ({measured / total:.3f}), "
-                          f"overhead {overhead / MB:.1f}")
-            assert 0 <= overhead <= MAX_OVERHEAD, report[-1]
-            start = r["steps"][-1]["start"] - overhead
+                          f"left behind {leftover / MB:.2f}")
+            assert abs(leftover) <= MAX_LEFTOVER, report[-1]
+            start = r["steps"][-1]["start"] - leftover
             assert abs(start - state) <= MB + 0.01 * state, (
                 f"{name} rank {rank}: {start / MB:.2f} MB live at the start of step 2, plan's "
                 f"params + optimizer {state / MB:.2f} MB")
