@@ -3,7 +3,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Entry, LaunchError
+from .common import Entry, Interrupted, LaunchError, RankFailure
+
+
+def preflight(spec: Any) -> list[str]:
+    """What this machine lacks to launch the run (checked before any preparation)."""
+    import shutil
+
+    if spec.cluster.kind == "slurm" and shutil.which("sbatch") is None:
+        return ["cluster=slurm but sbatch is not on PATH: this is not a SLURM login node. Run "
+                "from one, use cluster=local, or add dry_run=true to see the job script"]
+    return []
 
 
 def launch(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
@@ -21,4 +31,4 @@ def launch(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
             raise ValueError(f"cluster.kind={other!r} is not one of local, slurm")
 
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["Entry", "Interrupted", "LaunchError", "RankFailure", "launch", "preflight"]

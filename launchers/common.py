@@ -1,69 +1,86 @@
-"""What the local and SLURM launchers share: the per-rank entry, log streaming, failure handling.
+"""What the local and SLURM launchers share: the rank environment, watching a job, failure
+reports, stopping a job, and what the launcher does with the signals it receives.
 
-Launchers know the RunSpec and are handed the worker's entry point as a callable; they know
-nothing of training.
+Launchers know the RunSpec and are handed the worker's entry point; they know nothing of
+training.
 """
 from __future__ import annotations
 
 import logging
-import os
+import pickle
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Union
+
+from .rank import LAUNCH_DIR, RankEntry, format_report, read_reports
 
 log = logging.getLogger(__name__)
 
-Entry = Callable[[Any], Any]
-ERROR_GLOB = "rank*.error"
+Entry = Union[Callable[[Any], Any], str]  # a module-level function, or "module:attr"
+REPORT_GRACE_S = 1.5  # after the first report, how long the other ranks' reports may take
 
 
 class LaunchError(RuntimeError):
-    """The job failed; the message holds the failing rank's traceback."""
+    """The job failed; the message leads with the rank that failed first."""
 
 
-@dataclass
-class RankEntry:
-    """Picklable per-rank callable: export the rank environment, then run the worker.
+class RankFailure(LaunchError):
+    """One attempt failed: its rank reports, cause first."""
 
-    submitit starts one process per task (rank) on every node; each reads its rank from the
-    SLURM (or submitit-local) environment. No torchrun inside a task.
-    """
-
-    entry: Entry
-    master_addr: Optional[str] = None  # None: the first node of the job
-    master_port: Optional[int] = None  # None: derived from the job id (same on every node)
-
-    def __call__(self, spec: Any) -> Any:
-        from submitit.helpers import TorchDistributedEnvironment
-
-        env = TorchDistributedEnvironment()
-        if self.master_port is not None:
-            env.master_port = self.master_port
-        if self.master_addr is not None:
-            env.master_addr = self.master_addr
-        env.export(set_cuda_visible_devices=False, overwrite=True)
-        return self.entry(spec)
-
-    def checkpoint(self, spec: Any) -> Any:
-        """submitit calls this on preemption / timeout: requeue the same spec (resume=auto)."""
-        import dataclasses
-
-        import submitit
-
-        if dataclasses.is_dataclass(spec) and hasattr(spec, "resume"):
-            spec = dataclasses.replace(spec, resume="auto")  # the requeued job continues
-        return submitit.helpers.DelayedSubmission(self, spec)
+    def __init__(self, job_id: str, reports: list[dict[str, Any]]):
+        self.reports = reports
+        super().__init__(failure_message(job_id, reports))
 
 
-def rank_errors(output_dir: str) -> list[str]:
-    """Tracebacks the ranks left, earliest first: the first is the cause, the rest are usually
-    its echo (peers whose collectives broke when the failing rank went away)."""
-    paths = sorted(Path(output_dir).glob(ERROR_GLOB), key=lambda p: p.stat().st_mtime_ns)
-    return [p.read_text() for p in paths]
+class Interrupted(LaunchError):
+    """The launcher was stopped by a signal; ``exit_code`` is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, message: str):
+        self.exit_code = 128 + signum
+        super().__init__(message)
+
+
+def entry_ref(entry: Entry) -> str:
+    """A module-level function as "module:qualname": the rank supervisor passes it on unread."""
+    return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+
+def rank_entry(spec: Any, entry: Entry, **kw: Any) -> RankEntry:
+    return RankEntry(pickle.dumps((entry_ref(entry), spec)), **kw)
+
+
+def failure_message(job_id: str, reports: list[dict[str, Any]]) -> str:
+    """The cause (the earliest rank to fail that was not echoing another) first, then one line
+    per rank that failed after it."""
+    first, rest = reports[0], reports[1:]
+    lines = [f"job {job_id} failed; the first rank to fail:", format_report(first)]
+    for r in rest:
+        last = (r.get("traceback") or "").strip().splitlines()[-1:] or [
+            f"signal {r['signal_name']}" if r.get("signal") else f"exit code {r['exitcode']}"]
+        lines.append(f"  then rank {r['rank']} on {r['host']}: {last[0]}")
+    return "\n".join(lines)
+
+
+def worker_env(output_dir: str) -> dict[str, str]:
+    """Environment every rank gets: quiet tokenizers, no hub access (the driver fetched what
+    the ranks need), and NCCL's flight recorder dumping the last collectives of a hung rank."""
+    trace = str(Path(output_dir) / "hang" / "nccl_trace_rank_")
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": trace}
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (the local rendezvous port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LogStreamer(threading.Thread):
@@ -101,77 +118,140 @@ class LogStreamer(threading.Thread):
         self.join(timeout=5)
 
 
-def watch(job: Any, output_dir: str, *, stream: bool = True, poll_s: float = 0.5,
-          timeout_s: Optional[float] = None) -> list[Any]:
-    """Wait for a submitit job; stream rank 0's logs; on a rank's failure stop all ranks.
-
-    A rank that raises writes its traceback (worker._report_failure) before the others notice
-    anything; the others would then wait in a collective, so the job is cancelled at once and
-    the failing rank's traceback is raised here instead of hanging.
-    """
-    streamer = None
-    if stream:
-        paths = job.paths if not hasattr(job, "task") else job.task(0).paths
-        streamer = LogStreamer([(Path(paths.stdout), sys.stdout), (Path(paths.stderr), sys.stderr)])
-        streamer.start()
-    start = time.monotonic()
+@contextmanager
+def streaming(job: Any, enabled: bool) -> Iterator[None]:
+    """Rank 0's log on this terminal while the block runs."""
+    if not enabled:
+        yield
+        return
+    paths = job.paths if not hasattr(job, "task") else job.task(0).paths
+    streamer = LogStreamer([(Path(paths.stdout), sys.stdout), (Path(paths.stderr), sys.stderr)])
+    streamer.start()
     try:
-        while not job.done():
-            errors = rank_errors(output_dir)
-            if errors:
-                time.sleep(1.0)  # let the other ranks' reports land too
-                stop_job(job)
-                raise LaunchError(_failure_message(job, rank_errors(output_dir)))
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
-                stop_job(job)
-                raise LaunchError(f"job {job.job_id} exceeded {timeout_s:.0f}s and was cancelled")
-            time.sleep(poll_s)
+        yield
     finally:
-        if streamer is not None:
-            streamer.stop()
-    errors = rank_errors(output_dir)
-    if errors:
-        raise LaunchError(_failure_message(job, errors))
+        streamer.stop()
+
+
+def attempt_dirs(output_dir: str, job_id: str) -> list[Path]:
+    """This job's per-attempt report folders, in order (requeue, attempt)."""
+    root = Path(output_dir) / LAUNCH_DIR
+    found = [p for p in root.glob(f"{job_id}.*.*") if p.is_dir()]
+    return sorted(found, key=lambda p: tuple(int(x) for x in p.name.split(".")[1:]))
+
+
+def watch(job: Any, output_dir: str, *, max_restarts: int = 0, restarts_inside: bool = False,
+          poll_s: float = 0.5, timeout_s: Optional[float] = None) -> list[Any]:
+    """Wait for a submitit job; when a rank fails, stop every rank and raise RankFailure.
+
+    A rank's supervisor leaves its report before the other ranks notice anything; they would
+    then wait in a collective, so the job is stopped at once. With ``restarts_inside`` (SLURM,
+    whose batch script restarts the ranks itself) an attempt that may still be restarted is
+    logged and the watch goes on.
+    """
+    job_id = str(job.job_id).split("_")[0]
+    start, seen = time.monotonic(), set()
+    while not job.done():
+        for d in attempt_dirs(output_dir, job_id):
+            if d.name in seen or not read_reports(d):
+                continue
+            time.sleep(REPORT_GRACE_S)  # let the other ranks' reports land too
+            reports, seen = read_reports(d), seen | {d.name}
+            if restarts_inside and reports[0]["attempt"] < max_restarts:
+                log.warning("%s\nthe job restarts its ranks from the newest checkpoint "
+                            "(restart %d of %d)", failure_message(job_id, reports),
+                            reports[0]["attempt"] + 1, max_restarts)
+                continue
+            stop_job(job)
+            raise RankFailure(job_id, reports)
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            stop_job(job)
+            raise LaunchError(f"job {job_id} exceeded {timeout_s:.0f}s and was cancelled")
+        time.sleep(poll_s)
+    dirs = attempt_dirs(output_dir, job_id)
+    last = read_reports(dirs[-1]) if dirs and dirs[-1].name not in seen else []
+    if last:
+        raise RankFailure(job_id, last)
     try:
         return job.results()
     except Exception as e:  # submitit raises with the task's traceback or the job state
-        raise LaunchError(f"job {job.job_id} failed: {e}") from e
+        raise LaunchError(f"job {job_id} failed: {e}") from e
+
+
+def _descendants(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_ranks(job: Any, signum: int) -> None:
+    """Send a signal to every process of a job (its rank supervisors forward it to the
+    workers): submitit-local's controller's descendants, or scancel --signal on SLURM."""
+    proc = getattr(job, "_process", None)
+    if proc is None:
+        subprocess.run(["scancel", f"--signal={signal.Signals(signum).name[3:]}",
+                        str(job.job_id)], check=False, capture_output=True)
+        return
+    for p in _descendants(proc.pid):
+        try:
+            p.send_signal(signum)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def stop_job(job: Any) -> None:
-    """Stop every rank of a job now.
-
-    A submitit-local job is a controller process whose children are the ranks: killing the
-    ranks lets the controller exit normally. SLURM jobs are cancelled with scancel.
-    """
+    """Stop every rank of a job now: SIGKILL to submitit-local's controller and all its
+    descendants (the rank supervisors and workers), or scancel on SLURM."""
     proc = getattr(job, "_process", None)
     if proc is None:
         job.cancel(check=False)
         return
-    import psutil
-
+    for p in [*_descendants(proc.pid)]:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
     try:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
+        proc.kill()
         proc.wait(timeout=30)
-    except (psutil.NoSuchProcess, subprocess.TimeoutExpired):
-        job.cancel(check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
-def _failure_message(job: Any, errors: list[str]) -> str:
-    first, rest = errors[0], errors[1:]
-    more = "".join(f"\n  then {e.splitlines()[0].rstrip(':')}: {e.strip().splitlines()[-1]}"
-                   for e in rest)
-    return f"job {job.job_id} failed; the first failing rank's error:\n{first}{more}"
+class SignalGuard:
+    """While a job runs: a first SIGINT asks the ranks to save and stop at their next log step;
+    a second SIGINT, or SIGTERM / SIGHUP, stops every rank at once."""
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-def clear_stale_errors(output_dir: str) -> None:
-    """Error files from an earlier attempt of this run dir must not fail the new attempt."""
-    for p in Path(output_dir).glob(ERROR_GLOB):
-        p.rename(p.with_suffix(f".error.{int(time.time())}"))
+    def __init__(self, saving: bool):
+        self.saving = saving
+        self.job: Any = None
+        self.interrupts = 0
+        self._previous: dict[int, Any] = {}
 
+    def __enter__(self) -> "SignalGuard":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
 
-def worker_env() -> dict[str, str]:
-    """Environment every rank gets: one thread pool per rank, quiet tokenizers."""
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "TOKENIZERS_PARALLELISM": "false"}
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.job is None:
+            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} before launch")
+        if signum == signal.SIGINT and self.interrupts == 0:
+            self.interrupts += 1
+            log.warning("Ctrl-C: the ranks stop at their next log step%s (Ctrl-C again to stop "
+                        "at once)", ", after saving a checkpoint" if self.saving else "")
+            signal_ranks(self.job, signal.SIGINT)
+            return
+        stop_job(self.job)
+        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}: every rank of job "
+                                  f"{self.job.job_id} was stopped")

@@ -1,34 +1,100 @@
-"""Local launch: submitit's local executor starts one process per rank on this host."""
+"""Local launch: submitit's local executor starts one rank supervisor per rank on this host."""
 from __future__ import annotations
 
 import logging
 import os
-import socket
+import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
-from .common import Entry, RankEntry, clear_stale_errors, watch, worker_env
+from .common import (
+    Entry,
+    RankFailure,
+    SignalGuard,
+    free_port,
+    rank_entry,
+    streaming,
+    watch,
+    worker_env,
+)
+from .rank import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
+NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit needs a number; a local run has no job limit
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def local_parameters(spec: Any) -> dict[str, Any]:
+    """What submitit's LocalExecutor is given for a RunSpec.
+
+    On CUDA every rank sees the node's GPUs that this process sees (submitit would otherwise
+    hide them: it sets CUDA_VISIBLE_DEVICES to its gpus_per_node first devices) and takes the
+    one of its local rank.
+    """
+    c = spec.cluster
+    params: dict[str, Any] = {
+        "tasks_per_node": spec.nproc_per_node, "nodes": 1,
+        "timeout_min": c.time_min if c.time_min is not None else NO_TIME_LIMIT_MIN,
+        "signal_delay_s": c.signal_delay_s,
+    }
+    if spec.device == "cuda":
+        params["gpus_per_node"] = spec.nproc_per_node
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            ids = [x.strip() for x in visible.split(",") if x.strip()]
+            if all(x.isdigit() for x in ids):
+                params["visible_gpus"] = tuple(int(x) for x in ids)
+            else:  # UUIDs / MIG names: submitit takes integers only, so pass them on as they are
+                params["setup"] = [f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}"]
+    return params
+
+
+def _executor(spec: Any) -> Any:
+    import submitit
+
+    class SessionLocalExecutor(submitit.LocalExecutor):
+        """The controller runs in a session of its own: a terminal's Ctrl-C reaches only the
+        launcher, which decides how the ranks stop (SignalGuard), instead of the controller
+        killing them mid-step."""
+
+        def _submit_command(self, command: str) -> Any:
+            popen = subprocess.Popen
+            with mock.patch.object(subprocess, "Popen",
+                                   lambda *a, **k: popen(*a, start_new_session=True, **k)):
+                return super()._submit_command(command)
+
+    executor = SessionLocalExecutor(folder=Path(spec.output_dir) / "submitit",
+                                    max_num_timeout=spec.cluster.max_requeues)
+    executor.update_parameters(**local_parameters(spec))
+    return executor
 
 
 def launch_local(spec: Any, entry: Entry, *, stream: bool = True) -> list[Any]:
-    """Run `entry(spec)` on spec.nproc_per_node local ranks; return each rank's result."""
-    import submitit
+    """Run `entry(spec)` on spec.nproc_per_node local ranks; return each rank's result.
 
-    folder = Path(spec.output_dir) / "submitit"
-    folder.mkdir(parents=True, exist_ok=True)
-    clear_stale_errors(spec.output_dir)
-    executor = submitit.LocalExecutor(folder=folder)
-    executor.update_parameters(tasks_per_node=spec.nproc_per_node, nodes=1,
-                               timeout_min=spec.cluster.time_min)
-    os.environ.update(worker_env())  # the local controller passes its environment to the ranks
-    job = executor.submit(RankEntry(entry, master_addr="127.0.0.1", master_port=free_port()), spec)
-    log.info("started %d local rank(s) (job %s); logs in %s", spec.nproc_per_node, job.job_id, folder)
-    return watch(job, spec.output_dir, stream=stream)
+    A rank that dies stops every rank; with cluster.max_restarts the run then restarts from
+    its newest complete checkpoint, in the same MLflow run.
+    """
+    executor = _executor(spec)
+    os.environ.update(worker_env(spec.output_dir))  # the controller passes its env to the ranks
+    restarts = spec.cluster.max_restarts
+    with SignalGuard(saving=spec.save.every_steps > 0) as guard:
+        for attempt in range(restarts + 1):
+            os.environ[ATTEMPT_ENV] = str(attempt)
+            job = executor.submit(rank_entry(spec, entry, master_addr="127.0.0.1",
+                                             master_port=free_port()))
+            guard.job = job
+            log.info("started %d local rank(s) (job %s%s); logs in %s", spec.nproc_per_node,
+                     job.job_id, f", restart {attempt} of {restarts}" if attempt else "",
+                     executor.folder)
+            try:
+                with streaming(job, stream):
+                    return watch(job, spec.output_dir)
+            except RankFailure as failure:
+                if attempt == restarts:
+                    raise
+                log.warning("%s\nrestarting every rank from the newest checkpoint (restart %d "
+                            "of %d)", failure, attempt + 1, restarts)
+    raise AssertionError("unreachable")

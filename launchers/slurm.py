@@ -1,81 +1,103 @@
-"""SLURM launch through submitit: one task per rank, nodes x tasks_per_node."""
+"""SLURM launch through submitit: one rank supervisor per task, nodes x tasks_per_node."""
 from __future__ import annotations
 
 import logging
-import sys
+import re
 from pathlib import Path
 from typing import Any
 
-from .common import Entry, LaunchError, RankEntry, clear_stale_errors, watch, worker_env
+from .common import (
+    Entry,
+    LaunchError,
+    SignalGuard,
+    rank_entry,
+    streaming,
+    watch,
+    worker_env,
+)
+from .rank import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
 
 def executor_parameters(spec: Any) -> dict[str, Any]:
-    """submitit AutoExecutor parameters for a RunSpec (only the options that are set)."""
+    """submitit SlurmExecutor parameters for a RunSpec (only the options that are set)."""
     c = spec.cluster
     params: dict[str, Any] = {
         "nodes": spec.nodes,
-        "tasks_per_node": spec.nproc_per_node,
-        "timeout_min": c.time_min,
-        "slurm_job_name": spec.run_name[:64],
-        # One failing rank ends the job step at once instead of leaving its peers in a collective.
-        "slurm_srun_args": ["--kill-on-bad-exit=1", *c.srun_args],
-        "slurm_setup": [*c.setup, *(f"export {k}={v}" for k, v in worker_env().items())],
+        "ntasks_per_node": spec.nproc_per_node,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "job_name": spec.run_name[:64],
+        # One failing rank ends the job step at once instead of leaving its peers in a
+        # collective; appending keeps the logs of earlier restarts.
+        "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", *c.srun_args],
+        "setup": [*c.setup, *(f"export {k}={v}" for k, v in worker_env(spec.output_dir).items())],
     }
-    optional = {"slurm_partition": c.partition, "slurm_account": c.account, "slurm_qos": c.qos,
-                "slurm_constraint": c.constraint, "mem_gb": c.mem_gb,
-                "cpus_per_task": c.cpus_per_task}
+    optional = {"partition": c.partition, "account": c.account, "qos": c.qos,
+                "constraint": c.constraint, "cpus_per_task": c.cpus_per_task,
+                "mem": f"{c.mem_gb}GB" if c.mem_gb is not None else None}
     params.update({k: v for k, v in optional.items() if v is not None})
     if spec.device == "cuda" and c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     if c.sbatch_extra:
-        params["slurm_additional_parameters"] = dict(c.sbatch_extra)
+        params["additional_parameters"] = dict(c.sbatch_extra)
     return params
+
+
+def with_restarts(script: str, max_restarts: int) -> str:
+    """The batch script's srun line in a loop: a failed job step (any rank died; srun's
+    --kill-on-bad-exit stopped the others) runs again, up to max_restarts times, and the ranks
+    resume from the newest checkpoint (they see LLAMA_FSDP_ATTEMPT > 0)."""
+    lines = script.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    loop = [f"for attempt in $(seq 0 {max_restarts}); do",
+            f"  export {ATTEMPT_ENV}=$attempt",
+            f"  {lines[at]} && exit 0",
+            "  echo \"llama_fsdp: job step failed (attempt $attempt of "
+            f"{max_restarts} restarts)\" >&2",
+            "done",
+            "exit 1"]
+    return "\n".join([*lines[:at], *loop, *lines[at + 1:]]) + "\n"
 
 
 def make_executor(spec: Any) -> Any:
     import submitit
 
-    folder = Path(spec.output_dir) / "submitit" / "%j"
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    restarts = spec.cluster.max_restarts
+
+    class RestartingSlurmExecutor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            text = super()._make_submission_file_text(command, uid)
+            return with_restarts(text, restarts) if restarts else text
+
+    executor = RestartingSlurmExecutor(folder=Path(spec.output_dir) / "submitit" / "%j",
+                                       max_num_timeout=spec.cluster.max_requeues)
     executor.update_parameters(**executor_parameters(spec))
     return executor
 
 
 def sbatch_preview(spec: Any) -> str:
-    """The sbatch script submitit would write, and the command every rank runs."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    params = executor_parameters(spec)
-    renamed = {"nodes": "nodes", "tasks_per_node": "ntasks_per_node", "timeout_min": "time",
-               "slurm_job_name": "job_name", "slurm_srun_args": "srun_args",
-               "slurm_setup": "setup", "slurm_partition": "partition",
-               "slurm_account": "account", "slurm_qos": "qos", "slurm_constraint": "constraint",
-               "mem_gb": "mem", "cpus_per_task": "cpus_per_task",
-               "gpus_per_node": "gpus_per_node",
-               "slurm_additional_parameters": "additional_parameters"}
-    kwargs = {renamed[k]: v for k, v in params.items()}
-    if "mem" in kwargs:
-        kwargs["mem"] = f"{kwargs['mem']}GB"
-    command = f"{sys.executable} -u -m submitit.core._submit {Path(spec.output_dir) / 'submitit' / '%j'}"
-    return _make_sbatch_string(command=command, folder=Path(spec.output_dir) / "submitit" / "%j",
-                               **kwargs)
+    """The sbatch script this run would submit (what make_executor writes)."""
+    executor = make_executor(spec)
+    return executor._make_submission_file_text(executor._submitit_command_str, "preview")
 
 
 def launch_slurm(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
     """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait."""
-    clear_stale_errors(spec.output_dir)
     executor = make_executor(spec)
     try:
-        job = executor.submit(RankEntry(entry), spec)
+        job = executor.submit(rank_entry(spec, entry))
     except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
-        raise LaunchError(f"SLURM refused the job: {e}".strip()) from e
+        msg = re.sub(r"\s+", " ", str(e)).strip()
+        raise LaunchError(f"SLURM refused the job: {msg}") from e
     paths = job.paths
-    log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 err: %s"
-             "\n  MLflow: experiment '%s' at %s, run '%s'", job.job_id, spec.nodes,
-             spec.nproc_per_node, paths.stdout, paths.stderr, spec.tracking.experiment,
-             spec.tracking_uri, spec.run_name)
+    log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 err: %s",
+             job.job_id, spec.nodes, spec.nproc_per_node, paths.stdout, paths.stderr)
     if not spec.cluster.wait:
         return job
-    return watch(job, spec.output_dir, stream=stream)
+    with SignalGuard(saving=spec.save.every_steps > 0) as guard:
+        guard.job = job
+        with streaming(job, stream):
+            return watch(job, spec.output_dir, max_restarts=spec.cluster.max_restarts,
+                         restarts_inside=True)

@@ -1,8 +1,12 @@
-"""`python -m llama_fsdp [overrides]`: compose -> RunSpec -> plan -> launch -> summary."""
+"""`python -m llama_fsdp [overrides]` (or `llama-fsdp`): compose -> RunSpec -> plan -> prepare
+-> launch -> summary."""
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,52 +28,59 @@ def _sweep_id() -> Optional[str]:
     return sweep_id_for(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
 
 
-def _prepare(cfg: DictConfig) -> RunSpec:
-    """Config -> validated spec -> plan (printed) -> refused here if it cannot fit."""
-    from .plan import check_fits, choose_strategy, make_plan, resolve_auto
+def _command(*, drop: tuple[str, ...] = ()) -> str:
+    """The command line as the user typed it (the MLflow run's description), without the
+    overrides of the keys in ``drop``."""
+    prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
+    args = [a for a in sys.argv[1:] if a.split("=", 1)[0].lstrip("+~") not in drop]
+    return " ".join([prog, *map(shlex.quote, args)])
+
+
+def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
+    """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
+    from .plan import make_plan, resolve_auto
 
     # cfg.output_dir is Hydra's run dir unless the user points it at an earlier run to resume.
-    spec = build_spec(cfg, launch_dir=Path.cwd(), sweep_id=_sweep_id())
-    if spec.strategy == "auto":
-        strategy, reason = choose_strategy(spec)
-        log.info("sharding=auto chose %s: %s", strategy, reason)
-        spec = resolve_auto(spec)
+    spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), sweep_id=_sweep_id()))
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
     plan = make_plan(spec)
     log.info("plan (per device):\n%s", plan.table())
-    if spec.dry_run:
-        if not plan.fits:
-            log.warning("this run would be refused at launch (it does not fit); see the plan")
-    else:
-        check_fits(spec, plan)
-    return spec
+    return spec, plan
 
 
-def _summary(spec: RunSpec, results: list[Any]) -> None:
-    r0 = next(r for r in results if r and r.get("rank") == 0)
-    final = r0["final"]
-    lines = [
-        f"steps          {r0['steps']}",
-        f"final loss     {final.get('loss', float('nan')):.4f}"
-        + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
-        + (f"   exact match {final['eval_exact_match']:.2f}" if "eval_exact_match" in final else ""),
-        f"tokens/s       {final.get('tokens_per_sec', 0):.0f} global, "
-        f"{final.get('tokens_per_sec_per_device', 0):.0f} per device",
-        f"peak memory    {final.get('peak_memory_gb', 0):.2f} GB (max over ranks)",
-        f"run dir        {spec.output_dir}",
-    ]
-    if r0.get("mlflow_run_id"):
-        lines.append(f"mlflow run     {r0['mlflow_run_id']} in experiment "
+def summary_lines(spec: RunSpec, r0: Any) -> list[str]:
+    s, final = r0.summary, r0.final
+    lines = [f"status         {r0.status}", f"steps          {r0.steps}"]
+    if "loss" in final:
+        lines.append(f"final loss     {final['loss']:.4f}"
+                     + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+                     + (f"   exact match {final['eval_exact_match']:.2f}"
+                        if "eval_exact_match" in final else ""))
+    if "summary/tokens_per_sec" in s:
+        lines.append(f"tokens/s       {s['summary/tokens_per_sec']:.0f} global, "
+                     f"{s['summary/tokens_per_sec_per_device']:.0f} per device (median of the "
+                     "steady steps)" + (f", MFU {s['summary/mfu']:.1%}" if "summary/mfu" in s
+                                        else ""))
+    if "summary/peak_memory_gb" in s:
+        what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
+        lines.append(f"peak memory    {s['summary/peak_memory_gb']:.2f} GB ({what}, max over "
+                     f"ranks; the plan's tensors {s['summary/predicted_peak_memory_gb']:.2f} GB)")
+    lines.append(f"run dir        {spec.output_dir}")
+    if r0.status != "finished":
+        lines.append(f"continue with  {_command(drop=('output_dir', 'resume'))} "
+                     f"output_dir={spec.output_dir} resume=auto")
+    if r0.mlflow_run_id:
+        lines.append(f"mlflow run     {r0.mlflow_run_id} in experiment "
                      f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
         if spec.tracking_uri.startswith("sqlite:///"):
             lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}")
-    log.info("done\n  %s", "\n  ".join(lines))
+    return lines
 
 
 def _launch_preview(spec: RunSpec) -> str:
     if spec.cluster.kind == "slurm":
-        from launchers.slurm import sbatch_preview
+        from .launchers.slurm import sbatch_preview
 
         return sbatch_preview(spec)
     return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, each "
@@ -78,48 +89,97 @@ def _launch_preview(spec: RunSpec) -> str:
 
 def run(cfg: DictConfig) -> Any:
     """The whole path for one composed config (one point of a sweep)."""
-    from launchers import launch
+    from .launchers import launch, preflight
+    from .plan import check_fits, fixes_text
+    from .prepare import prepare
 
-    from .worker import run_worker
-
-    spec = _prepare(cfg)
+    spec, plan = plan_run(cfg)
     if spec.dry_run:
+        if not plan.fits:
+            log.warning("this run would be refused at launch: it does not fit.\n%s",
+                        fixes_text(spec, plan))
         log.info("dry_run=true: nothing launched. Would run:\n%s", _launch_preview(spec))
         return None
-    results = launch(spec, run_worker)
+    check_fits(spec, plan)
+    problems = preflight(spec)
+    if problems:
+        raise ConfigError(problems)
+    prepared = prepare(spec, command=_command())
+    results = launch(prepared.spec, "llama_fsdp.worker:run_worker")
     if spec.cluster.kind == "local" or spec.cluster.wait:
-        _summary(spec, results)
+        r0 = next(r for r in results if r is not None and r.rank == 0)
+        log.info("done\n  %s", "\n  ".join(summary_lines(spec, r0)))
     return results
 
 
-def _mark_failed(output_dir: str) -> None:
-    """Ranks killed after another rank's crash cannot close their MLflow run; do it here."""
-    from .tracking import mark_run_failed
+def _finish_tracking(output_dir: str, status: str) -> None:
+    """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
+    could not close (killed, crashed)."""
+    from .tracking import Spool, deliver_pending, read_run_file
 
-    try:
-        mark_run_failed(output_dir)
-    except Exception as e:  # noqa: BLE001 - the launch error matters more than this
-        log.warning("could not mark the MLflow run failed: %s", e)
+    if not (Path(output_dir) / "tracking").is_dir():
+        return
+    info = read_run_file(output_dir)
+    if status:
+        Spool(output_dir).append({"t": "status", "status": status,
+                                  "ts": int(time.time() * 1000)})
+    left = deliver_pending(output_dir, deadline_s=30.0)
+    if left:
+        log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
+                    "deliver them with: python -m llama_fsdp.tracking %s", left,
+                    info.get("tracking_uri"), output_dir)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def _remove_if_empty(output_dir: str) -> None:
+    """Hydra made the run directory; a run that did not launch leaves nothing behind (rmdir
+    removes only empty directories, so nothing of a user's is ever deleted)."""
+    path = Path(output_dir)
+    for d in (path, path.parent):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+@hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
-    from launchers import LaunchError
-
+    from .launchers import Interrupted, LaunchError
     from .plan import PlanError
+    from .prepare import PrepareError
 
+    output_dir = str(Path(cfg.output_dir).resolve())
+    launched = False
     try:
-        return run(cfg)
-    except (ConfigError, PlanError) as e:
+        result = run(cfg)
+        launched = result is not None
+        if launched and (cfg.cluster.kind == "local" or cfg.cluster.wait):
+            _finish_tracking(output_dir, status="")
+            if any(r is not None and r.status != "finished" for r in result):
+                sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
+        return result
+    except (ConfigError, PlanError, PrepareError) as e:
         log.error("%s", e)
         sys.exit(2)
-    except LaunchError as e:
+    except Interrupted as e:
+        launched = True
         log.error("%s", e)
-        _mark_failed(str(Path(cfg.output_dir).resolve()))
+        _finish_tracking(output_dir, status="KILLED")
+        sys.exit(e.exit_code)
+    except LaunchError as e:
+        launched = True
+        log.error("%s", e)
+        _finish_tracking(output_dir, status="FAILED")
         sys.exit(1)
+    finally:
+        if not launched:
+            _remove_if_empty(output_dir)
 
 
 def main() -> None:
+    from .compat import check_versions
+
+    check_versions()
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_configs()
     _hydra_main()
 

@@ -1,18 +1,20 @@
 """Typed schemas for every config node, registered in Hydra's ConfigStore.
 
-YAML files under conf/ only set values: each lists its group's ``base_<group>`` schema in its
-defaults, so a misspelled key or a wrong type fails at compose time with the key's name.
+YAML files under conf/ only set values; the root schema (``base_config``, first in
+conf/config.yaml's defaults) types every group, so a misspelled key or a wrong type fails at
+compose time with the key's name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 SHARDING_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid", "hybrid_grad_op", "auto")
-PRECISIONS = ("bf16", "mixed", "fp32")
+PRECISIONS = ("auto", "bf16", "mixed", "fp32")
 AC_MODES = ("none", "full", "selective")
 CLUSTERS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,7 +62,8 @@ class ShardingConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
+    # auto: mixed on CUDA (bf16 compute, fp32 master weights and reduction), fp32 on CPU.
+    name: str = "auto"
 
 
 @dataclass
@@ -71,19 +74,44 @@ class CheckpointingConfig:
     # selective: wrap every k-th decoder layer (layer-level selective AC, as torchtitan's "int").
     every_k: int = 2
 
+    def wrapped_layers(self, num_layers: int) -> range:
+        """Indices of the decoder layers activation checkpointing wraps (parallel.py wraps
+        them, plan.py counts them)."""
+        match self.mode:
+            case "none":
+                return range(0)
+            case "full":
+                return range(num_layers)
+            case "selective":
+                return range(self.every_k - 1, num_layers, self.every_k)
+        raise ValueError(f"checkpointing mode {self.mode!r} is not one of {', '.join(AC_MODES)}")
+
 
 @dataclass
 class ClusterConfig:
     kind: str = "local"
     nodes: int = 1
-    # Ranks per node. null: every local GPU on CUDA, else 2 CPU ranks.
+    # Ranks per node. null: every visible GPU on CUDA, else 2 CPU ranks.
     nproc_per_node: Optional[int] = None
     device: str = "auto"
+    # Job time limit in minutes. Local: null (none). SLURM: the allocation's --time; SLURM sends
+    # SIGUSR2 signal_delay_s before it ends (and before a preemption), the ranks save a
+    # checkpoint, and the job requeues itself, at most max_requeues times.
+    time_min: Optional[int] = None
+    signal_delay_s: int = 300
+    max_requeues: int = 3
+    # A rank that dies (crash, OOM kill, lost node) stops every rank; the run then restarts from
+    # its newest complete checkpoint, at most max_restarts times (torchrun's --max-restarts).
+    max_restarts: int = 0
+    # Collective timeouts: init covers rendezvous, model build and checkpoint loading; train
+    # applies from the first training step on (a collective slower than this is a hang: the
+    # ranks stop and leave their stacks in <run>/hang/).
+    init_timeout_s: int = 1800
+    train_timeout_s: int = 900
     # SLURM (submitit) options; ignored by the local launcher.
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    time_min: int = 60
     constraint: Optional[str] = None
     mem_gb: Optional[int] = None
     cpus_per_task: Optional[int] = None
@@ -92,10 +120,13 @@ class ClusterConfig:
     sbatch_extra: dict[str, Any] = field(default_factory=dict)
     srun_args: list[str] = field(default_factory=list)
     wait: bool = True
-    # Torch threads per rank; null splits the node's cores between its ranks.
+    # Torch threads per rank; null: the CPUs this rank may use (its SLURM allocation or CPU
+    # affinity) split between the node's ranks.
     threads_per_rank: Optional[int] = None
-    # Per-device memory and dense bf16 peak for planning and MFU; null: detected locally
-    # (CUDA properties / host RAM), or H100 values (80 GB, 989 TFLOP/s) for SLURM GPU jobs.
+    # The accelerator, for the planner and MFU: a name from llama_fsdp/devices.py (h100, h200,
+    # a100, ...). null: the local GPU's name, or h100 for SLURM GPU jobs (with a warning).
+    gpu_type: Optional[str] = None
+    # Overrides of that table: per-device memory (GB) and dense peak TFLOP/s.
     device_memory_gb: Optional[float] = None
     peak_tflops: Optional[float] = None
 
@@ -193,6 +224,10 @@ class TrainConfig:
     # Stop after this step without changing the LR schedule (which runs to max_steps): train a
     # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.
     stop_after: Optional[int] = None
+    # Step hooks: "module:attr" import paths. Each names a factory called once per rank as
+    # factory(rank=, world_size=, output_dir=) that returns a callable hook(state), called on
+    # every rank at the end of every step (state.step is the step just done).
+    callbacks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -233,6 +268,12 @@ class TrackingConfig:
     uri: str = "sqlite:///outputs/mlflow.db"
     experiment: str = "llama_fsdp"
     run_name: Optional[str] = None
+    # An unreachable tracking server at launch: refuse the run (false), or train anyway and
+    # deliver the spooled metrics when the server is back (true).
+    allow_offline: bool = False
+    # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
+    system_metrics: bool = False
+    system_metrics_interval_s: float = 10.0
 
 
 @dataclass
@@ -256,19 +297,41 @@ class Config:
     cache_dir: Optional[str] = None
 
 
-GROUPS: dict[str, type] = {
-    "model": ModelConfig,
-    "sharding": ShardingConfig,
-    "precision": PrecisionConfig,
-    "checkpointing": CheckpointingConfig,
-    "cluster": ClusterConfig,
-    "data": DataConfig,
-}
-
-
 def register_configs() -> None:
-    """Register the root schema and one ``base_<group>`` schema per group."""
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
+    """Register the root schema. Every group is a typed field of it, so the group options
+    (YAML, values only) and command-line overrides are checked against their dataclass when
+    merged: a misspelled key or a wrong type fails at compose time with the key's name."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def conf_dir() -> Path:
+    """The config groups `python -m llama_fsdp` composes: conf/ of the checkout, installed
+    inside the package as ``llama_fsdp.conf``."""
+    from importlib.resources import files
+
+    return Path(str(files("llama_fsdp.conf")))
+
+
+def model_presets() -> dict[str, ModelConfig]:
+    """Every ``model=`` option as a typed ModelConfig (unset fields take the schema's defaults,
+    as at compose time); an option that does not validate is left out (compose reports it)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for f in sorted((conf_dir() / "model").glob("*.yaml")):
+        node = OmegaConf.load(f)
+        node.pop("defaults", None)  # type: ignore[union-attr]
+        try:
+            out[f.stem] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                              node))
+        except Exception:  # noqa: BLE001 - a broken preset is reported by compose, not here
+            continue
+    return out  # type: ignore[return-value]
+
+
+def model_preset(name: str) -> ModelConfig:
+    """One ``model=`` option (conf/model/<name>.yaml) as a typed ModelConfig, without Hydra."""
+    presets = model_presets()
+    if name not in presets:
+        raise KeyError(f"model={name}: valid: {', '.join(sorted(presets))}")
+    return presets[name]

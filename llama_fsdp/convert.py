@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from .checkpoint import (
     HF_META,
     MAX_SHARD_BYTES,
@@ -28,10 +30,9 @@ from .checkpoint import (
     resolve_resume,
     write_hf_dir,
 )
-from .parallel import DTYPES
+from .spec import DTYPE_BYTES
 
 log = logging.getLogger("llama_fsdp.convert")
-
 
 
 def _parse_size(text: str) -> int:
@@ -90,7 +91,7 @@ def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
     with tempfile.TemporaryDirectory() as tmp:
         meta = _meta_dir(ckpt, config_yaml, Path(tmp) / "meta")
         if dtype is not None:
-            sd = {k: v.to(DTYPES[dtype]) for k, v in sd.items()}
+            sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
             cfg = json.loads((meta / "config.json").read_text())
             cfg["dtype"] = dtype
             (meta / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -110,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="replace an existing output directory")
     p.add_argument("--config", type=Path, default=None,
                    help="the run's config.yaml, for checkpoints without an hf/ folder")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                    help="cast the weights (default: as saved)")
     p.add_argument("--max-shard-size", default="5GB", help="per safetensors file (e.g. 2GB)")
     args = p.parse_args(argv)

@@ -6,8 +6,6 @@ decoder layer -> fully_shard on the root. No model definitions here (see model.p
 from __future__ import annotations
 
 import logging
-from typing import Optional
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -17,11 +15,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .spec import MeshSpec, PrecisionPolicy
+from .config import CheckpointingConfig
+from .spec import DTYPE_BYTES, MeshSpec, PrecisionPolicy
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a precision policy names ("float32", "bfloat16", "float16")."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, name)
 
 
 def build_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
@@ -29,21 +33,13 @@ def build_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.dim_names)
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, *, mode: str, every_k: int) -> int:
+def apply_activation_checkpointing(layers: nn.ModuleList, ac: CheckpointingConfig) -> int:
     """Wrap decoder layers in non-reentrant checkpointing; return how many were wrapped.
 
     ``full`` wraps every layer (only each layer's input is kept); ``selective`` is layer-level:
     every ``every_k``-th layer is wrapped, trading memory for less recomputation.
     """
-    match mode:
-        case "none":
-            return 0
-        case "full":
-            chosen = range(len(layers))
-        case "selective":
-            chosen = range(every_k - 1, len(layers), every_k)
-        case _:
-            raise ValueError(f"checkpointing mode {mode!r} is not one of none, full, selective")
+    chosen = ac.wrapped_layers(len(layers))
     for i in chosen:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                        preserve_rng_state=False)
@@ -57,8 +53,8 @@ def apply_compile(layers: nn.ModuleList) -> None:
 
 
 def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=DTYPES[policy.compute_dtype],
-                                reduce_dtype=DTYPES[policy.reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(policy.compute_dtype),
+                                reduce_dtype=torch_dtype(policy.reduce_dtype))
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
@@ -82,10 +78,10 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
 
 
 def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, mesh_spec: MeshSpec,
-                policy: PrecisionPolicy, ac_mode: str, ac_every_k: int, compile: bool,
+                policy: PrecisionPolicy, ac: CheckpointingConfig, compile: bool,
                 cpu_offload: bool) -> nn.Module:
     """AC -> compile -> FSDP, in place; the model may still be on the meta device."""
-    wrapped = apply_activation_checkpointing(layers, mode=ac_mode, every_k=ac_every_k)
+    wrapped = apply_activation_checkpointing(layers, ac)
     if compile:
         apply_compile(layers)
     units = apply_fsdp(model, layers, mesh=mesh, reshard_after_forward=mesh_spec.reshard_after_forward,
@@ -118,7 +114,3 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
-
-
-def model_dtype(name: str) -> Optional[torch.dtype]:
-    return DTYPES.get(name)

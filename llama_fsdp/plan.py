@@ -14,7 +14,6 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from .config import (
@@ -26,18 +25,16 @@ from .config import (
     PrecisionConfig,
     ShardingConfig,
     TrainConfig,
+    model_preset,
 )
-from .spec import PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
+from .spec import DTYPE_BYTES, PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
 
 log = logging.getLogger(__name__)
 
 GB = 10**9
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_MARGIN = 0.10  # keep 10% of the device free (allocator fragmentation, CUDA context)
 DEFAULT_MFU = 0.40
-DEFAULT_GPU_MEMORY_GB = 80.0  # H100 80GB; conservative (torch reports ~85.5 GB for it)
-DEFAULT_GPU_PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 # sharding=auto tries these in order: least communication first.
 AUTO_ORDER = ("no_shard", "hybrid_grad_op", "hybrid", "grad_op", "full")
 HYBRID = ("hybrid", "hybrid_grad_op")
@@ -153,31 +150,18 @@ def layer_activation_bytes(m: ModelConfig, c: int) -> int:
     return (8 + 6 * c) * h + 2 * c * g + 4 * c * i + 4 * (m.num_heads + 2)
 
 
-def checkpointed_layers(num_layers: int, mode: str, every_k: int) -> int:
-    """How many decoder layers activation checkpointing wraps (as parallel.py does)."""
-    match mode:
-        case "none":
-            return 0
-        case "full":
-            return num_layers
-        case "selective":
-            return num_layers // every_k
-        case _:
-            raise ValueError(f"checkpointing mode {mode!r} is not one of none, full, selective")
-
-
 def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False) -> int:
     """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
     sequences' mask term when ``packing``."""
     return layer_activation_bytes(m, c) + (packed_mask_bytes(m, seq_len, c) if packing else 0)
 
 
-def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int, mode: str = "none",
-                     every_k: int = 2, packing: bool = False) -> int:
+def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,
+                     ac: Optional[CheckpointingConfig] = None, packing: bool = False) -> int:
     """Activations kept for backward by one micro-batch, loss buffers excluded (``packing``:
     data.packing, which adds the 4-D mask term above)."""
     per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing)
-    wrapped = checkpointed_layers(m.num_layers, mode, every_k)
+    wrapped = len((ac or CheckpointingConfig()).wrapped_layers(m.num_layers))
     layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
     if wrapped:
         layers += per_layer  # the layer being recomputed in backward
@@ -263,8 +247,7 @@ def memory_breakdown(spec: RunSpec) -> Memory:
         params=params, grads=grads, optimizer=optim, unsharded_params=kept,
         comm_buffers=_comm_bytes(spec),
         activations=activation_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
-                                     c=c, mode=ac.mode, every_k=ac.every_k,
-                                     packing=spec.data.packing),
+                                     c=c, ac=ac, packing=spec.data.packing),
         logits_loss=logits_loss_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
                                       c=c),
         host=host,
@@ -325,9 +308,9 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     resharded = mesh.reshard_after_forward
     kept = layer * c if resharded else count_params(m) * c
     packing = spec.data.packing
-    acts = activation_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c,
-                            mode=ac.mode, every_k=ac.every_k, packing=packing)
-    wrapped = checkpointed_layers(m.num_layers, ac.mode, ac.every_k)
+    acts = activation_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c, ac=ac,
+                            packing=packing)
+    wrapped = len(ac.wrapped_layers(m.num_layers))
     # the layer recomputed in backward is not live before it
     recomputed = tokens * saved_layer_bytes(m, seq_len=t.seq_len, c=c, packing=packing)
     saved = acts - (recomputed if wrapped else 0)
@@ -378,37 +361,34 @@ def _host_ram_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _local_cuda_bytes() -> Optional[int]:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except (ImportError, RuntimeError):
-        pass
-    return None
-
-
 def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
     """(bytes one rank may use, where that number came from)."""
+    from .devices import BY_KEY, DEFAULT_GPU, local_gpu
+
     c = spec.cluster
     if c.device_memory_gb is not None:
         return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
     if spec.device == "cuda":
-        local = _local_cuda_bytes() if c.kind == "local" else None
+        local = local_gpu() if c.kind == "local" else None
         if local is not None:
-            return local, "torch.cuda.get_device_properties"
-        return int(DEFAULT_GPU_MEMORY_GB * GB), "default H100 80 GB"
+            return local[1], f"{local[0]}, torch.cuda.get_device_properties"
+        key = spec.gpu or DEFAULT_GPU
+        return int(BY_KEY[key].memory_gb * GB), f"{key} (cluster.gpu_type table)"
     if c.kind == "slurm" and c.mem_gb:
         return int(c.mem_gb * GB) // spec.nproc_per_node, "cluster.mem_gb / ranks per node"
     return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
 
 
 def peak_flops(spec: RunSpec) -> Optional[float]:
-    """Dense peak FLOP/s of one device: cluster.peak_tflops, H100 bf16 for CUDA, none for CPU."""
+    """Dense peak FLOP/s of one device for the run's compute dtype: cluster.peak_tflops, else
+    the accelerator table (bf16, or TF32 for fp32); None on CPU or for an unknown GPU."""
+    from .devices import BY_KEY
+
     if spec.cluster.peak_tflops is not None:
         return spec.cluster.peak_tflops * 1e12
-    return DEFAULT_GPU_PEAK_TFLOPS * 1e12 if spec.device == "cuda" else None
+    if spec.device == "cuda" and spec.gpu is not None:
+        return BY_KEY[spec.gpu].peak_flops(spec.policy.compute_dtype)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,6 +638,17 @@ def _fixes(spec: RunSpec) -> list[str]:
     return lines
 
 
+def fixes_text(spec: RunSpec, plan: Plan) -> str:
+    """Why the run does not fit, and the cheapest fixes with their predicted peaks."""
+    head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
+            f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
+            f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
+            f"GB is usable ({plan.capacity_bytes / GB:.1f} GB from {plan.capacity_source}, less "
+            f"a {plan.margin:.0%} margin).")
+    fixes = "\n".join(f"  - {f}" for f in _fixes(spec))
+    return f"{head}\nCheapest fixes (predicted peak per device):\n{fixes}"
+
+
 def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
     """Raise PlanError if the run cannot fit its devices (unless spec.force); log the verdict."""
     plan = plan or make_plan(spec)
@@ -665,17 +656,10 @@ def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
         log.info("plan: %.2f GB of %.2f GB per device fits", plan.predicted_peak_gb,
                  plan.capacity_bytes / GB)
         return
-    head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
-            f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
-            f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
-            f"GB is usable ({plan.capacity_bytes / GB:.1f} GB from {plan.capacity_source}, less "
-            f"a {plan.margin:.0%} margin)")
     if spec.force:
-        log.warning("%s; force=true: launching anyway", head)
+        log.warning("%s\nforce=true: launching anyway", fixes_text(spec, plan))
         return
-    fixes = "\n".join(f"  - {f}" for f in _fixes(spec))
-    raise PlanError(f"{head}.\nCheapest fixes (predicted peak per device):\n{fixes}\n"
-                    f"{plan.table()}\nOr set force=true to launch anyway.")
+    raise PlanError(f"{fixes_text(spec, plan)}\nOr set force=true to launch anyway.")
 
 
 def _candidates(spec: RunSpec) -> list[str]:
@@ -710,112 +694,18 @@ def resolve_auto(spec: RunSpec) -> RunSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The seeds' memory budget, side by side with this framework's policies
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-# (model, nominal billions, seed moment bytes, what the seeds said)
-SEED_CASES = (
-    ("8b", 8, 4, "8B, 8 GPUs, bf16 params + bf16 grads + fp32 Adam moments"),
-    ("70b", 70, 4, "70B, 8 GPUs, bf16 params + bf16 grads + fp32 Adam moments"),
-    ("70b", 70, 2, "70B, 8 GPUs, bf16 params + bf16 grads + bf16 Adam moments"),
-)
-
-
-def seed_budget_gb(params_billion: float, world: int, *, param_bytes: int = 2,
-                   grad_bytes: int = 2, moment_bytes: int = 4) -> float:
-    """The seeds' back-of-envelope: billions × (params + grads + 2 moments) bytes / ranks."""
-    return params_billion * (param_bytes + grad_bytes + 2 * moment_bytes) / world
-
-
-def model_config(name: str, conf_dir: Path = CONF_DIR) -> ModelConfig:
-    """A conf/model/<name>.yaml option as a typed ModelConfig (no Hydra needed)."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(conf_dir / "model" / f"{name}.yaml")
-    raw.pop("defaults", None)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+# What-ifs without Hydra
 
 
 def reference_spec(model: str, *, nodes: int = 1, gpus_per_node: int = 8, strategy: str = "full",
                    precision: str = "bf16", ac: str = "full", batch: int = 1, seq_len: int = 2048,
-                   device_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> RunSpec:
+                   device_memory_gb: float = 80.0) -> RunSpec:
     """A SLURM GPU RunSpec built without Hydra, for tables and what-ifs."""
-    cfg = Config(model=model_config(model), sharding=ShardingConfig(strategy=strategy),
+    cfg = Config(model=model_preset(model), sharding=ShardingConfig(strategy=strategy),
                  precision=PrecisionConfig(name=precision),
                  checkpointing=CheckpointingConfig(mode=ac),
                  cluster=ClusterConfig(kind="slurm", nodes=nodes, gpus_per_node=gpus_per_node,
-                                       device_memory_gb=device_memory_gb),
+                                       time_min=60, device_memory_gb=device_memory_gb),
                  data=DataConfig(), train=TrainConfig(batch_size=batch, seq_len=seq_len),
                  output_dir="outputs/plan", resume="none")
     return build_spec(cfg, output_dir="outputs/plan")
-
-
-def _state_gb(model: str, precision: str) -> float:
-    return sum(model_state_bytes(reference_spec(model, precision=precision))) / GB
-
-
-def _seed_rows() -> list[str]:
-    rows = []
-    for model, billions, moment, text in SEED_CASES:
-        seed = seed_budget_gb(billions, 8, moment_bytes=moment)
-        formula = f"({2 * billions}+{2 * billions}+{2 * moment * billions})/8"
-        rows.append(f"| {text} | {formula} = {seed:.1f} | {count_params(model_config(model)):,} "
-                    f"| {_state_gb(model, 'bf16'):.2f} | {_state_gb(model, 'mixed'):.2f} |")
-    return rows
-
-
-def _plan_rows() -> list[str]:
-    rows = []
-    for model in ("8b", "70b"):
-        for precision in ("bf16", "mixed"):
-            p = make_plan(reference_spec(model, precision=precision))
-            m = p.memory
-            need = "-" if p.fits else str(nodes_needed(p.spec))
-            rows.append(
-                f"| {model} | `{precision}` | {m.model_state / GB:.2f} | "
-                f"{(m.unsharded_params + m.comm_buffers) / GB:.2f} | {m.activations / GB:.2f} | "
-                f"{m.logits_loss / GB:.2f} | {p.predicted_peak_gb:.2f} ({p.peak_phase}) | "
-                f"{'yes' if p.fits else 'no'} | {need} |")
-    return rows
-
-
-def seed_table_markdown() -> str:
-    """benchmarks/plan_seed_table.md: the seeds' budget next to this framework's plans."""
-    head = [
-        "# Memory budget: the seeds' arithmetic and this framework's plan",
-        "",
-        "Generated by `llama_fsdp.plan.seed_table_markdown()`; checked by "
-        "`tests/unit/test_plan.py`. GB = 1e9 bytes.",
-        "",
-        "## Model state per GPU, 8 GPUs, full sharding",
-        "",
-        "The seeds count nominal billions of parameters × bytes (params + grads + 2 Adam "
-        "moments) / 8 ranks, activations extra. This framework has no policy with bf16 params "
-        "and fp32 moments: `bf16` keeps everything in bf16 (8 B/param, the seeds' \"bf16 "
-        "optimizer state\" case) and `mixed` keeps fp32 params, grads and moments (16 B/param) "
-        "and computes in bf16.",
-        "",
-        "| seed case | seed GB / GPU | exact params | `bf16` GB / GPU | `mixed` GB / GPU |",
-        "|---|---|---|---|---|",
-    ]
-    plans = [
-        "",
-        "## Whole plan per GPU: 1 node × 8 × 80 GB, full sharding, micro-batch 1 × 2048, "
-        "full activation checkpointing",
-        "",
-        "Usable = 80 GB less a 10% margin = 72 GB. Transient = all-gather / reduce-scatter "
-        "buffers and the root's unsharded embedding and head with their grads. The columns are "
-        "component sizes, never all live at once; peak GB is the plan's prediction, the largest "
-        "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Activations "
-        "include the packed-sequence mask term (data.packing=true, the default).",
-        "",
-        "| model | precision | model state | transient | activations | logits + loss "
-        "| peak GB | fits | nodes needed |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    return "\n".join(head + _seed_rows() + plans + _plan_rows()) + "\n"
-
-
-def write_seed_table(path: Path = CONF_DIR.parent / "benchmarks" / "plan_seed_table.md") -> Path:
-    path.write_text(seed_table_markdown())
-    return path

@@ -6,6 +6,7 @@ error that can be caught before processes start is caught here, all of them at o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class PrecisionPolicy:
     reduce_dtype: str  # dtype of gradient reduce-scatter / all-reduce
 
 
+# Bytes per element of the dtypes a policy names (torch dtypes of the same names: getattr(torch, n)).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 PRECISION_POLICIES = {
     "fp32": PrecisionPolicy("float32", "float32", "float32"),
     "mixed": PrecisionPolicy("float32", "bfloat16", "float32"),
@@ -95,6 +99,7 @@ class RunSpec:
     strategy: str
     device: str
     backend: str
+    gpu: Optional[str]  # accelerator table key (llama_fsdp/devices.py); None on CPU / unknown
     nodes: int
     nproc_per_node: int
     world_size: int
@@ -109,6 +114,7 @@ class RunSpec:
     git_commit: str
     config_yaml: str = field(repr=False)
     sweep_id: Optional[str] = None
+    restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
 
     @property
     def dp_size(self) -> int:
@@ -158,6 +164,15 @@ def resolve_tracking_uri(uri: str, base: Path) -> str:
     if "://" not in uri:  # a plain directory
         return str((base / uri).resolve())
     return uri
+
+
+def _local_bf16() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_bf16_supported())
+    except (ImportError, RuntimeError):
+        return False
 
 
 def _local_cuda_count() -> int:
@@ -281,6 +296,57 @@ def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
             return MeshSpec(1, world, True)  # reported by _check_choices
 
 
+def unknown_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> list[str]:
+    """Keys of a composed config that its schema does not have, each with the closest valid
+    key: Hydra's ``+key=value`` adds keys past the schema, and they would be silently ignored."""
+    import dataclasses
+    import difflib
+    import typing
+
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    out = []
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            out.append(f"{name} is not a config key (valid under {prefix.rstrip('.') or 'the root'}: "
+                       f"{', '.join(sorted(fields))}){hint}")
+            continue
+        node, kind = cfg._get_node(key), hints[key]
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        if dataclasses.is_dataclass(kind) and isinstance(node, DictConfig) and not node._is_none():
+            out += unknown_keys(node, kind, f"{name}.")
+    return out
+
+
+def resolve_precision(name: str, device: str) -> str:
+    """precision=auto: mixed on CUDA (bf16 compute, fp32 master weights), fp32 on CPU."""
+    if name != "auto":
+        return name
+    return "mixed" if device == "cuda" else "fp32"
+
+
+def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
+    """The accelerator table key of this run's GPUs (None on CPU or for an unknown GPU)."""
+    from .devices import BY_KEY, DEFAULT_GPU, by_device_name, local_gpu
+
+    c = cfg.cluster
+    if device != "cuda":
+        return None
+    if c.gpu_type is not None:
+        if c.gpu_type not in BY_KEY:
+            problems.append(f"cluster.gpu_type={c.gpu_type!r} is not one of {', '.join(BY_KEY)}: "
+                            "pick one, or set cluster.peak_tflops and cluster.device_memory_gb")
+            return None
+        return c.gpu_type
+    if c.kind == "local" and (gpu := local_gpu()) is not None:
+        acc = by_device_name(gpu[0])
+        return acc.key if acc else None
+    return DEFAULT_GPU
+
+
 def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) -> None:
     c = cfg.cluster
     if nproc < 1:
@@ -303,6 +369,19 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         problems.append(
             f"cluster.nproc_per_node={nproc} exceeds cluster.gpus_per_node={c.gpus_per_node}"
         )
+    if c.kind == "slurm" and c.time_min is None:
+        problems.append("cluster.time_min is required with cluster=slurm (the job's --time, in "
+                        "minutes): set cluster.time_min=<minutes>")
+    for key in ("signal_delay_s", "max_requeues", "max_restarts"):
+        if getattr(c, key) < 0:
+            problems.append(f"cluster.{key}={getattr(c, key)} must be >= 0")
+    if min(c.init_timeout_s, c.train_timeout_s) < 1:
+        problems.append("cluster.init_timeout_s and cluster.train_timeout_s must be >= 1 second")
+    precision = resolve_precision(cfg.precision.name, device)
+    if device == "cuda" and precision in ("bf16", "mixed") and c.kind == "local" \
+            and not _local_bf16():
+        problems.append(f"precision={precision} computes in bf16, which this GPU does not "
+                        "support: use precision=fp32")
     if cfg.sharding.cpu_offload and device != "cuda":
         problems.append(
             "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
@@ -310,11 +389,11 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         )
 
 
-def _run_name(cfg: Config, strategy: str, world: int) -> str:
+def _run_name(cfg: Config, strategy: str, precision: str, world: int) -> str:
     if cfg.tracking.run_name:
         return cfg.tracking.run_name
     return (
-        f"{cfg.model.name}-{strategy}-{cfg.precision.name}-ac_{cfg.checkpointing.mode}"
+        f"{cfg.model.name}-{strategy}-{precision}-ac_{cfg.checkpointing.mode}"
         f"-w{world}-b{cfg.train.batch_size}"
     )
 
@@ -323,6 +402,9 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
                launch_dir: Optional[Path] = None, sweep_id: Optional[str] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError."""
     if isinstance(cfg, DictConfig):
+        unknown = unknown_keys(cfg)
+        if unknown:
+            raise ConfigError(unknown)
         config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     else:
@@ -332,7 +414,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     _check_choices(obj, problems)
     _check_positive(obj, problems)
     _check_model(obj.model, obj.train, problems)
-    from .checkpoint import checkpoint_problems  # model.path vs config.json, resume, save options
+    from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
 
     problems.extend(checkpoint_problems(obj))
     problems.extend(obj.data.problems())
@@ -341,6 +423,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     nproc = _resolve_nproc(obj.cluster, device)
     world = obj.cluster.nodes * max(nproc, 1)
     _check_devices(obj, device, nproc, problems)
+    gpu = _gpu_type(obj, device, problems)
     strategy = obj.sharding.strategy
     mesh = _mesh(strategy, obj.sharding.shard_size, world, nproc, problems)
     if obj.checkpointing.mode == "selective" and obj.checkpointing.every_k > obj.model.num_layers:
@@ -356,22 +439,24 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     if problems:
         raise ConfigError(problems)
 
+    precision = dataclasses.replace(obj.precision,
+                                    name=resolve_precision(obj.precision.name, device))
     base = launch_dir or Path.cwd()
     out = Path(output_dir or obj.output_dir)
     out = out if out.is_absolute() else (base / out)
     global_batch = obj.train.batch_size * obj.train.grad_accum * world
     return RunSpec(
-        model=obj.model, sharding=obj.sharding, precision=obj.precision,
+        model=obj.model, sharding=obj.sharding, precision=precision,
         checkpointing=obj.checkpointing, cluster=obj.cluster, data=obj.data, train=obj.train,
         eval=obj.eval, save=obj.save, tracking=obj.tracking, resume=obj.resume,
         dry_run=obj.dry_run, force=obj.force,
-        strategy=strategy, device=device, backend="nccl" if device == "cuda" else "gloo",
+        strategy=strategy, device=device, backend="nccl" if device == "cuda" else "gloo", gpu=gpu,
         nodes=obj.cluster.nodes, nproc_per_node=nproc, world_size=world, mesh=mesh,
-        policy=PRECISION_POLICIES[obj.precision.name], global_batch=global_batch,
+        policy=PRECISION_POLICIES[precision.name], global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
         cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
-        run_name=_run_name(obj, strategy, world), git_commit=_git_commit(),
+        run_name=_run_name(obj, strategy, precision.name, world), git_commit=_git_commit(),
         config_yaml=config_yaml, sweep_id=sweep_id,
     )
 

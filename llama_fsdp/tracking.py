@@ -1,21 +1,47 @@
-"""Rank-0 side effects behind one object each: MLflow tracking and the console.
+"""MLflow tracking off the training path, and rank 0's console.
 
-Rank 0 holds the real objects; every other rank holds the do-nothing twins with the same
-methods, so training code never asks which rank it is on.
+Rank 0 appends every tracking event (params, metrics, tags, files, status) to a spool in the
+run directory, ``<run>/tracking/spool.jsonl``, and a background shipper thread delivers the
+spool to MLflow. A step never waits for MLflow: an outage (server down, sqlite locked by
+parallel sweep jobs) only grows the spool; delivery resumes when the store answers. What is
+left when a rank ends is delivered by the launcher, or later with
+
+    python -m llama_fsdp.tracking <run dir>
+
+so nothing is lost. Delivery is at least once, in order; ``<run>/tracking/shipped`` holds how
+much of the spool has been delivered. The MLflow run itself is created before launch by the
+driver (prepare.py), through the same spool, so an unreachable store is reported in seconds.
+
+Every other rank holds ``NullTracker``, with the same methods doing nothing, so training code
+never asks which rank it is on.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any, Optional
-
-from omegaconf import OmegaConf
+from typing import Any, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
-RUN_ID_FILE = "mlflow_run.json"
+TRACKING_DIR = "tracking"  # under the run's output dir
+SPOOL, SHIPPED, RUN_FILE, LOCK = "spool.jsonl", "shipped", "run.json", "ship.lock"
+# MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
+FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+PERMANENT_ERRORS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
+                    "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
+METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
+EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: the UI opens on the training runs
+
+
+def tracking_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / TRACKING_DIR
 
 
 def artifact_location(uri: str, experiment: str) -> Optional[str]:
@@ -39,102 +65,319 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class MlflowTracker:
-    """One MLflow run per launch; a resumed run (same output dir) continues the same MLflow run."""
+# --- the spool --------------------------------------------------------------------------------
 
-    def __init__(self, *, uri: str, experiment: str, run_name: str, output_dir: str,
-                 tags: dict[str, str], config_yaml: str):
-        import mlflow
+
+class Spool:
+    """Append-only JSON lines in the run dir, and how far they have been delivered."""
+
+    def __init__(self, output_dir: str | Path):
+        self.dir = tracking_dir(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path, self._offset_file = self.dir / SPOOL, self.dir / SHIPPED
+        self._lock = threading.Lock()
+
+    def append(self, event: dict[str, Any]) -> None:
+        line = (json.dumps(event, default=str) + "\n").encode()
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)  # one write of a whole line: never a torn event
+            finally:
+                os.close(fd)
+
+    def shipped(self) -> int:
+        try:
+            return int(self._offset_file.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def mark_shipped(self, offset: int) -> None:
+        tmp = self._offset_file.with_suffix(".tmp")
+        tmp.write_text(str(offset))
+        tmp.replace(self._offset_file)
+
+    def pending(self, limit: int = 5000) -> list[tuple[int, dict[str, Any]]]:
+        """(end offset, event) of up to ``limit`` undelivered events, in order."""
+        if not self.path.exists():
+            return []
+        out, offset = [], self.shipped()
+        with self.path.open("rb") as f:
+            f.seek(offset)
+            for raw in f:
+                if not raw.endswith(b"\n") or len(out) >= limit:
+                    break  # a line still being written, or enough for one round
+                offset += len(raw)
+                out.append((offset, json.loads(raw)))
+        return out
+
+    def backlog(self) -> int:
+        return max(0, (self.path.stat().st_size if self.path.exists() else 0) - self.shipped())
+
+    @contextlib.contextmanager
+    def exclusive(self, wait: bool) -> Iterator[bool]:
+        """Hold the shipping lock (one deliverer at a time); yields False if busy and not wait."""
+        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+
+# --- delivery ---------------------------------------------------------------------------------
+
+
+def _permanent(err: Exception) -> bool:
+    """An error the store will give again (a changed param value, a deleted run)."""
+    return getattr(err, "error_code", None) in PERMANENT_ERRORS
+
+
+class Delivery:
+    """Delivers spooled events to one MLflow store; knows the run once it exists."""
+
+    def __init__(self, spool: Spool, uri: str):
         from mlflow.tracking import MlflowClient
 
+        os.environ.update(FAST_FAIL_ENV)
+        self.spool, self.uri = spool, uri
         self.client = MlflowClient(tracking_uri=uri)
-        self.uri = uri
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            experiment, artifact_location=artifact_location(uri, experiment))
-        self._id_file = Path(output_dir) / RUN_ID_FILE
-        self.run_id = self._existing_run(exp_id)
-        self.resumed = self.run_id is not None
+        self.run_id = read_run_file(spool.dir.parent).get("run_id")
+
+    def ship(self, events: list[tuple[int, dict[str, Any]]]) -> None:
+        """Deliver events in order, marking each delivered group; raises on a transient error
+        (the rest stays in the spool)."""
+        i = 0
+        while i < len(events):
+            kind = events[i][1]["t"]
+            j = i + 1
+            if kind == "metrics":  # consecutive metric events go in batches
+                n = len(events[i][1]["m"])
+                while j < len(events) and events[j][1]["t"] == "metrics" and \
+                        n + len(events[j][1]["m"]) <= METRICS_PER_BATCH:
+                    n += len(events[j][1]["m"])
+                    j += 1
+            group = [e for _, e in events[i:j]]
+            try:
+                self._deliver(kind, group)
+            except Exception as e:  # noqa: BLE001 - classified: dropped or retried
+                if not _permanent(e):
+                    raise
+                log.warning("MLflow refused a %s event (%s); it is skipped", kind,
+                            str(e).splitlines()[0][:300])
+            self.spool.mark_shipped(events[j - 1][0])
+            i = j
+
+    def _deliver(self, kind: str, group: list[dict[str, Any]]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        c = self.client
+        if kind == "create":
+            self._create(group[0])
+            return
         if self.run_id is None:
-            run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
-            self.run_id = run.info.run_id
-            self._id_file.parent.mkdir(parents=True, exist_ok=True)
-            self._id_file.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": uri}))
-            self._log_config(config_yaml)
-        else:
-            self.client.update_run(self.run_id, status="RUNNING")
-            self.client.set_tag(self.run_id, "resumed", "true")
-        self.experiment_id = exp_id
-        self._mlflow = mlflow
+            raise RuntimeError("no MLflow run yet")  # transient: the create event comes first
+        match kind:
+            case "metrics":
+                c.log_batch(self.run_id, metrics=[Metric(k, float(v), e["ts"], e["step"])
+                                                  for e in group for k, v in e["m"].items()])
+            case "params":
+                params = [Param(k, str(v)[:6000]) for k, v in group[0]["p"].items()]
+                for at in range(0, len(params), PARAMS_PER_BATCH):
+                    c.log_batch(self.run_id, params=params[at:at + PARAMS_PER_BATCH])
+            case "tags":
+                c.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in group[0]["tags"].items()])
+            case "text":
+                c.log_text(self.run_id, group[0]["text"], group[0]["file"])
+            case "artifacts":
+                c.log_artifacts(self.run_id, group[0]["dir"], group[0].get("path"))
+            case "inputs":
+                c.log_inputs(self.run_id, datasets=[_dataset_input(d) for d in group[0]["datasets"]])
+            case "status":
+                c.set_terminated(self.run_id, status=group[0]["status"], end_time=group[0]["ts"])
+            case "running":
+                c.update_run(self.run_id, status="RUNNING")
+            case other:
+                raise ValueError(f"unknown tracking event {other!r}")
 
-    def _existing_run(self, exp_id: str) -> Optional[str]:
-        if not self._id_file.exists():
-            return None
-        saved = json.loads(self._id_file.read_text())
-        if saved.get("tracking_uri") != self.uri:
-            return None
-        return saved["run_id"]
+    def _create(self, e: dict[str, Any]) -> None:
+        """The run (and its experiment) for a spool that starts without one."""
+        if self.run_id is not None:
+            return
+        c = self.client
+        exp = c.get_experiment_by_name(e["experiment"])
+        exp_id = exp.experiment_id if exp else c.create_experiment(
+            e["experiment"], artifact_location=artifact_location(self.uri, e["experiment"]),
+            tags={"mlflow.experimentKind": EXPERIMENT_KIND})
+        run = c.create_run(exp_id, run_name=e["run_name"], tags=e.get("tags") or {},
+                           start_time=e["ts"])
+        self.run_id = run.info.run_id
+        write_run_file(self.spool.dir.parent, {"run_id": self.run_id, "experiment_id": exp_id,
+                                               "tracking_uri": self.uri})
 
-    def _log_config(self, config_yaml: str) -> None:
-        from mlflow.entities import Param
 
-        flat = flatten(OmegaConf.to_container(OmegaConf.create(config_yaml)))  # type: ignore[arg-type]
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(flat.items())]
-        for i in range(0, len(params), 100):  # the store takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
-        self.client.log_text(self.run_id, config_yaml, "config.yaml")
+def _dataset_input(d: dict[str, Any]) -> Any:
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    ds = Dataset(name=d["name"], digest=d["digest"], source_type=d["source_type"],
+                 source=d["source"], schema=d.get("schema"), profile=d.get("profile"))
+    return DatasetInput(ds, tags=[InputTag("mlflow.data.context", d.get("context", "train"))])
+
+
+def read_run_file(output_dir: str | Path) -> dict[str, Any]:
+    path = tracking_dir(output_dir) / RUN_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
+    path = tracking_dir(output_dir) / RUN_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[str] = None,
+                    wait_for_lock: bool = True) -> int:
+    """Deliver what the spool holds until it is empty or the deadline passes; returns the
+    undelivered bytes (0: everything is in MLflow)."""
+    spool = Spool(output_dir)
+    uri = uri or read_run_file(output_dir).get("tracking_uri")
+    if uri is None:
+        return spool.backlog()
+    end, delay = time.monotonic() + deadline_s, 0.5
+    with spool.exclusive(wait_for_lock) as mine:
+        if not mine:
+            return spool.backlog()
+        delivery = Delivery(spool, uri)
+        while (events := spool.pending()) and time.monotonic() < end:
+            try:
+                delivery.ship(events)
+                delay = 0.5
+            except Exception as e:  # noqa: BLE001 - transient: wait and try again
+                log.debug("delivery failed: %s", e)
+                time.sleep(min(delay, max(0.0, end - time.monotonic())))
+                delay = min(delay * 2, 10.0)
+    return spool.backlog()
+
+
+class Shipper(threading.Thread):
+    """Rank 0's background delivery: every ``interval_s``, whatever the spool holds."""
+
+    def __init__(self, spool: Spool, uri: str, interval_s: float = 1.0):
+        super().__init__(name="mlflow-shipper", daemon=True)
+        self.spool, self.uri, self.interval_s = spool, uri, interval_s
+        self._wake, self._halt = threading.Event(), threading.Event()
+        self.failures = 0
+        self.last_error = ""
+
+    def run(self) -> None:
+        delivery, delay = None, self.interval_s
+        with self.spool.exclusive(wait=True):
+            while not self._halt.is_set():
+                self._wake.wait(delay)
+                self._wake.clear()
+                try:
+                    delivery = delivery or Delivery(self.spool, self.uri)
+                    while events := self.spool.pending():
+                        delivery.ship(events)
+                    delay, self.failures = self.interval_s, 0
+                except Exception as e:  # noqa: BLE001 - transient: back off, keep the spool
+                    self.failures += 1
+                    self.last_error = str(e).splitlines()[0][:300] if str(e) else repr(e)
+                    if self.failures == 1:
+                        log.warning("MLflow at %s is not answering (%s); training goes on and "
+                                    "the metrics wait in %s", self.uri, self.last_error,
+                                    self.spool.path)
+                    delay = min(self.interval_s * 2 ** self.failures, 30.0)
+
+    def nudge(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Deliver what is left within timeout_s; True if the spool is empty."""
+        end = time.monotonic() + timeout_s
+        while self.spool.backlog() and time.monotonic() < end and self.is_alive():
+            self._wake.set()
+            time.sleep(0.1)
+        self._halt.set()
+        self._wake.set()
+        self.join(timeout=max(0.0, end - time.monotonic()) + 1.0)
+        return self.spool.backlog() == 0
+
+
+# --- what rank 0 holds ------------------------------------------------------------------------
+
+
+class Tracker:
+    """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
+
+    def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0):
+        self.output_dir, self.uri = output_dir, uri
+        self.spool = Spool(output_dir)
+        self.flush_timeout_s = flush_timeout_s
+        self.shipper = Shipper(self.spool, uri)
+        self.shipper.start()
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return read_run_file(self.output_dir).get("run_id")
+
+    def _add(self, event: dict[str, Any]) -> None:
+        self.spool.append(event)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self._add({"t": "params", "p": params})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(
-            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
-        )
+        if metrics:
+            self._add({"t": "metrics", "step": int(step), "ts": int(time.time() * 1000),
+                       "m": {k: float(v) for k, v in metrics.items()}})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+        self._add({"t": "tags", "tags": tags})
 
-    def log_artifact(self, path: str) -> None:
-        self.client.log_artifact(self.run_id, path)
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._add({"t": "text", "text": text, "file": artifact_file})
+
+    def log_model_dir(self, path: Optional[Path]) -> None:
+        """The exported HF directory, as the run's ``model`` artifacts."""
+        if path is not None:
+            self._add({"t": "artifacts", "dir": str(path), "path": "model"})
+            self.set_tags({"export_dir": str(path)})
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        self._add({"t": "status", "status": status, "ts": int(time.time() * 1000)})
+        if not self.shipper.stop(self.flush_timeout_s):
+            log.warning("%d bytes of tracking events could not be delivered to %s (%s); they "
+                        "are kept in %s: the launcher delivers them, or run `python -m "
+                        "llama_fsdp.tracking %s`", self.spool.backlog(), self.uri,
+                        self.shipper.last_error, self.spool.path, self.output_dir)
 
 
-def mark_run_failed(output_dir: str) -> None:
-    """Set the run recorded in output_dir to FAILED if it is still RUNNING."""
-    from mlflow.tracking import MlflowClient
-
-    id_file = Path(output_dir) / RUN_ID_FILE
-    if not id_file.exists():
-        return
-    saved = json.loads(id_file.read_text())
-    client = MlflowClient(tracking_uri=saved["tracking_uri"])
-    if client.get_run(saved["run_id"]).info.status == "RUNNING":
-        client.set_terminated(saved["run_id"], status="FAILED")
+def open_tracker(spec: Any) -> Any:
+    """Rank 0's tracker for a RunSpec (the driver created the run), or the null twin."""
+    if not spec.tracking.enabled:
+        return NullTracker()
+    return Tracker(spec.output_dir, spec.tracking_uri)
 
 
 class NullTracker:
     """What ranks other than 0 hold: the same methods, doing nothing."""
 
     run_id: Optional[str] = None
-    experiment_id: Optional[str] = None
-    uri: Optional[str] = None
-    resumed = False
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def log_artifact(self, path: str) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_model_dir(self, path: Optional[Path]) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
@@ -146,6 +389,10 @@ class Console:
 
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+
+    def set_initial(self, step: int) -> None:
+        self.bar.n = self.bar.initial = step
+        self.bar.refresh()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.n = step
@@ -163,6 +410,31 @@ class Console:
 
 
 class NullConsole:
+    def set_initial(self, step: int) -> None: ...
     def update(self, step: int, metrics: dict[str, float]) -> None: ...
     def info(self, msg: str, *args: Any) -> None: ...
     def close(self) -> None: ...
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m llama_fsdp.tracking <run dir> [--uri URI] [--timeout S]`: deliver a run's
+    spooled tracking events (after an outage)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m llama_fsdp.tracking", description=main.__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--uri", default=None, help="deliver to this store instead of the run's")
+    p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spool = Spool(args.run_dir)
+    before = spool.backlog()
+    left = deliver_pending(args.run_dir, deadline_s=args.timeout, uri=args.uri)
+    info = read_run_file(args.run_dir)
+    log.info("%s: delivered %d bytes of events to %s (run %s); %d left", args.run_dir,
+             before - left, args.uri or info.get("tracking_uri"), info.get("run_id"), left)
+    return 0 if left == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

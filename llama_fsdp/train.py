@@ -3,12 +3,16 @@
 The loss is normalized by the global number of target tokens in the step (all ranks, all
 micro-batches), so N ranks with the same global batch compute exactly the 1-rank gradient,
 whatever the share of masked tokens on each rank.
+
+A step needs no host sync: the target count is all-reduced on the device and divides the loss
+as a tensor; the loss, gradient norm, peak memory and stop requests are reduced together, in
+one collective, only at log steps (``train.log_every``), where throughput is measured over the
+steps since the previous log step.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -31,7 +35,7 @@ class TrainState:
 
     step: int = 0
     tokens_seen: int = 0
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the logged steps' losses (this process)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -71,17 +75,17 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                            ignore_index=-100, reduction="sum")
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return t
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    tokens: int  # input tokens processed by all ranks
+    """One optimizer step, as device tensors (reading them is a host sync: at log steps only)."""
+
+    loss: torch.Tensor  # this rank's share of the global token-mean loss
+    grad_norm: torch.Tensor  # global (all shards)
+    tokens: int  # input tokens processed by all ranks (known from the batch shapes)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -89,12 +93,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], *, device: torch.device,
                max_grad_norm: float) -> StepResult:
     """One optimizer step over this rank's micro-batches; the loss is the global token mean."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro_batches)),
-                           float(sum(b["input_ids"].numel() for b in micro_batches))], device=device)
-    targets, tokens = _all_reduce(counts).tolist()
-    if targets == 0:
-        raise RuntimeError("a training step has no target tokens on any rank (all labels -100)")
+    world = _world()
+    targets = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in micro_batches)),
+                           device=device)
+    if world > 1:
+        dist.all_reduce(targets)
+    targets = targets.clamp(min=1.0)  # a step without targets (prepare refuses such data)
     total = torch.zeros((), device=device)
     for batch in micro_batches:
         batch = _to(batch, device)
@@ -106,47 +110,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return StepResult(loss=_all_reduce(total).item(), grad_norm=float(grad_norm),
-                      tokens=int(tokens))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
-             device: torch.device) -> float:
-    """Token-mean eval loss over every rank's held-out batches."""
-    n = _all_reduce(torch.tensor(len(batches), device=device), dist.ReduceOp.MIN).item()
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(2, device=device)
-    for batch in batches[: int(n)]:  # every rank runs the same number of forwards (FSDP)
-        batch = _to(batch, device)
-        sums[0] += loss_sum(model, batch)
-        sums[1] += (batch["labels"] != -100).sum()
-    model.train(was_training)
-    s, c = _all_reduce(sums).tolist()
-    return s / max(c, 1.0)
-
-
-def inject_fault(step: int) -> None:
-    """Testing hook: LLAMA_FSDP_FAULT="rank=R,step=S" makes rank R raise after step S.
-
-    The launcher tests use it to show that one rank's crash ends the whole run with that
-    rank's traceback instead of a hang.
-    """
-    spec = os.environ.get("LLAMA_FSDP_FAULT")
-    if not spec:
-        return
-    want = dict(kv.split("=") for kv in spec.split(","))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if int(want["rank"]) == rank and int(want["step"]) == step:
-        raise RuntimeError(f"injected fault on rank {rank} after step {step} (LLAMA_FSDP_FAULT)")
+    tokens = sum(b["input_ids"].numel() for b in micro_batches) * world  # same shape everywhere
+    return StepResult(loss=total, grad_norm=grad_norm, tokens=tokens)
 
 
 class MemoryMeter:
-    """Peak memory of this process: CUDA max allocated/reserved, or peak RSS on CPU."""
+    """Peak memory of this process since ``reset``: CUDA max allocated / reserved (reset after
+    the model and optimizer exist, so it is the training steps' peak), or peak RSS on CPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def read_gb(self) -> dict[str, float]:
         if self.device.type == "cuda":
@@ -155,11 +132,13 @@ class MemoryMeter:
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"peak_memory_gb": rss_kb * 1024 / 1e9}
 
-    def global_peak(self) -> dict[str, float]:
-        local = self.read_gb()
-        t = torch.tensor(list(local.values()), device=self.device, dtype=torch.float64)
-        _all_reduce(t, dist.ReduceOp.MAX)
-        return dict(zip(local, t.tolist()))
+
+class StopRequested(Exception):
+    """Raised on every rank at a log step after a stop was requested (and the checkpoint saved)."""
+
+    def __init__(self, reason: str, step: int):
+        super().__init__(f"{reason} at step {step}")
+        self.reason, self.step = reason, step
 
 
 @dataclass
@@ -170,69 +149,138 @@ class LoopContext:
     train: TrainConfig
     eval: EvalConfig
     batches: Iterator[dict[str, torch.Tensor]]
-    eval_batches: Callable[[], list[dict[str, torch.Tensor]]]
     tracker: Any
     console: Any
     flops_per_token: Optional[float] = None
     peak_flops: Optional[float] = None
-    on_step_end: Optional[Callable[[TrainState], None]] = None
-    on_eval: Optional[Callable[[int], dict[str, float]]] = None
+    # Called on every rank after every step (checkpoints, user callbacks), in order.
+    on_step_end: list[Callable[["TrainState"], None]] = field(default_factory=list)
+    # Eval loss and task metrics at a step (collective); None: no evaluation.
+    evaluate: Optional[Callable[[int], dict[str, float]]] = None
+    # This rank's pending stop request (0 none, else a code the handler understands); agreed
+    # across ranks at log steps and handed to on_stop there, which saves and raises.
+    stop_request: Callable[[], int] = lambda: 0
+    on_stop: Optional[Callable[[int, "TrainState"], None]] = None
+    # Called once after the first step (e.g. to switch to the training collective timeout).
+    after_first_step: Optional[Callable[[], None]] = None
 
 
-def step_metrics(res: StepResult, *, dt: float, lr: float, world: int, mem: dict[str, float],
-                 flops_per_token: Optional[float], peak_flops: Optional[float]) -> dict[str, float]:
-    tps = res.tokens / dt
-    m = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens_per_sec": tps,
-         "tokens_per_sec_per_device": tps / world, "step_time_s": dt, **mem}
+@dataclass
+class _Window:
+    """The steps since the last log step: their tokens, and their wall time without the eval
+    and step-end hooks (checkpoint saves) in between."""
+
+    start: float
+    steps: int = 0
+    tokens: int = 0
+    excluded: float = 0.0
+
+
+def _reduce_at_log_step(res: StepResult, meter: MemoryMeter, stop: int,
+                        device: torch.device) -> tuple[float, float, dict[str, float], int]:
+    """(global loss, grad norm, max peak memory over ranks, agreed stop request): one
+    all-gather of a small vector and one host sync."""
+    mem = meter.read_gb()
+    local = torch.stack([res.loss.float(), res.grad_norm.float().reshape(()),
+                         *[torch.tensor(v, device=device) for v in mem.values()],
+                         torch.tensor(float(stop), device=device)]).to(device, torch.float64)
+    world = _world()
+    if world > 1:
+        rows = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(rows, local)
+        stacked = torch.stack(rows)
+        local = torch.cat([stacked[:, :1].sum(0), stacked[0, 1:2], stacked[:, 2:].max(0).values])
+    vals = local.tolist()
+    loss, grad_norm, stop = vals[0], vals[1], int(vals[-1])
+    return loss, grad_norm, dict(zip(mem, vals[2:-1])), stop
+
+
+def step_metrics(*, loss: float, grad_norm: float, lr: float, window: _Window, now: float,
+                 world: int, mem: dict[str, float], flops_per_token: Optional[float],
+                 peak_flops: Optional[float]) -> dict[str, float]:
+    dt = max(now - window.start - window.excluded, 1e-9)
+    tps = window.tokens / dt
+    m = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+         "tokens_per_sec_per_device": tps / world, "step_time_s": dt / max(window.steps, 1), **mem}
     if flops_per_token and peak_flops:
         m["mfu"] = flops_per_token * (tps / world) / peak_flops
     return m
 
 
+@dataclass
+class LoopResult:
+    last: dict[str, float]  # the last logged step's metrics, with the last eval's
+    logged: list[dict[str, float]]  # every log step's metrics, with "step"
+
+
+def steady(logged: list[dict[str, float]], key: str, *, skip_fraction: float = 0.1) -> Optional[float]:
+    """Median of a per-log-step metric after warm-up: the first log step (compilation, caches,
+    allocator growth) and the first ``skip_fraction`` of the steps are left out."""
+    import statistics
+
+    if not logged:
+        return None
+    first, last = logged[0]["step"], logged[-1]["step"]
+    cut = first + skip_fraction * (last - first)
+    vals = [m[key] for m in logged[1:] if m["step"] >= cut and key in m] or \
+        [m[key] for m in logged if key in m]
+    return statistics.median(vals) if vals else None
+
+
 def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, state: TrainState,
-             ctx: LoopContext) -> dict[str, float]:
-    """Train from state.step to train.max_steps; returns the last step's metrics."""
-    t, world = ctx.train, (dist.get_world_size() if dist.is_initialized() else 1)
-    meter, last = MemoryMeter(ctx.device), {}
+             ctx: LoopContext) -> LoopResult:
+    """Train from state.step to train.max_steps (or stop_after)."""
+    t, world = ctx.train, _world()
+    meter, last, logged = MemoryMeter(ctx.device), {}, []
     model.train()
-    if ctx.eval.every_steps and state.step == 0:
-        _run_eval(model, ctx, 0, last)  # the baseline the eval curve falls from
-    while state.step < t.max_steps:
-        if t.stop_after is not None and state.step >= t.stop_after:
-            break  # a chunk of a longer run: the schedule still ends at max_steps
+    if ctx.evaluate is not None and ctx.eval.every_steps and state.step == 0:
+        _run_eval(ctx, 0, last)  # the baseline the eval curve falls from
+    meter.reset()
+    end = t.max_steps if t.stop_after is None else min(t.max_steps, t.stop_after)
+    window, first = _Window(time.perf_counter()), True
+    while state.step < end:
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
         lr = scheduler.get_last_lr()[0]
-        t0 = time.perf_counter()
         res = train_step(model, optimizer, scheduler, micro, device=ctx.device,
                          max_grad_norm=t.max_grad_norm)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        dt = time.perf_counter() - t0
         state.step += 1
         state.tokens_seen += res.tokens
-        inject_fault(state.step)
-        state.losses.append(res.loss)
-        if not math.isfinite(res.loss):
-            raise FloatingPointError(f"loss is {res.loss} at step {state.step}: lower train.lr "
-                                     "or use precision=mixed")
-        last = step_metrics(res, dt=dt, lr=lr, world=world, mem=meter.global_peak(),
-                            flops_per_token=ctx.flops_per_token, peak_flops=ctx.peak_flops)
-        if state.step % t.log_every == 0 or state.step == t.max_steps:
-            ctx.tracker.log_metrics(last, step=state.step)
-        ctx.console.update(state.step, last)
-        if ctx.eval.every_steps and (state.step % ctx.eval.every_steps == 0
-                                     or state.step == t.max_steps):
-            _run_eval(model, ctx, state.step, last)
-        if ctx.on_step_end is not None:
-            ctx.on_step_end(state)
-    return last
+        window.steps, window.tokens = window.steps + 1, window.tokens + res.tokens
+        if state.step % t.log_every == 0 or state.step == end:
+            loss, grad_norm, mem, stop = _reduce_at_log_step(res, meter, ctx.stop_request(),
+                                                              ctx.device)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {state.step}: lower train.lr "
+                                         "or use precision=mixed")
+            state.losses.append(loss)
+            last = {**{k: v for k, v in last.items() if k.startswith("eval_")},
+                    **step_metrics(loss=loss, grad_norm=grad_norm, lr=lr, window=window,
+                                   now=time.perf_counter(), world=world, mem=mem,
+                                   flops_per_token=ctx.flops_per_token,
+                                   peak_flops=ctx.peak_flops)}
+            step_only = {k: v for k, v in last.items() if not k.startswith("eval_")}
+            logged.append({"step": state.step, **step_only})
+            ctx.tracker.log_metrics(step_only, step=state.step)
+            ctx.console.update(state.step, last)
+            if stop and ctx.on_stop is not None:
+                ctx.on_stop(stop, state)  # saves, then raises StopRequested on every rank
+            window = _Window(time.perf_counter())
+        paused = time.perf_counter()
+        if first and ctx.after_first_step is not None:
+            ctx.after_first_step()
+        first = False
+        if ctx.evaluate is not None and ctx.eval.every_steps and (
+                state.step % ctx.eval.every_steps == 0 or state.step == end):
+            _run_eval(ctx, state.step, last)
+        for hook in ctx.on_step_end:
+            hook(state)
+        window.excluded += time.perf_counter() - paused  # eval and saves are not training time
+    return LoopResult(last=last, logged=logged)
 
 
-def _run_eval(model: nn.Module, ctx: LoopContext, step: int, last: dict[str, float]) -> None:
-    metrics = {"eval_loss": evaluate(model, ctx.eval_batches(), device=ctx.device)}
-    if ctx.on_eval is not None:
-        metrics.update(ctx.on_eval(step))
+def _run_eval(ctx: LoopContext, step: int, last: dict[str, float]) -> None:
+    metrics = ctx.evaluate(step)  # type: ignore[misc]
     ctx.tracker.log_metrics(metrics, step=step)
     ctx.console.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     last.update(metrics)

@@ -1,31 +1,47 @@
-"""What every rank runs: process group -> mesh -> sharded model -> data -> loop -> summary."""
+"""What every rank runs: process group -> mesh -> sharded model -> data -> loop -> result.
+
+``run_worker(spec)`` is the entry point the launchers hand to each rank (rank, world size and
+master address come from the environment). It builds a typed :class:`Run` and trains it. The
+driver has already prepared everything that needs no process group (tokenized data in the
+cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never touch a hub.
+"""
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import logging
 import os
 import socket
-import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt_io
-from .data import build_data, prepare_data
+from .data import DataModule, build_data
+from .eval import eval_loss, exact_match
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights
-from .parallel import build_mesh, local_numel, model_dtype, parallelize
-from .plan import make_plan
-from .preemption import Preempted, PreemptionWatcher
+from .parallel import build_mesh, local_numel, parallelize, torch_dtype
+from .plan import Plan, make_plan
 from .spec import RunSpec
-from .tracking import Console, MlflowTracker, NullConsole, NullTracker
-from .train import LoopContext, TrainState, build_optimizer, build_scheduler, run_loop
+from .stopping import StopSignals, stop_handler
+from .tracking import Console, NullConsole, NullTracker, open_tracker
+from .train import (
+    LoopContext,
+    StopRequested,
+    TrainState,
+    build_optimizer,
+    build_scheduler,
+    run_loop,
+    steady,
+)
 
 log = logging.getLogger(__name__)
 
-ERROR_FILE = "rank{rank}.error"
+HANG_DIR = "hang"  # <run>/hang/rank<r>.txt: every thread's stack when a step outlives the timeout
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,23 @@ class DistEnv:
                    int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_WORLD_SIZE", 1)))
 
 
+@dataclass
+class RunResult:
+    """What a rank hands back to the launcher."""
+
+    rank: int
+    status: str  # finished | stopped by the user | preempted
+    steps: int
+    losses: list[float]  # logged steps (every step with train.log_every=1)
+    final: dict[str, float]  # the last logged step's metrics, with the last eval's
+    summary: dict[str, float]  # steady-state throughput, peak memory, final losses (MLflow too)
+    tokens_seen: int
+    mlflow_run_id: Optional[str]
+    resumed_from: Optional[str]
+    checkpoints: list[str] = field(default_factory=list)
+    export_dir: Optional[str] = None
+
+
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",
@@ -50,169 +83,258 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def cpus_for_rank(env: DistEnv) -> int:
+    """CPUs this rank may use: SLURM's cpus-per-task, else its CPU affinity (what the job or
+    container grants) split between the node's ranks."""
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        available = os.cpu_count() or 1
+    return max(1, available // max(env.local_world_size, 1))
+
+
+def _gpu_for_rank(env: DistEnv) -> torch.device:
+    n = torch.cuda.device_count()
+    if env.local_rank >= n:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        raise RuntimeError(
+            f"rank {env.rank} is local rank {env.local_rank} on {socket.gethostname()}, which "
+            f"shows {n} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): each rank needs a GPU of its "
+            f"own. Launch at most {n} rank(s) per node (cluster.nproc_per_node / "
+            "cluster.gpus_per_node)")
+    return torch.device("cuda", env.local_rank)
+
+
 def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
-    threads = spec.cluster.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
-    torch.set_num_threads(threads)
+    """Process group with the init timeout; CUDA ranks get NCCL for GPU tensors and gloo for
+    CPU ones (CPU offload's gradients, object collectives)."""
+    torch.set_num_threads(spec.cluster.threads_per_rank or cpus_for_rank(env))
+    timeout = datetime.timedelta(seconds=spec.cluster.init_timeout_s)
     if spec.device == "cuda":
-        device = torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
+        device = _gpu_for_rank(env)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
+        if spec.policy.compute_dtype == "float32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            if env.rank == 0:
+                log.info("precision=fp32 on CUDA: TF32 matmuls enabled (10-bit mantissa products, "
+                         "fp32 accumulation); MFU is against the TF32 peak")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     if dist.get_world_size() != spec.world_size:
         raise RuntimeError(f"launched {dist.get_world_size()} ranks but the run expects "
                            f"{spec.world_size}: the launcher and the spec disagree")
     return device
 
 
-def build_model(spec: RunSpec, device: torch.device) -> nn.Module:
-    """Meta-device model -> AC/compile/FSDP2 -> materialize this rank's shards -> init."""
+def set_train_timeout(spec: RunSpec) -> None:
+    """From the first step on, a collective slower than cluster.train_timeout_s is a hang."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=spec.cluster.train_timeout_s), None)
+
+
+class HangWatch:
+    """Every thread's stack to <run>/hang/rank<r>.txt when a step outlives the training
+    timeout (NCCL's flight recorder adds the collectives' view on CUDA: launchers/common.py)."""
+
+    def __init__(self, spec: RunSpec, rank: int):
+        path = Path(spec.output_dir) / HANG_DIR / f"rank{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+        self._timeout = spec.cluster.train_timeout_s + 30
+
+    def arm(self, _state: Any = None) -> None:
+        faulthandler.dump_traceback_later(self._timeout, repeat=False, file=self._file)
+
+    def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        self._file.close()
+
+
+def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn.Module:
+    """Meta-device model -> AC/compile/FSDP2 -> materialize this rank's shards -> init
+    (``init=False``: the weights come from a checkpoint or HF files, so no full tensors are
+    drawn for nothing; buffers only)."""
     model = build_meta_model(spec.model)
-    model.to(model_dtype(spec.policy.param_dtype))
+    model.to(torch_dtype(spec.policy.param_dtype))
     mesh = build_mesh(spec.mesh, device.type)
     parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
-                ac_mode=spec.checkpointing.mode, ac_every_k=spec.checkpointing.every_k,
-                compile=spec.train.compile, cpu_offload=spec.sharding.cpu_offload)
+                ac=spec.checkpointing, compile=spec.train.compile,
+                cpu_offload=spec.sharding.cpu_offload)
     model.to_empty(device="cpu" if spec.sharding.cpu_offload else device)
-    if spec.model.path:  # weights come from the checkpoint: no full tensors built for nothing
-        init_buffers(model)
-    else:
+    if init:
         init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
+    else:
+        init_buffers(model)
     return model
 
 
-def _trackers(spec: RunSpec, rank: int) -> tuple[Any, Any]:
-    if rank != 0:
-        return NullTracker(), NullConsole()
-    tracker: Any = NullTracker()
-    if spec.tracking.enabled:
-        tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
-                "hostname": socket.gethostname(), "world_size": str(spec.world_size),
-                "strategy": spec.strategy}
-        if spec.sweep_id:
-            tags["sweep_id"] = spec.sweep_id
-        tracker = MlflowTracker(uri=spec.tracking_uri, experiment=spec.tracking.experiment,
-                                run_name=spec.run_name, output_dir=spec.output_dir, tags=tags,
-                                config_yaml=spec.config_yaml)
-    return tracker, Console(total=spec.train.max_steps)
+def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
+    """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
+    import importlib
+
+    hooks = []
+    for path in spec.train.callbacks:
+        module, _, attr = path.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        hooks.append(factory(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir))
+    return hooks
 
 
-def load_data(spec: RunSpec, env: DistEnv) -> Any:
-    """Rank 0 tokenizes (or finds the cache) with progress shown; then every rank loads."""
-    if env.rank == 0:
-        prepare_data(spec.data, seq_len=spec.train.seq_len, cache_dir=Path(spec.cache_dir))
-    dist.barrier()
-    return build_data(spec.data, seq_len=spec.train.seq_len, micro_batch=spec.train.batch_size,
-                      dp_rank=dist.get_rank(), dp_world=dist.get_world_size(),
-                      seed=spec.train.seed, cache_dir=Path(spec.cache_dir),
-                      vocab_size=spec.model.vocab_size)
+def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.device) -> dict:
+    """Eval loss on the held-out batches, and exact match of greedy answers (all ranks call it)."""
+    out = {"eval_loss": eval_loss(model, data.eval_batches(spec.eval.max_batches), device=device)}
+    if spec.eval.task_prompts:
+        # Generation grows the sequence one token at a time: eager, not recompiled per length.
+        with torch.compiler.set_stance("force_eager"):
+            scores = exact_match(model, data, device=device, max_prompts=spec.eval.task_prompts,
+                                 max_new_tokens=spec.eval.max_new_tokens)
+        out.update({f"eval_{k}": v for k, v in scores.items()})
+    return out
 
 
-def record_start(tracker: Any, spec: RunSpec, model: nn.Module, data: Any, plan: Any) -> None:
-    """Derived values, rank placement, data statistics and the plan's prediction."""
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    tracker.set_tags({"rank_hosts": ",".join(hosts)})  # which node each rank ran on
-    tracker.log_params({"derived.world_size": spec.world_size,
-                        "derived.global_batch": spec.global_batch,
-                        "derived.tokens_per_step": spec.tokens_per_step,
-                        "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                        "derived.local_params_rank0": local_numel(model)})
-    tracker.log_metrics({**data.stats, **plan.metrics()}, step=0)
+@dataclass
+class Run:
+    """One rank's run, built: the pieces the loop needs, and what it reports."""
+
+    spec: RunSpec
+    env: DistEnv
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: DataModule
+    plan: Plan
+    tracker: Any
+    console: Any
+    checkpointer: Any
+    state: TrainState
+    resumed_from: Optional[Path] = None
+
+    @classmethod
+    def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "Run":
+        torch.manual_seed(spec.train.seed)
+        resume = ckpt_io.resolve_resume(spec.resume, spec.output_dir)
+        # A checkpoint to resume from holds the weights: no HF read, no random init.
+        model = build_model(spec, device, init=resume is None and not spec.model.path)
+        if resume is None and spec.model.path:
+            ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
+        data = build_data(spec.data, seq_len=spec.train.seq_len,
+                          micro_batch=spec.train.batch_size, dp_rank=env.rank,
+                          dp_world=env.world_size, seed=spec.train.seed,
+                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size)
+        optimizer = build_optimizer(model, spec.train)
+        scheduler = build_scheduler(optimizer, spec.train)
+        tracker = open_tracker(spec) if env.rank == 0 else NullTracker()
+        console = Console(total=spec.train.max_steps) if env.rank == 0 else NullConsole()
+        state = TrainState()
+        tokenizer = data.tokenizer
+        hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
+        checkpointer = ckpt_io.Checkpointer(
+            spec.save, output_dir=spec.output_dir, device=device,
+            app=ckpt_io.AppState(model, optimizer, scheduler, state, data), hf_config=hf_cfg,
+            tokenizer=tokenizer, tracker=tracker)
+        run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
+                  console, checkpointer, state)
+        run.resumed_from = checkpointer.resume(resume)
+        run.console.set_initial(state.step)
+        run.record_start()
+        return run
+
+    def record_start(self) -> None:
+        """Placement, derived values, data statistics and the plan's prediction."""
+        hosts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        spec = self.spec
+        tags = {"rank_hosts": ",".join(hosts)}  # which node each rank ran on
+        if spec.restart:
+            tags["restarts"] = str(spec.restart)
+        self.tracker.set_tags(tags)
+        self.tracker.log_params({"derived.world_size": spec.world_size,
+                                 "derived.global_batch": spec.global_batch,
+                                 "derived.tokens_per_step": spec.tokens_per_step,
+                                 "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                                 "derived.local_params_rank0": local_numel(self.model)})
+        self.tracker.log_metrics({**self.data.stats, **self.plan.metrics()}, step=0)
+        if spec.restart:
+            self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
+
+    def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
+        spec = self.spec
+        return LoopContext(
+            device=self.device, train=spec.train, eval=spec.eval,
+            batches=self.data.train_batches(), tracker=self.tracker, console=self.console,
+            flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
+            on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
+                         hang.arm],
+            evaluate=lambda step: evaluate(self.model, self.data, spec, self.device),
+            stop_request=stops.request,
+            on_stop=stop_handler(self.checkpointer.save_now,
+                                 save_on_user_stop=spec.save.every_steps > 0),
+            after_first_step=lambda: set_train_timeout(spec))
+
+    def train(self) -> RunResult:
+        stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
+        status, export_dir, final, summary = "FAILED", None, {}, {}
+        try:
+            hang.arm()
+            result = run_loop(self.model, self.optimizer, self.scheduler, self.state,
+                              self.loop_context(stops, hang))
+            final = result.last
+            summary = self.summary(result.logged, final)
+            self.checkpointer.finish(self.state)
+            if self.spec.save.export_hf:
+                export_dir = ckpt_io.export_hf(self.model, Path(self.spec.output_dir) /
+                                               ckpt_io.EXPORT, config=self.checkpointer.hf_config,
+                                               tokenizer=self.data.tokenizer)
+                self.tracker.log_model_dir(export_dir)
+            status = "finished"
+        except StopRequested as e:
+            status = e.reason
+        finally:
+            hang.close()
+            self.checkpointer.close()
+            self.console.close()
+            self.tracker.log_metrics(summary, step=self.state.step)
+            self.tracker.finish({"finished": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+        return RunResult(
+            rank=self.env.rank, status=status, steps=self.state.step, losses=self.state.losses,
+            final=final, summary=summary, tokens_seen=self.state.tokens_seen,
+            mlflow_run_id=self.tracker.run_id,
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
+            export_dir=str(export_dir) if export_dir else None)
+
+    def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
+        """End-of-run numbers the MLflow table sorts on (summary/*)."""
+        out = {"summary/tokens_per_sec": steady(logged, "tokens_per_sec"),
+               "summary/tokens_per_sec_per_device": steady(logged, "tokens_per_sec_per_device"),
+               "summary/step_time_s": steady(logged, "step_time_s"),
+               "summary/mfu": steady(logged, "mfu"),
+               "summary/peak_memory_gb": max((m["peak_memory_gb"] for m in logged), default=None),
+               "summary/predicted_peak_memory_gb": self.plan.predicted_peak_gb,
+               "summary/final_loss": final.get("loss"),
+               "summary/eval_loss": final.get("eval_loss"),
+               "summary/eval_exact_match": final.get("eval_exact_match")}
+        return {k: float(v) for k, v in out.items() if v is not None}
 
 
-def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> dict[str, Any]:
-    torch.manual_seed(spec.train.seed)
-    model = build_model(spec, device)
-    if spec.model.path:
-        ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
-    data = load_data(spec, env)
-    optimizer = build_optimizer(model, spec.train)
-    scheduler = build_scheduler(optimizer, spec.train)
-    tracker, console = _trackers(spec, env.rank)
-    plan = make_plan(spec)
-    record_start(tracker, spec, model, data, plan)
-    state = TrainState()
-    tokenizer = getattr(data, "tokenizer", None)
-    hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
-    ckpt = ckpt_io.Checkpointer(spec.save, output_dir=spec.output_dir, device=device,
-                                app=ckpt_io.AppState(model, optimizer, scheduler, state, data),
-                                hf_config=hf_cfg, tokenizer=tokenizer, tracker=tracker)
-    resumed_from = ckpt.resume(spec.resume)  # before the loader's first batch
-    preemption = PreemptionWatcher().install()
-    ctx = LoopContext(device=device, train=spec.train, eval=spec.eval,
-                      batches=data.train_batches(),
-                      eval_batches=lambda: data.eval_batches(spec.eval.max_batches),
-                      tracker=tracker, console=console, flops_per_token=plan.flops_per_token,
-                      peak_flops=plan.peak_flops if spec.device == "cuda" else None,
-                      on_step_end=_chain(ckpt.on_step_end,
-                                         preemption.step_hook(device, ckpt.save_now)),
-                      on_eval=lambda step: task_metrics(model, data, spec, device))
-    status, export_dir = "FAILED", None
-    try:
-        last = run_loop(model, optimizer, scheduler, state, ctx)
-        ckpt.finish(state)
-        if spec.save.export_hf:
-            export_dir = ckpt_io.export_hf(model, Path(spec.output_dir) / ckpt_io.EXPORT,
-                                           config=hf_cfg, tokenizer=tokenizer)
-        status = "FINISHED"
-    except (Preempted, SystemExit):
-        status = "KILLED"  # preempted: checkpoint saved, job requeued; the next job resumes
-        raise
-    finally:
-        ckpt.close()
-        console.close()
-        tracker.finish(status)
-    return {"rank": env.rank, "steps": state.step, "losses": state.losses, "final": last,
-            "tokens_seen": state.tokens_seen, "mlflow_run_id": tracker.run_id,
-            "tracking_uri": spec.tracking_uri, "output_dir": spec.output_dir,
-            "resumed_from": str(resumed_from) if resumed_from else None,
-            "checkpoints": [str(p) for _, p in ckpt_io.list_checkpoints(spec.output_dir)],
-            "export_dir": str(export_dir) if export_dir else None}
+def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:
+    """Build and train one rank's run in this process (with its process group already up)."""
+    return Run.build(spec, env, device).train()
 
 
-def task_metrics(model: nn.Module, data: Any, spec: RunSpec, device: torch.device) -> dict:
-    """Exact match of greedy answers on held-out prompts (synthetic data); all ranks call it."""
-    if not spec.eval.task_prompts:
-        return {}
-    # Generation grows the sequence one token at a time: run it eagerly, not recompiled per length.
-    with torch.compiler.set_stance("force_eager"):
-        scores = data.evaluate_task(model, device=device, max_prompts=spec.eval.task_prompts,
-                                    max_new_tokens=spec.eval.max_new_tokens)
-    return {f"eval_{k}": v for k, v in scores.items()}
-
-
-def _chain(*hooks: Any) -> Any:
-    def hook(state: TrainState) -> None:
-        for h in hooks:
-            h(state)
-
-    return hook
-
-
-def run_worker(spec: RunSpec) -> dict[str, Any]:
+def run_worker(spec: RunSpec) -> RunResult:
     """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
     env = DistEnv.from_environ()
     setup_logging(env.rank)
+    device = init_distributed(spec, env)
     try:
-        device = init_distributed(spec, env)
-        try:
-            return train_on_rank(spec, env, device)
-        finally:
-            dist.destroy_process_group()
-    except Preempted as e:
-        log.warning("%s", e)
-        raise SystemExit(0) from None  # not a failure: the requeued job carries on
-    except SystemExit:
-        raise  # submitit's requeue exit on rank 0
-    except BaseException:
-        _report_failure(spec, env)
-        raise
-
-
-def _report_failure(spec: RunSpec, env: DistEnv) -> None:
-    """Leave the traceback where the launcher looks, so it can stop the other ranks at once."""
-    path = Path(spec.output_dir) / ERROR_FILE.format(rank=env.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"rank {env.rank} on {socket.gethostname()}:\n{traceback.format_exc()}")
+        return train_on_rank(spec, env, device)
+    finally:
+        dist.destroy_process_group()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from launchers.local import free_port
+from llama_fsdp.launchers.common import free_port
 
 
 def _entry(fn, rank, world_size, port, args, queue) -> None:

@@ -58,16 +58,17 @@ def _close(x, y, **kw) -> None:
 def _two_rank_session(rank, world, spec_a, spec_b2, step6):
     """a (uninterrupted), then b2 (auto-resume of the crashed b), then the sharded model's
     logits straight after an HF load and after loading a's final checkpoint."""
-    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.checkpoint import dcp, hf, layout
+from llama_fsdp import checkpoint as ck
     from llama_fsdp.worker import DistEnv, build_model, train_on_rank
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
     out = {"a": train_on_rank(spec_a, env, cpu), "b2": train_on_rank(spec_b2, env, cpu)}
     fresh = build_model(spec_a, cpu)
-    ck.load_hf_weights(fresh, spec_a.model.path)
+    hf.load_hf_weights(fresh, spec_a.model.path)
     out["hf_logits"] = _logits(fresh)
     trained = build_model(spec_a, cpu)
-    ck.load_model_weights(trained, Path(step6))
+    dcp.load_model_weights(trained, Path(step6))
     out["a_logits"] = _logits(trained)
     return out
 
@@ -94,8 +95,8 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_dir):
-    from launchers import LaunchError, launch
-    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.launchers import LaunchError, launch
+    from llama_fsdp.checkpoint import dcp, hf, layout
     from llama_fsdp.worker import run_worker
 
     root = tmp_path_factory.mktemp("ckpt")
@@ -113,7 +114,7 @@ def runs(tmp_path_factory, hf_dir):
             launch(spec_b, run_worker, stream=False)
     finally:
         del os.environ[ck.FAULT_ENV]
-    ckpts_b = root / "b" / ck.CHECKPOINTS
+    ckpts_b = root / "b" / layout.CHECKPOINTS
     after_crash = {p.name: sorted(f.name for f in p.iterdir() if f.is_file())
                    for p in ckpts_b.iterdir()}
     step6 = ck.step_dir(root / "a", 6)
@@ -138,13 +139,13 @@ def test_sharded_load_from_hf_matches_transformers(runs):
 
 
 def test_exact_resume_after_a_crash_mid_save(runs):
-    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.checkpoint import dcp, hf, layout
 
     root = runs["root"]
     # the killed save left its .tmp without DCP metadata; step 2 stayed the newest checkpoint
     crash = runs["after_crash"]
     assert sorted(crash) == ["step_000002", "step_000004.tmp"]
-    assert crash["step_000002"] == [ck.METADATA, "__0_0.distcp", "__1_0.distcp"]
+    assert crash["step_000002"] == [layout.METADATA, "__0_0.distcp", "__1_0.distcp"]
     assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp"]  # data, no metadata
     b2 = runs["b2"]
     assert b2["resumed_from"] == str(ck.step_dir(root / "b", 2))
@@ -158,7 +159,7 @@ def test_exact_resume_after_a_crash_mid_save(runs):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     # async saves published 4 and 6; retention dropped 2 and the interrupted 4.tmp
     assert [Path(p).name for p in b2["checkpoints"]] == ["step_000004", "step_000006"]
-    assert sorted(p.name for p in (root / "b" / ck.CHECKPOINTS).iterdir()) == [
+    assert sorted(p.name for p in (root / "b" / layout.CHECKPOINTS).iterdir()) == [
         "step_000004", "step_000006"]
 
 
@@ -182,7 +183,7 @@ def test_mlflow_run_continues_in_the_same_dir_and_records_the_source_elsewhere(r
 
 
 def test_resharded_resume_two_ranks_full_to_four_ranks_hybrid(runs):
-    from llama_fsdp import checkpoint as ck
+    from llama_fsdp.checkpoint import dcp, hf, layout
 
     c, a = runs["c"][0], runs["a"]
     assert runs["specs"]["c"].mesh.shape == (2, 2) and runs["specs"]["c"].global_batch == 16

@@ -12,7 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llama_fsdp import checkpoint as ck
+from llama_fsdp.checkpoint import checks, hf, layout
+from llama_fsdp.checkpoint import dcp as ckpt_dcp
+from llama_fsdp import model
 from llama_fsdp.convert import main as convert_main
 from llama_fsdp.model import llama_config
 from llama_fsdp.spec import ConfigError
@@ -83,12 +85,12 @@ def test_hf_shape_reads_old_and_new_rope_keys():
            "intermediate_size": 16, "vocab_size": 32, "rope_theta": 500000.0,
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    shape = ck.hf_shape(old)
+    shape = model.hf_shape(old)
     assert shape["num_kv_heads"] == 2 and shape["rope_theta"] == 500000.0
     assert shape["rope_scaling"]["factor"] == 8.0 and shape["tie_word_embeddings"] is False
     new = {**old, "rope_scaling": None,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    assert ck.hf_shape(new)["rope_scaling"] is None and ck.hf_shape(new)["rope_theta"] == 10000.0
+    assert model.hf_shape(new)["rope_scaling"] is None and model.hf_shape(new)["rope_theta"] == 10000.0
 
 
 def test_save_and_stop_options_are_checked():
@@ -102,11 +104,11 @@ def test_save_and_stop_options_are_checked():
 # --- checkpoint directories ----------------------------------------------------------------------
 
 def _fake(run: Path, name: str, complete: bool = True) -> Path:
-    d = run / ck.CHECKPOINTS / name
+    d = run / layout.CHECKPOINTS / name
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(b"x")
     if complete:
-        (d / ck.METADATA).write_bytes(b"m")
+        (d / layout.METADATA).write_bytes(b"m")
     return d
 
 
@@ -116,23 +118,23 @@ def test_only_published_complete_checkpoints_count(tmp_path):
     _fake(run, "step_000006", complete=False)  # published without metadata: never happens, skip
     tmp8 = _fake(run, "step_000008.tmp")  # an interrupted save, even with metadata
     _fake(run, "notes")
-    assert ck.list_checkpoints(run) == [(2, s2), (4, s4)]
-    assert ck.resolve_resume("auto", run) == s4
-    assert ck.resolve_resume("none", run) is None
-    assert ck.resolve_resume(str(run), tmp_path / "other") == s4  # a run dir: its newest
-    assert ck.resolve_resume(str(s2), tmp_path / "other") == s2
-    assert ck.resolve_resume("auto", tmp_path / "fresh") is None
+    assert layout.list_checkpoints(run) == [(2, s2), (4, s4)]
+    assert layout.resolve_resume("auto", run) == s4
+    assert layout.resolve_resume("none", run) is None
+    assert layout.resolve_resume(str(run), tmp_path / "other") == s4  # a run dir: its newest
+    assert layout.resolve_resume(str(s2), tmp_path / "other") == s2
+    assert layout.resolve_resume("auto", tmp_path / "fresh") is None
     with pytest.raises(FileNotFoundError):
-        ck.resolve_resume(str(tmp_path), run)
-    assert ck.expired(run, keep_last=1) == [s2] and ck.expired(run, keep_last=2) == []
-    assert ck.interrupted(run) == [tmp8]
+        layout.resolve_resume(str(tmp_path), run)
+    assert layout.expired(run, keep_last=1) == [s2] and layout.expired(run, keep_last=2) == []
+    assert layout.interrupted(run) == [tmp8]
 
 
 def test_removal_refuses_paths_outside_the_checkpoints_folder(tmp_path):
     outside = tmp_path / "precious"
     outside.mkdir()
     with pytest.raises(RuntimeError, match="refusing to delete"):
-        ck._remove(outside, tmp_path / "run" / ck.CHECKPOINTS)
+        layout._remove(outside, tmp_path / "run" / layout.CHECKPOINTS)
     assert outside.exists()
 
 
@@ -148,13 +150,13 @@ def test_rng_state_round_trips_through_weights_only_load():
 
     import numpy as np
 
-    state = ck.rng_state()
+    state = ckpt_dcp.rng_state()
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)  # what DCP's bytes become on load
     draws = (torch.rand(3), random.random(), np.random.rand())
-    ck.set_rng_state(state)
+    ckpt_dcp.set_rng_state(state)
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
 
@@ -168,7 +170,7 @@ def test_non_tensor_state_is_loaded_weights_only(tmp_path):
     dcp.save({"x": _Evil(), "t": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     with pytest.raises(dcp.CheckpointException, match="unsupported GLOBAL posix.system"):
         dcp.load({"x": 0, "t": torch.zeros(2)}, checkpoint_id=str(tmp_path / "c"), no_dist=True,
-                 planner=ck._WeightsOnlyLoadPlanner())
+                 planner=ckpt_dcp._WeightsOnlyLoadPlanner())
 
 
 # --- the one-process converter -------------------------------------------------------------------
@@ -184,13 +186,13 @@ def _dcp_checkpoint(path: Path, *, tied: bool = False) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg).eval()
     state = {"model": model.state_dict(), "train": {"step": 3, "tokens_seen": 10}}
     dcp.save({"app": state}, checkpoint_id=str(path), no_dist=True)
-    ck.write_hf_meta(path / ck.HF_META, cfg)
+    hf.write_hf_meta(path / ckpt_dcp.HF_META, cfg)
     return model
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_convert_writes_what_from_pretrained_loads(tmp_path, tied):
-    model = _dcp_checkpoint(tmp_path / "run" / ck.CHECKPOINTS / "step_000003", tied=tied)
+    model = _dcp_checkpoint(tmp_path / "run" / layout.CHECKPOINTS / "step_000003", tied=tied)
     out = tmp_path / "hf"
     assert convert_main([str(tmp_path / "run"), str(out), "--max-shard-size", "20KB"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -204,9 +206,9 @@ def test_convert_writes_what_from_pretrained_loads(tmp_path, tied):
 
 
 def test_convert_casts_and_takes_the_config_from_a_run_yaml(tmp_path):
-    ckpt = tmp_path / "run" / ck.CHECKPOINTS / "step_000003"
+    ckpt = tmp_path / "run" / layout.CHECKPOINTS / "step_000003"
     model = _dcp_checkpoint(ckpt)
-    (ckpt / ck.HF_META / "config.json").unlink()
+    (ckpt / ckpt_dcp.HF_META / "config.json").unlink()
     yaml = tmp_path / "config.yaml"
     yaml.write_text("model:\n  name: t\n  hidden_size: 32\n  num_layers: 2\n  num_heads: 4\n"
                     "  num_kv_heads: 2\n  intermediate_size: 64\n  vocab_size: 96\n"
@@ -221,7 +223,7 @@ def test_convert_casts_and_takes_the_config_from_a_run_yaml(tmp_path):
 
 
 def test_convert_never_replaces_an_existing_directory_unless_asked(tmp_path):
-    _dcp_checkpoint(tmp_path / "run" / ck.CHECKPOINTS / "step_000003")
+    _dcp_checkpoint(tmp_path / "run" / layout.CHECKPOINTS / "step_000003")
     out = tmp_path / "hf"
     out.mkdir()
     (out / "precious.txt").write_text("user data")
@@ -252,13 +254,13 @@ def test_hub_names_go_through_the_hub_client(tmp_path, monkeypatch):
     m = ModelConfig(name="t", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, vocab_size=96, rope_theta=10000.0, rms_norm_eps=1e-6,
                     path="test-org/tiny-llama")
-    assert ck.model_path_problems(m) == []
-    assert "hub lookup of its config.json failed" in ck.model_path_problems(
+    assert checks.model_path_problems(m) == []
+    assert "hub lookup of its config.json failed" in checks.model_path_problems(
         ModelConfig(**{**m.__dict__, "path": "test-org/absent"}))[0]
-    assert ck.resolve_hf_dir("test-org/tiny-llama") == repo / "snapshots" / rev
+    assert hf.resolve_hf_dir("test-org/tiny-llama") == repo / "snapshots" / rev
     torch.manual_seed(1)
     target = LlamaForCausalLM(TINY)
-    ck.load_hf_weights(target, "test-org/tiny-llama")  # one process, no process group
+    hf.load_hf_weights(target, "test-org/tiny-llama")  # one process, no process group
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(),
                                                  source.state_dict().values()))
 
@@ -271,7 +273,7 @@ def test_hf_weights_load_across_dtypes_and_with_tied_embeddings(tmp_path, dtype,
     source.save_pretrained(tmp_path / "hf")
     torch.manual_seed(1)
     target = LlamaForCausalLM(cfg)  # fp32
-    ck.load_hf_weights(target, str(tmp_path / "hf"))
+    hf.load_hf_weights(target, str(tmp_path / "hf"))
     for (name, a), b in zip(target.state_dict().items(), source.state_dict().values()):
         assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
     assert (target.lm_head.weight is target.model.embed_tokens.weight) is tied

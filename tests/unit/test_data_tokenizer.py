@@ -6,16 +6,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llama_fsdp.data import build_tokenizer, synthetic_corpus
 from llama_fsdp.config import DataConfig
-from llama_fsdp.tokenizer import (
-    PROJECT_VOCAB_SIZE,
-    encode_chat,
-    encode_prompt_response,
-    encode_text,
-    load_tokenizer,
-    project_tokenizer_dir,
-)
+from llama_fsdp.data import build_tokenizer, synthetic_corpus
+from llama_fsdp.data.formats import encode_chat, encode_prompt_response, encode_text
+from llama_fsdp.data.tokenizer import PROJECT_VOCAB_SIZE, load_tokenizer, project_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,102 @@
-"""Launcher pieces that need no processes: failure reports name the cause first."""
+"""Launcher pieces that need no processes: what each executor is given, failure reports."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 
-from launchers.common import _failure_message, rank_errors
+import pytest
+
+from llama_fsdp.launchers.common import failure_message, worker_env
+from llama_fsdp.launchers.local import NO_TIME_LIMIT_MIN, local_parameters
+from llama_fsdp.launchers.rank import read_reports
+from llama_fsdp.launchers.slurm import executor_parameters, with_restarts
+from tests.conftest import make_spec
 
 
-class _Job:
-    job_id = "42"
+def _report(rank, t, traceback="", sig=0, code=1):
+    return {"rank": rank, "host": "n1", "pid": 100 + rank, "exitcode": -sig if sig else code,
+            "signal": sig, "signal_name": signal.Signals(sig).name if sig else None, "time": t,
+            "traceback": traceback, "echo": "Connection reset by peer" in traceback,
+            "attempt": 0, "log_tail": [f"rank {rank} log line"]}
 
 
-def test_failure_report_leads_with_the_earliest_rank_error(tmp_path):
-    # rank 1 raised first; rank 0's collective then broke and it reported later
-    (tmp_path / "rank0.error").write_text("rank 0 on n1:\nTraceback\nRuntimeError: Connection closed by peer")
-    (tmp_path / "rank1.error").write_text("rank 1 on n1:\nTraceback\nValueError: the real cause")
-    os.utime(tmp_path / "rank1.error", ns=(1_000_000_000, 1_000_000_000))
-    os.utime(tmp_path / "rank0.error", ns=(2_000_000_000, 2_000_000_000))
-    msg = _failure_message(_Job, rank_errors(str(tmp_path)))
-    assert msg.index("ValueError: the real cause") < msg.index("Connection closed by peer")
-    assert "first failing rank's error:\nrank 1 on n1:" in msg
-    assert "then rank 0 on n1: RuntimeError: Connection closed by peer" in msg
+def test_failure_report_leads_with_the_rank_that_died_not_its_echoes(tmp_path):
+    # rank 1 was SIGKILLed (no traceback); rank 0's collective broke and it reported first
+    echo = "Traceback\nRuntimeError: Read error: Connection reset by peer"
+    (tmp_path / "rank0.json").write_text(json.dumps(_report(0, 1.0, echo)))
+    (tmp_path / "rank1.json").write_text(json.dumps(_report(1, 2.0, sig=signal.SIGKILL)))
+    reports = read_reports(tmp_path)
+    assert [r["rank"] for r in reports] == [1, 0]
+    msg = failure_message("42", reports)
+    assert msg.startswith("job 42 failed; the first rank to fail:\nrank 1 on n1 (pid 101): "
+                          "killed by signal 9 (SIGKILL)")
+    assert "OOM killer" in msg and "rank 1 log line" in msg
+    assert msg.index("rank 1 on n1") < msg.index("then rank 0 on n1: RuntimeError: Read error")
+
+
+def test_earliest_real_error_is_the_cause(tmp_path):
+    (tmp_path / "rank0.json").write_text(json.dumps(_report(0, 5.0, "Traceback\nKeyError: 'x'")))
+    (tmp_path / "rank1.json").write_text(json.dumps(_report(1, 3.0, "Traceback\nValueError: bad")))
+    assert [r["rank"] for r in read_reports(tmp_path)] == [1, 0]
+
+
+def test_local_executor_sees_this_hosts_gpus_and_has_no_time_limit(monkeypatch, tmp_path):
+    spec = make_spec(["cluster.device=cpu"], output_dir=tmp_path)
+    params = local_parameters(spec)
+    assert params == {"tasks_per_node": 2, "nodes": 1, "timeout_min": NO_TIME_LIMIT_MIN,
+                      "signal_delay_s": 300}
+    # on CUDA each rank must see the GPUs (submitit hides them unless gpus_per_node is given)
+    cuda = spec.__class__(**{**spec.__dict__, "device": "cuda"})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_parameters(cuda)["gpus_per_node"] == 2
+    assert "visible_gpus" not in local_parameters(cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert local_parameters(cuda)["visible_gpus"] == (2, 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a2b,GPU-3c4d")
+    assert local_parameters(cuda)["setup"] == ["export CUDA_VISIBLE_DEVICES=GPU-1a2b,GPU-3c4d"]
+    limited = make_spec(["cluster.device=cpu", "cluster.time_min=30"], output_dir=tmp_path)
+    assert local_parameters(limited)["timeout_min"] == 30
+
+
+def test_slurm_executor_parameters(tmp_path):
+    spec = make_spec(["cluster=slurm", "cluster.nodes=2", "cluster.nproc_per_node=4",
+                      "cluster.gpus_per_node=4", "cluster.device=cuda", "cluster.partition=gpu",
+                      "cluster.mem_gb=200", "cluster.signal_delay_s=600", "dry_run=true",
+                      "cluster.srun_args=['--cpu-bind=none']", "sharding=hybrid"],
+                     output_dir=tmp_path)
+    p = executor_parameters(spec)
+    assert p["nodes"] == 2 and p["ntasks_per_node"] == 4 and p["gpus_per_node"] == 4
+    assert p["time"] == 60 and p["signal_delay_s"] == 600 and p["mem"] == "200GB"
+    assert p["partition"] == "gpu" and "account" not in p
+    assert p["srun_args"] == ["--kill-on-bad-exit=1", "--open-mode=append", "--cpu-bind=none"]
+    assert "export HF_HUB_OFFLINE=1" in p["setup"]
+    assert any(line.startswith("export TORCH_FR_DUMP_TEMP_FILE=") for line in p["setup"])
+
+
+def test_restart_loop_wraps_only_the_srun_line():
+    script = "#!/bin/bash\n#SBATCH --nodes=2\n\n# command\nexport X=1\nsrun --unbuffered python -m x\n"
+    out = with_restarts(script, 2)
+    lines = out.splitlines()
+    assert lines[:5] == script.splitlines()[:5]
+    assert lines[5] == "for attempt in $(seq 0 2); do"
+    assert "  export LLAMA_FSDP_ATTEMPT=$attempt" in lines
+    assert "  srun --unbuffered python -m x && exit 0" in lines
+    assert lines[-1] == "exit 1" and out.count("srun ") == 1
+
+
+def test_ranks_never_reach_a_hub():
+    env = worker_env("/runs/x")
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_DATASETS_OFFLINE"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join("/runs/x", "hang", "nccl_trace_rank_")
+
+
+def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
+    from llama_fsdp import spec as spec_mod
+    from llama_fsdp.spec import ConfigError
+
+    monkeypatch.setattr(spec_mod, "_local_cuda_count", lambda: 2)
+    monkeypatch.setattr(spec_mod, "_local_bf16", lambda: True)
+    with pytest.raises(ConfigError, match=r"cluster.nproc_per_node=4 but only 2 GPU\(s\) are "
+                                          r"visible: use cluster.nproc_per_node<=2"):
+        make_spec(["cluster.device=cuda", "cluster.nproc_per_node=4"], output_dir=tmp_path)

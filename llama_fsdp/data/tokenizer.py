@@ -1,14 +1,10 @@
-"""Tokenizers, and records turned into token ids with a loss mask.
+"""Tokenizers: any Hugging Face tokenizer, or the project tokenizer trained once.
 
 Any Hugging Face tokenizer loads through ``AutoTokenizer`` (a local directory or a hub name).
 The embedded default is the project tokenizer: a 512-piece SentencePiece BPE model trained once
 on the synthetic corpus, saved as an ordinary HF tokenizer directory (``LlamaTokenizer``, BOS /
 EOS / pad, byte fallback so no text is lost, a chat template) and cached under
 ``cache_dir/tokenizers`` keyed by everything it was trained from.
-
-The ``encode_*`` functions render one record (instruction, chat or plain text) into
-``(ids, loss_mask, prompt_len)``: ``loss_mask[i]`` says whether token i is a training target
-and ``prompt_len`` is where the answer the model should generate starts (0: no prompt).
 """
 from __future__ import annotations
 
@@ -150,78 +146,3 @@ def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size
     tok.save_pretrained(str(out_dir))
     if len(AutoTokenizer.from_pretrained(str(out_dir))) != vocab_size:
         raise RuntimeError(f"saved tokenizer in {out_dir} does not have {vocab_size} tokens")
-
-
-# --- records to ids and loss masks ------------------------------------------------------------
-
-Encoded = tuple[list[int], list[int], int]  # ids, loss mask (0/1), prompt length
-
-
-def _ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"] if text else []
-
-
-def _bos(tok: PreTrainedTokenizerBase) -> list[int]:
-    return [tok.bos_token_id] if tok.bos_token_id is not None else []
-
-
-def encode_prompt_response(tok: PreTrainedTokenizerBase, prompt: str, response: str, *,
-                           train_on_prompt: bool) -> Encoded:
-    """BOS + prompt + response + EOS; the loss covers the response and EOS (and the prompt if asked).
-
-    Prompt and response are tokenized separately so the boundary is exact; generation feeds the
-    same prompt ids, so training and evaluation agree.
-    """
-    p = _bos(tok) + _ids(tok, prompt)
-    r = _ids(tok, response) + [tok.eos_token_id]
-    mask = [1 if train_on_prompt else 0] * len(p) + [1] * len(r)
-    if mask:
-        mask[0] = 0  # the first token is never a target (nothing precedes it)
-    return p + r, mask, len(p)
-
-
-def encode_text(tok: PreTrainedTokenizerBase, text: str) -> Encoded:
-    """BOS + text + EOS, every token a target."""
-    ids = _bos(tok) + _ids(tok, text) + [tok.eos_token_id]
-    return ids, [0] + [1] * (len(ids) - 1), 0
-
-
-def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
-                train_on_prompt: bool) -> Encoded:
-    """A conversation through the tokenizer's chat template; the loss covers assistant turns.
-
-    The template renders each growing prefix of the conversation (with a generation prompt
-    before assistant turns); the text each step adds is one segment, tokenized on its own and
-    masked unless it is an assistant turn. ``prompt_len`` is where the last assistant turn starts.
-    """
-    if not tok.chat_template:
-        raise ValueError(f"tokenizer {tok.name_or_path!r} has no chat template; chat records "
-                         "need one (set data.tokenizer to a chat tokenizer, or use data.format)")
-    ids: list[int] = []
-    mask: list[int] = []
-    prompt_len = 0
-    done = ""
-    for i, m in enumerate(messages):
-        is_answer = m["role"] == "assistant"
-        if is_answer:
-            head = (tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-                    if i else "")
-            done = _append_segment(tok, ids, mask, done, head, train_on_prompt)
-            prompt_len = len(ids)
-        full = tok.apply_chat_template(messages[:i + 1], tokenize=False)
-        done = _append_segment(tok, ids, mask, done, full, is_answer or train_on_prompt)
-    if mask:
-        mask[0] = 0
-    if messages[-1]["role"] != "assistant":
-        prompt_len = 0  # no final answer to generate
-    return ids, mask, prompt_len
-
-
-def _append_segment(tok, ids: list[int], mask: list[int], done: str, text: str, target: bool) -> str:
-    if not text.startswith(done):
-        raise ValueError("the chat template does not render conversation prefixes as prefixes of "
-                         "the whole; assistant turns cannot be located for loss masking")
-    seg = _ids(tok, text[len(done):])
-    ids += seg
-    mask += [int(target)] * len(seg)
-    return text

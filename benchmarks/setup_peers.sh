@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Peer libraries for benchmarks/throughput.py in their own venv (default .venv-bench), so the
+# project's .venv is never modified: accelerate (for the HF Trainer runner) and torchtitan.
+# torch and transformers are pinned to the exact versions of the project's venv, so every
+# runner uses the same kernels and the same LlamaForCausalLM; pip never swaps torch for
+# another build (a CUDA wheel on a CPU machine, or the reverse).
+#   bash benchmarks/setup_peers.sh            # VENV=.venv-bench MAIN_VENV=.venv TORCHTITAN=0.3.0
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-bench}
+MAIN_VENV=${MAIN_VENV:-.venv}
+TORCHTITAN=${TORCHTITAN:-0.3.0}
+PY=${PYTHON:-python3}
+
+version() { "$MAIN_VENV/bin/python" -c "import $1; print($1.__version__)"; }
+TORCH_VERSION=$(version torch)
+TRANSFORMERS_VERSION=$(version transformers)
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+CONSTRAINTS="$VENV/constraints.txt"
+printf 'torch==%s\ntransformers==%s\n' "$TORCH_VERSION" "$TRANSFORMERS_VERSION" >"$CONSTRAINTS"
+
+pip install -q "torch==$TORCH_VERSION"
+pip install -q -c "$CONSTRAINTS" "transformers==$TRANSFORMERS_VERSION" accelerate
+# torchtitan may not resolve next to this torch; the benchmark then reports why it cannot run.
+if ! pip install -q -c "$CONSTRAINTS" "torchtitan==$TORCHTITAN" 2>"$VENV/torchtitan-install.log"; then
+  echo "torchtitan==$TORCHTITAN could not be installed (see $VENV/torchtitan-install.log)" >&2
+fi
+# torchtitan imports triton unconditionally; CUDA torch brings it, the CPU build does not.
+# Installed here so that a CPU run reports torchtitan's real limit, not a missing import.
+"$VENV/bin/python" -c "import triton" 2>/dev/null || pip install -q -c "$CONSTRAINTS" triton
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+for name in ("torch", "transformers", "accelerate", "torchtitan", "triton"):
+    try:
+        print(f"{name:13s} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name:13s} not installed")
+PY

@@ -1,0 +1,183 @@
+"""Medians, ratios and the markdown report of benchmarks/throughput.py."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from step_clock import step_walls
+from throughput_runners import Bench, Runner, RunResult
+
+BASELINE = "bare_fsdp2"
+
+
+@dataclass
+class Summary:
+    """One runner over all rounds: pooled steady-step walls and per-round medians."""
+
+    runner: Runner
+    walls: list[float]
+    round_medians: list[float]
+    info: dict[str, Any]
+    error: str | None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.walls) if self.walls else None
+
+
+def summarize(runner: Runner, results: list[RunResult], warmup: int) -> Summary:
+    ok = [r for r in results if r.ok]
+    per_round = [step_walls(r.stamps, warmup=warmup) for r in ok]
+    walls = [w for ws in per_round for w in ws]
+    error = next((r.error for r in results if not r.ok), None)
+    info = ok[-1].info if ok else {}
+    return Summary(runner, walls, [statistics.median(ws) for ws in per_round if ws], info, error)
+
+
+@dataclass
+class Round:
+    seconds: float
+    load: float  # 1-minute load average when the round started: how busy the machine was
+
+
+@dataclass
+class Meta:
+    """What the report says besides the numbers."""
+
+    device: str
+    versions: dict[str, dict[str, str]]
+    shape: dict[str, Any]
+    rounds: list[Round]
+    date: str
+    argv: str
+    work_dir: str
+    notes: list[str]
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _spread(s: Summary) -> str:
+    if not s.round_medians:
+        return "–"
+    return f"{min(s.round_medians) * 1000:.1f}–{max(s.round_medians) * 1000:.1f}"
+
+
+def _ratio(s: Summary, base: Summary | None) -> str:
+    if s.median is None or base is None or base.median is None:
+        return "–"
+    return f"{s.median / base.median:.3f}"
+
+
+def table(rows: list[Summary], base: Summary | None, bench: Bench, base_name: str) -> list[str]:
+    """One line per runner: median s/step, spread over rounds, global tokens/s, ratio."""
+    header = (f"| runner | what it ran | median ms/step | round medians (ms) | tokens/s (global) "
+              f"| s/step vs {base_name} | steady steps |")
+    out = [header, "|---|---|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        tps = "–" if s.median is None else f"{bench.tokens_per_step / s.median:,.0f}"
+        ran = s.info.get("ran", "cannot run here" if s.error else "–")
+        out.append(f"| {s.runner.label} | {ran} | {_ms(s.median)} | {_spread(s)} | {tps} "
+                   f"| {_ratio(s, base)} | {len(s.walls)} |")
+    return out
+
+
+def by_key(summaries: list[Summary]) -> dict[str, Summary]:
+    return {s.runner.key: s for s in summaries}
+
+
+def no_shard_pair(summaries: list[Summary]) -> list[Summary]:
+    """llama_fsdp no_shard against the HF Trainer run that is DDP (hf_trainer_ddp if there)."""
+    keys = by_key(summaries)
+    hf = keys.get("hf_trainer_ddp") or keys.get("hf_trainer")
+    return [s for s in (keys.get("llama_fsdp_no_shard"), hf) if s is not None]
+
+
+def render(bench: Bench, summaries: list[Summary], meta: Meta) -> str:
+    base = by_key(summaries).get(BASELINE)
+    main = [s for s in summaries if s.runner.key != "hf_trainer_ddp"]
+    pair = no_shard_pair(summaries)
+    lines = ["# Throughput: llama_fsdp against a bare FSDP2 loop, HF Trainer and torchtitan", "",
+             f"Measured {meta.date} with `{meta.argv}`.", ""]
+    lines += _setup(bench, meta, base)
+    lines += ["## Results", "", *table(main, base, bench, BASELINE), ""]
+    if pair:
+        hf = pair[-1] if len(pair) == 2 else None
+        lines += ["## no_shard: llama_fsdp sharding=no_shard against HF Trainer (DDP)", "",
+                  *table(pair, hf, bench, "HF Trainer"), ""]
+    lines += _failures(summaries) + _timing(summaries) + _versions(meta) + _commands(summaries)
+    lines += ["## Notes", "", *[f"- {n}" for n in meta.notes], ""]
+    lines += [f"Run directories (logs, stamps, shape.json): `{meta.work_dir}`.", ""]
+    return "\n".join(lines)
+
+
+def _setup(bench: Bench, meta: Meta, base: Summary | None) -> list[str]:
+    threads = (f", {bench.threads_per_rank} torch thread(s) per rank"
+               if bench.device == "cpu" else "")
+    params = (f", {base.info['parameters']:,} parameters"
+              if base and "parameters" in base.info else "")
+    return [
+        "## Setup", "",
+        f"- device: {meta.device}; {bench.ranks} ranks{threads}",
+        f"- model: `{bench.model}` ({_shape_text(meta.shape)}){params}",
+        (f"- per-rank batch {bench.batch_size} x seq {bench.seq_len} = {bench.tokens_per_step:,} "
+         f"tokens per optimizer step (global), precision `{bench.precision}`"),
+        (f"- {len(meta.rounds)} interleaved round(s) (every runner once per round, same order), "
+         f"{bench.steps} steps per run; the first {bench.warmup} steps of each run are warm-up "
+         "and left out"),
+        ("- per-step wall = difference of consecutive rank-0 step-end stamps (`time.time()`, "
+         "after a CUDA synchronize on GPUs); the tables give the median over all steady steps "
+         "of all rounds, and the spread of the per-round medians"),
+        f"- one round took {_round_text(meta.rounds)} (process start-up included)",
+        "",
+    ]
+
+
+def _shape_text(shape: dict[str, Any]) -> str:
+    tied = "tied" if shape["tie_word_embeddings"] else "untied"
+    return (f"hidden {shape['hidden_size']}, {shape['num_layers']} layers, {shape['num_heads']} "
+            f"heads / {shape['num_kv_heads']} KV, intermediate {shape['intermediate_size']}, "
+            f"vocab {shape['vocab_size']}, {tied} embeddings")
+
+
+def _round_text(rounds: list[Round]) -> str:
+    if not rounds:
+        return "–"
+    each = ", ".join(f"{r.seconds:.0f} s at load {r.load:.1f}" for r in rounds)
+    return f"{statistics.mean(r.seconds for r in rounds):.0f} s on average ({each})"
+
+
+def _failures(summaries: list[Summary]) -> list[str]:
+    failed = [s for s in summaries if s.error]
+    if not failed:
+        return []
+    return ["## Cannot run here", "", *[f"- **{s.runner.label}**: `{s.error}`" for s in failed],
+            ""]
+
+
+def _timing(summaries: list[Summary]) -> list[str]:
+    out = ["## How each runner was timed", ""]
+    for s in summaries:
+        inner = s.info.get("inner_step_time_s")
+        extra = (f"; its own `step_time_s` (train step only) median "
+                 f"{_ms(statistics.median(inner))} ms" if inner else "")
+        out.append(f"- {s.runner.label}: {s.runner.timing}{extra}")
+    return out + [""]
+
+
+def _versions(meta: Meta) -> list[str]:
+    names = list(next(iter(meta.versions.values())))
+    out = ["## Versions", "", "| venv | " + " | ".join(names) + " |",
+           "|---|" + "---|" * len(names)]
+    out += [f"| `{venv}` | " + " | ".join(v.get(n, "–") for n in names) + " |"
+            for venv, v in meta.versions.items()]
+    return out + [""]
+
+
+def _commands(summaries: list[Summary]) -> list[str]:
+    out = ["## Commands (one run; `$RUN` is the run's directory)", ""]
+    for s in summaries:
+        out += [f"{s.runner.label}:", "", "```bash", s.runner.shown_command(), "```", ""]
+    return out

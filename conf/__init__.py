@@ -1,0 +1,1 @@
+"""The config groups, installed as the package data of ``llama_fsdp.conf`` (see pyproject.toml)."""

@@ -1,0 +1,186 @@
+"""One rank: a light supervisor (the submitit task) and the worker it runs as a child process.
+
+submitit starts one task per rank, locally or through srun. The task does not train itself: it
+starts the worker in a child process and waits for it, so that however the worker ends -- an
+exception, an exit code, a signal such as the OOM killer's SIGKILL -- a report naming the rank,
+host, exit code or signal and the last lines of its log is left where the launcher looks
+(``<run>/launch/<job>.<requeue>.<attempt>/rank<r>.json``). The supervisor never imports torch:
+it starts in a fraction of a second and stays small next to the worker.
+
+Signals: SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGINT (the
+launcher's forward of a user's Ctrl-C) go on to the worker, which saves and stops at its next log
+step (llama_fsdp/stopping.py). After a preemption, rank 0's supervisor hands over to submitit,
+which requeues the job; the new job resumes from the checkpoint just written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+LAUNCH_DIR = "launch"  # <run>/launch: per-attempt rank reports
+ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
+PREEMPTED = "preempted"  # RunResult.status after a preemption checkpoint
+CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
+# Errors a rank raises because another rank went away first: reported after the cause.
+ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+          "communicator was aborted", "NCCL operations have failed or timed out",
+          "Socket Timeout", "recvBytes", "sendBytes", "Connection refused")
+
+
+class RankFailed(RuntimeError):
+    """Raised in the supervisor when its worker failed; the report is already on disk."""
+
+
+def attempt_dir(output_dir: str | Path, job_id: str, requeue: int, attempt: int) -> Path:
+    return Path(output_dir) / LAUNCH_DIR / f"{job_id}.{requeue}.{attempt}"
+
+
+def read_reports(directory: Path) -> list[dict[str, Any]]:
+    """The rank reports of one attempt, cause first: the earliest non-echo failure, then the
+    rest by time."""
+    out = []
+    for p in directory.glob("rank*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # being written: read again on the next poll
+    return sorted(out, key=lambda r: (r["echo"], r["time"]))
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """One rank's report as a user reads it."""
+    how = (f"killed by signal {r['signal']} ({r['signal_name']})" if r.get("signal")
+           else f"exit code {r['exitcode']}")
+    if r.get("signal") == signal.SIGKILL:
+        how += ": the kernel's OOM killer sends this when memory runs out (see dmesg), or "\
+               "someone ran kill -9"
+    lines = [f"rank {r['rank']} on {r['host']} (pid {r['pid']}): {how}"]
+    if r.get("traceback"):
+        lines.append(r["traceback"].rstrip())
+    if r.get("log_tail"):
+        lines.append("last log lines:\n" + "\n".join("  " + x for x in r["log_tail"]))
+    return "\n".join(lines)
+
+
+@dataclass
+class RankEntry:
+    """The picklable submitit task: export the rank environment, run the worker as a child.
+
+    ``payload`` is the pickled (entry point, RunSpec): the supervisor hands it to the child
+    unread, so it never imports what the worker imports.
+    """
+
+    payload: bytes
+    master_addr: Optional[str] = None  # None: the first node of the job
+    master_port: Optional[int] = None  # None: derived from the job id (same on every node)
+
+    def __call__(self) -> Any:
+        import submitit
+        from submitit.helpers import TorchDistributedEnvironment
+
+        dist_env = TorchDistributedEnvironment()
+        if self.master_port is not None:
+            dist_env.master_port = self.master_port
+        if self.master_addr is not None:
+            dist_env.master_addr = self.master_addr
+        dist_env.export(set_cuda_visible_devices=False, overwrite=True)
+        job = submitit.JobEnvironment()
+        return Supervisor(self.payload, job.job_id.split("_")[0], dist_env.rank,
+                          [Path(job.paths.stderr), Path(job.paths.stdout)]).run()
+
+    def checkpoint(self) -> Any:
+        """submitit calls this on rank 0 to requeue after a preemption: the same task again
+        (the requeued job sees SLURM_RESTART_COUNT > 0 and resumes from its checkpoints)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+class Supervisor:
+    """Runs the worker child, forwards stop signals, reports how the child ended."""
+
+    def __init__(self, payload: bytes, job_id: str, rank: int, logs: list[Path]):
+        self.payload, self.job_id, self.rank, self.logs = payload, job_id, rank, logs
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        self.child: Optional[subprocess.Popen] = None
+        self._submitit_usr2: Any = None
+
+    def run(self) -> Any:
+        entry, spec = pickle.loads(self.payload)
+        if self.attempt or self.requeue:  # a restart or a requeue continues the checkpoints
+            spec = replace(spec, resume="auto", restart=self.attempt + self.requeue)
+        where = attempt_dir(spec.output_dir, self.job_id, self.requeue, self.attempt)
+        where.mkdir(parents=True, exist_ok=True)
+        files = {k: where / f"rank{self.rank}.{k}" for k in ("in", "out", "traceback")}
+        for f in files.values():
+            f.unlink(missing_ok=True)
+        files["in"].write_bytes(pickle.dumps((entry, spec)))
+        self._install_signals()
+        self.child = subprocess.Popen([sys.executable, "-u", "-m", CHILD_MODULE, *map(str, (
+            files["in"], files["out"], files["traceback"]))])
+        code = self._wait()
+        files["in"].unlink(missing_ok=True)
+        if code == 0 and files["out"].exists():
+            result = pickle.loads(files["out"].read_bytes())
+            files["out"].unlink()
+            if getattr(result, "status", None) == PREEMPTED:
+                self._hand_over_to_submitit()
+            return result
+        report = self._report(code, files["traceback"])
+        (where / f"rank{self.rank}.json").write_text(json.dumps(report, indent=1))
+        raise RankFailed(format_report(report))
+
+    def _install_signals(self) -> None:
+        self._submitit_usr2 = signal.getsignal(signal.SIGUSR2)
+        for sig in (signal.SIGUSR2, signal.SIGINT):
+            signal.signal(sig, self._forward)
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def _wait(self) -> int:
+        while True:
+            try:
+                return self.child.wait()  # type: ignore[union-attr]
+            except InterruptedError:
+                continue
+
+    def _hand_over_to_submitit(self) -> None:
+        """Rank 0 asks submitit to requeue (it calls checkpoint() and exits); others return."""
+        if callable(self._submitit_usr2):
+            self._submitit_usr2(signal.SIGUSR2, None)
+
+    def _report(self, code: int, tb_file: Path) -> dict[str, Any]:
+        tb = json.loads(tb_file.read_text()) if tb_file.exists() else {}
+        sig = -code if code < 0 else 0
+        text = tb.get("traceback", "")
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": self.child.pid,  # type: ignore[union-attr]
+                "exitcode": code, "signal": sig,
+                "signal_name": signal.Signals(sig).name if sig else None,
+                "time": tb.get("time", time.time()), "traceback": text,
+                "echo": any(e in text for e in ECHOES), "attempt": self.attempt,
+                "log_tail": _tail(self.logs, 12)}
+
+
+def _tail(paths: list[Path], n: int) -> list[str]:
+    lines: list[str] = []
+    for p in paths:
+        try:
+            with p.open("rb") as f:
+                f.seek(max(0, p.stat().st_size - 16384))
+                text = f.read().decode(errors="replace").replace("\r", "\n")
+        except OSError:
+            continue
+        lines += [x for x in text.splitlines() if x.strip()][-n:]
+    return lines[-n:]

@@ -1,0 +1,346 @@
+"""Sharded DCP checkpoints: what a run needs to continue (model, optimizer, LR scheduler,
+counters, loader position, RNG), written by every rank in parallel, published atomically, kept
+K deep, resharded on load (2 ranks -> 4 ranks hybrid works). Nothing here unpickles beyond
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..config import SaveConfig
+from .hf import write_hf_meta
+from .layout import (
+    CHECKPOINTS,
+    METADATA,
+    TMP_SUFFIX,
+    _fsync_dir,
+    _remove,
+    dir_bytes,
+    expired,
+    interrupted,
+    step_dir,
+)
+
+if TYPE_CHECKING:
+    from ..train import TrainState
+
+log = logging.getLogger(__name__)
+
+HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP stores non-tensor values with torch.save; read them back with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # type: ignore[override]
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generators as tensors and plain numbers (torch, CUDA, python, numpy)."""
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(),
+                           "python": {"version": version, "gauss": gauss,
+                                      "internal": torch.tensor(internal, dtype=torch.int64)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
+                        "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    except ImportError:
+        pass
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what rng_state saved (any subset of its generators)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        p = state["python"]
+        random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()),
+                         p["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"],
+                             n["has_gauss"], n["cached"]))
+
+
+class AppState(Stateful):
+    """Everything a run needs to continue, as one Stateful (the DCP tutorial's shape).
+
+    ``model`` / ``optim`` come from get_state_dict, so they are DTensor shards that DCP
+    reshards on load; the scheduler, counters and loader position are replicated (same on every
+    rank); RNG states are per rank, under ``rng.rank_<r>``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, train_state: "TrainState", data: Any = None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state, self.data = train_state, data
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # While loading: the generators the checkpoint holds for this rank (None: all). A rank
+        # the saving run did not have, or CUDA state saved on CPU, is not asked for.
+        self.rng_on_load: Optional[set[str]] = None
+
+    def _extras(self) -> dict[str, Any]:
+        out = {"scheduler": self.scheduler.state_dict(), "train": self.train_state.state_dict()}
+        if self.data is not None:
+            out["data"] = self.data.state_dict()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd = {"model": model_sd, "optim": optim_sd, **self._extras()}
+        rng = {k: v for k, v in rng_state().items()
+               if self.rng_on_load is None or k in self.rng_on_load}
+        if rng:
+            sd["rng"] = {f"rank_{self.rank}": rng}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.train_state.load_state_dict(sd["train"])
+        if self.data is not None and "data" in sd:
+            self.data.load_state_dict(sd["data"])
+        mine = sd.get("rng", {}).get(f"rank_{self.rank}")
+        if mine is not None:
+            set_rng_state(mine)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Gathered to rank 0 on CPU (collective); other ranks get {}."""
+        model_sd, optim_sd = get_state_dict(
+            self.model, self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        rngs: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
+        dist.gather_object(rng_state(), rngs if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return {}
+        return {"model": model_sd, "optim": optim_sd, **self._extras(),
+                "rng": {f"rank_{r}": s for r, s in enumerate(rngs)}}
+
+
+
+# --- saving and resuming --------------------------------------------------------------------------
+
+class Checkpointer:
+    """DCP save every ``save.every_steps`` and at the end, keep the last ``save.keep_last``,
+    resume from the newest. Every rank holds one; collectives happen at the same steps."""
+
+    def __init__(self, save: SaveConfig, *, output_dir: str, app: AppState, device: torch.device,
+                 hf_config: Any = None, tokenizer: Any = None, tracker: Any = None):
+        self.cfg, self.app, self.device = save, app, device
+        self.output_dir = Path(output_dir)
+        self.root = self.output_dir / CHECKPOINTS
+        self.hf_config, self.tokenizer, self.tracker = hf_config, tokenizer, tracker
+        self.rank = dist.get_rank()
+        self.last_saved: Optional[int] = None
+        self.resumed_from: Optional[Path] = None
+        self._pending: Optional[tuple[Any, int, Path, float]] = None
+        # Async saves run their collectives in a background thread: on a group of their own, so
+        # they never interleave with the training step's collectives on the default group.
+        self._pg = dist.new_group(backend="gloo") if save.async_save else None
+
+    # resume -------------------------------------------------------------------------------------
+
+    def resume(self, path: Optional[Path]) -> Optional[Path]:
+        """Load the checkpoint at ``path`` (resolve_resume's answer); None: start fresh."""
+        if path is None:
+            log.info("starting at step 0 (no checkpoint to resume from)")
+            return None
+        t0 = time.perf_counter()
+        self.load(path)
+        step = self.app.train_state.step
+        own = path.resolve().parent == self.root.resolve()
+        self.last_saved = step if own else None
+        self.resumed_from = path
+        log.info("resumed from %s at step %d in %.2fs", path, step, time.perf_counter() - t0)
+        if self.tracker is not None:
+            # the same run dir continues its MLflow run (tracking.py); another run's checkpoint
+            # starts a new MLflow run that records where it came from
+            self.tracker.set_tags({"resume_step": str(step),
+                                   **({} if own else {"resumed_from": str(path)})})
+        return path
+
+    def load(self, path: Path) -> None:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = f"app.rng.rank_{self.app.rank}."
+        self.app.rng_on_load = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
+        if not self.app.rng_on_load:
+            log.warning("%s has no RNG state for rank %d (saved with fewer ranks): keeping "
+                        "this rank's seeded generators", path, self.app.rank)
+        try:
+            dcp.load({"app": self.app}, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
+        finally:
+            self.app.rng_on_load = None
+
+    # save ---------------------------------------------------------------------------------------
+
+    def on_step_end(self, state: "TrainState") -> None:
+        """The loop's hook: publish a finished async save, start a save every ``every_steps``."""
+        if self._pending is not None and self._all_done():
+            self._finish_pending()
+        if self.cfg.every_steps and state.step % self.cfg.every_steps == 0:
+            self.save(state.step)
+
+    def finish(self, state: "TrainState") -> None:
+        """At the end of training: the final checkpoint (if saving is on), then wait for it."""
+        if self.cfg.every_steps:
+            self.save_now(state)
+        elif self._pending is not None:
+            self._finish_pending()
+
+    def save_now(self, state: "TrainState") -> Path:
+        """A published checkpoint of this step before returning, whatever ``every_steps`` says
+        (end of training, preemption); no second write if this step is saved or in flight."""
+        in_flight = self._pending is not None and self._pending[1] == state.step
+        if self.last_saved != state.step and not in_flight:
+            self.save(state.step)
+        if self._pending is not None:
+            self._finish_pending()
+        return step_dir(self.output_dir, state.step)
+
+    def save(self, step: int) -> Path:
+        """Write ``step_N.tmp`` on every rank, then publish it as ``step_N`` (rank 0)."""
+        if self._pending is not None:  # one save in flight at a time
+            self._finish_pending()
+        final = step_dir(self.output_dir, step)
+        tmp = final.with_name(final.name + TMP_SUFFIX)
+        if self.rank == 0:
+            for stale in interrupted(self.output_dir):
+                log.warning("removing %s, left by an interrupted save", stale)
+                _remove(stale, self.root)
+            tmp.mkdir(parents=True)
+            self._write_hf_meta(tmp / HF_META)
+        dist.barrier()
+        t0 = time.perf_counter()
+        writer = dcp.FileSystemWriter(str(tmp))
+        if self.cfg.full_state_dict:
+            sd = self.app.full_state_dict()
+            if self.rank == 0:
+                dcp.save({"app": sd}, storage_writer=writer, no_dist=True)
+            self._publish(step, tmp, final, t0)
+        elif self.cfg.async_save:
+            fut = dcp.async_save({"app": self.app}, storage_writer=writer, process_group=self._pg)
+            fut = getattr(fut, "upload_completion", fut)
+            self._pending = (fut, step, tmp, t0)
+            self._log({"checkpoint/blocking_s": time.perf_counter() - t0}, step)
+        else:
+            dcp.save({"app": self.app}, storage_writer=writer)
+            self._publish(step, tmp, final, t0)
+        return final
+
+    def _all_done(self) -> bool:
+        flag = torch.tensor(float(self._pending[0].done()), device=self.device)  # type: ignore[index]
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _finish_pending(self) -> None:
+        fut, step, tmp, t0 = self._pending  # type: ignore[misc]
+        self._pending = None
+        fut.result()  # re-raises a failed background write
+        self._publish(step, tmp, step_dir(self.output_dir, step), t0)
+
+    def _publish(self, step: int, tmp: Path, final: Path, t0: float) -> None:
+        dist.barrier()  # every rank's files are written
+        written = time.perf_counter() - t0
+        if self.rank == 0:
+            if not (tmp / METADATA).is_file():
+                raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
+            if final.exists():  # a fresh run (resume=none) reusing a run dir: replace
+                _remove(final, self.root)
+            tmp.rename(final)
+            _fsync_dir(self.root)
+            size = dir_bytes(final)
+            for old in expired(self.output_dir, self.cfg.keep_last):
+                _remove(old, self.root)
+            log.info("checkpoint step %d: %s (%.1f MB, written in %.2fs)", step, final,
+                     size / 1e6, written)
+            self._log({"checkpoint/write_s": written, "checkpoint/size_mb": size / 1e6}, step)
+            if not self.cfg.async_save:
+                self._log({"checkpoint/blocking_s": time.perf_counter() - t0}, step)
+        self.last_saved = step
+        dist.barrier()
+
+    def _write_hf_meta(self, path: Path) -> None:
+        if self.hf_config is not None:
+            write_hf_meta(path, self.hf_config, self.tokenizer)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        """Wait for an async save still in flight (on the error path too), free its group."""
+        if self._pending is not None:
+            fut = self._pending[0]
+            self._pending = None
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the training error is the one to surface
+                log.exception("async checkpoint failed")
+        if self._pg is not None:
+            dist.destroy_process_group(self._pg)
+            self._pg = None
+
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Only the weights of a DCP checkpoint into a (sharded) model, e.g. to evaluate it; each
+    rank reads its shards, whatever the world size that saved it."""
+    sd = get_model_state_dict(model)
+    dcp.load({"app": {"model": sd}}, checkpoint_id=str(checkpoint),
+             planner=_WeightsOnlyLoadPlanner())
+    set_model_state_dict(model, sd)
+
+
+def read_model_state(checkpoint: Path, prefix: str = "app.model.") -> dict[str, torch.Tensor]:
+    """The full model tensors of a DCP checkpoint, on one process without a process group."""
+    md = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+          if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    if not sd:
+        raise ValueError(f"{checkpoint} holds no tensors under {prefix!r}: not a llama_fsdp "
+                         "checkpoint")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(sd, checkpoint_id=str(checkpoint), planner=_WeightsOnlyLoadPlanner(),
+                 no_dist=True)
+    return {k[len(prefix):]: v for k, v in sd.items()}

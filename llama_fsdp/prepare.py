@@ -1,0 +1,145 @@
+"""What the driver does once, before any rank exists.
+
+Everything that needs no process group happens here, so bad input fails in seconds with the fix
+and ranks never wait behind a barrier: the tracking store is reached (or the run refused, in
+about ten seconds), HF weights named by a hub id are downloaded once, the data is read,
+validated, tokenized into the cache and packed exactly as the ranks will pack it, and the MLflow
+run is created. The ranks then read prepared files only (they run with HF_HUB_OFFLINE=1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"  # the resolved config, in every launched run's directory
+
+
+class PrepareError(ValueError):
+    """Input that cannot train; the message names what is wrong and the fix."""
+
+
+@dataclasses.dataclass
+class Prepared:
+    spec: RunSpec  # with model.path resolved to a local directory
+    data_stats: dict[str, float]
+    tokenizer: Any
+
+
+def prepare(spec: RunSpec, *, command: str) -> Prepared:
+    """Reach the tracking store, fetch weights, prepare the data, create the MLflow run."""
+    if spec.tracking.enabled:
+        check_tracking(spec)
+    spec = resolve_model(spec)
+    data = prepare_data(spec)
+    Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(spec.output_dir) / CONFIG_FILE).write_text(spec.config_yaml)
+    if spec.tracking.enabled:
+        start_run(spec, command=command)
+    return Prepared(spec, data.stats, data.tokenizer)
+
+
+def check_tracking(spec: RunSpec) -> None:
+    """Refuse (or, with tracking.allow_offline, warn) when the store does not answer."""
+    problem = probe_store(spec.tracking_uri)
+    if problem is None:
+        return
+    text = (f"the MLflow tracking store {spec.tracking_uri} does not answer ({problem})")
+    if spec.tracking.allow_offline:
+        log.warning("%s; training anyway (tracking.allow_offline=true): metrics wait in the run's "
+                    "tracking/ folder and are delivered when it answers", text)
+        return
+    raise PrepareError(f"{text}. Start it (e.g. `mlflow server --port 5000`), fix tracking.uri, "
+                       "set tracking.allow_offline=true to train now and deliver the metrics "
+                       "later, or tracking.enabled=false")
+
+
+def probe_store(uri: str) -> Optional[str]:
+    """None if the store answers a search within ~10 s, else the reason."""
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    from .tracking import FAST_FAIL_ENV
+
+    os.environ.update(FAST_FAIL_ENV)
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - any failure means: not reachable
+        first = str(e).strip().splitlines()
+        return (first[0] if first else type(e).__name__)[:300]
+    return None
+
+
+def resolve_model(spec: RunSpec) -> RunSpec:
+    """model.path as a local directory: a hub name is downloaded here, once (json, safetensors
+    and tokenizer files only)."""
+    path = spec.model.path
+    if not path or Path(path).expanduser().is_dir():
+        return spec
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s (config, safetensors, tokenizer) ...", path)
+    local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=local))
+
+
+def prepare_data(spec: RunSpec) -> Any:
+    """Read, validate, tokenize (into the cache) and pack the data as rank 0 will."""
+    from .data import build_data
+
+    t0 = time.perf_counter()
+    try:
+        data = build_data(spec.data, seq_len=spec.train.seq_len,
+                          micro_batch=spec.train.batch_size, dp_rank=0,
+                          dp_world=spec.world_size, seed=spec.train.seed,
+                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise PrepareError(f"data: {e}") from e
+    log.info("data ready in %.1fs: %d training rows, %d held-out rows", time.perf_counter() - t0,
+             len(data.train), len(data.eval))
+    return data
+
+
+def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
+    tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
+            "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
+            "strategy": spec.strategy, "mlflow.note.content": f"```\n{command}\n```"}
+    if spec.sweep_id:
+        tags["sweep_id"] = spec.sweep_id
+    return tags
+
+
+def start_run(spec: RunSpec, *, command: str) -> None:
+    """Create the MLflow run (or continue the one of this run dir) through the spool, and
+    deliver it now if the store answers."""
+    from omegaconf import OmegaConf
+
+    from .tracking import Spool, deliver_pending, flatten, read_run_file
+
+    spool = Spool(spec.output_dir)
+    info = read_run_file(spec.output_dir)
+    if info.get("run_id") and info.get("tracking_uri") == spec.tracking_uri:
+        log.info("continuing MLflow run %s", info["run_id"])
+        spool.append({"t": "running"})
+        spool.append({"t": "tags", "tags": {"resumed": "true"}})
+    else:
+        spool.append({"t": "create", "experiment": spec.tracking.experiment,
+                      "run_name": spec.run_name, "tags": run_tags(spec, command),
+                      "ts": int(time.time() * 1000)})
+        flat = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))  # type: ignore[arg-type]
+        spool.append({"t": "params", "p": dict(sorted(flat.items()))})
+        spool.append({"t": "text", "text": spec.config_yaml, "file": CONFIG_FILE})
+    left = deliver_pending(spec.output_dir, deadline_s=30.0, uri=spec.tracking_uri)
+    if left:
+        log.warning("the MLflow run is not created yet (the store does not answer); it will be "
+                    "when it does")

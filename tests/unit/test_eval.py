@@ -1,0 +1,102 @@
+"""Held-out evaluation: exact match of greedy answers (KV-cached generation in lockstep)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from llama_fsdp.config import DataConfig, ModelConfig
+from llama_fsdp.data import SYNTHETIC_TASKS, build_data
+from llama_fsdp.eval import exact_match, greedy_generate
+from llama_fsdp.model import llama_config
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "data-cache"
+
+
+@pytest.fixture(scope="module")
+def dm(cache):
+    return build_data(DataConfig(num_records=300, eval_records=40), seq_len=128, micro_batch=4,
+                      dp_rank=0, dp_world=1, seed=0, cache_dir=cache, vocab_size=512)
+
+
+class Oracle(torch.nn.Module):
+    """Answers every held-out prompt with its reference (or a wrong first token). Like a model
+    with a KV cache, it is given the prompt once, then one new token per call."""
+
+    def __init__(self, dm, wrong: bool = False):
+        super().__init__()
+        store, self.vocab, self.pad = dm.eval.store, len(dm.tokenizer), dm.tokenizer.pad_token_id
+        self.table = {}
+        for i in range(len(store)):
+            x, _ = store.record(i)
+            p = int(store.prompt_len[i])
+            self.table[tuple(x[:p].tolist())] = x[p:].tolist()
+        self.wrong, self.calls, self.seqs = wrong, 0, []
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache,
+                logits_to_keep):
+        self.calls += 1
+        if input_ids.shape[1] == attention_mask.shape[1]:  # the prompts: a new batch
+            self.seqs = [input_ids[i][attention_mask[i].bool()].tolist()
+                         for i in range(input_ids.shape[0])]
+        else:
+            for i, seq in enumerate(self.seqs):
+                seq.append(int(input_ids[i, -1]))
+        out = torch.full((input_ids.shape[0], 1, self.vocab), -1e9)
+        for i, ids in enumerate(self.seqs):
+            plen = next(n for n in range(len(ids), 0, -1) if tuple(ids[:n]) in self.table)
+            answer, k = self.table[tuple(ids[:plen])], len(ids) - plen
+            nxt = answer[k] if k < len(answer) else self.pad
+            if self.wrong and k == 0:
+                nxt = (nxt + 1) % self.vocab
+            out[i, 0, nxt] = 0.0
+        return SimpleNamespace(logits=out)
+
+
+def test_oracle_scores_one_and_wrong_scores_zero(dm):
+    oracle = Oracle(dm)
+    res = exact_match(oracle, dm, device=torch.device("cpu"), max_prompts=30)
+    assert res["exact_match"] == 1.0
+    kinds = {k for k in res if k.startswith("exact_match/")}
+    assert kinds and kinds <= {f"exact_match/{k}" for k in SYNTHETIC_TASKS}
+    wrong = exact_match(Oracle(dm, wrong=True), dm, device=torch.device("cpu"), max_prompts=30)
+    assert wrong["exact_match"] == 0.0
+    # fixed work on every rank: ceil(30 / micro_batch 4) = 8 batches x the longest answer
+    # (with its EOS) forward calls, the first over the prompts, the rest one token each
+    longest = max(len(v) for v in oracle.table.values())
+    assert oracle.calls == 8 * longest
+
+
+def test_text_data_has_no_task_metric(tmp_path, cache):
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(f'{{"text": "line {i} of text"}}\n' for i in range(30)))
+    dm = build_data(DataConfig(name="jsonl", path=str(f), eval_records=5), seq_len=64, micro_batch=2,
+                    dp_rank=0, dp_world=1, seed=0, cache_dir=cache, vocab_size=512)
+    assert exact_match(Oracle(dm), dm, device=torch.device("cpu")) == {}
+
+
+def test_cached_batched_generation_equals_transformers_generate(dm):
+    """Left-padded, batched, KV-cached greedy decoding gives what transformers' own generate
+    gives for each prompt alone (no padding, its own cache handling)."""
+    m = ModelConfig(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=128, vocab_size=512, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(m)).eval()
+    tok, store = dm.tokenizer, dm.eval.store
+    prompts = [store.record(i)[0][: int(store.prompt_len[i])] for i in range(6)]
+    assert len({len(p) for p in prompts}) > 1  # the batch needs padding
+    batched = greedy_generate(model, prompts, tok, device=torch.device("cpu"), steps=5)
+    for p, got in zip(prompts, batched):
+        ids = torch.from_numpy(p.astype("int64"))[None]
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                             do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        if tok.eos_token_id in ref:
+            ref = ref[:ref.index(tok.eos_token_id)]
+        assert got == tok.decode(ref, skip_special_tokens=True).strip()
