@@ -1,8 +1,10 @@
 """Step-end wall-clock stamps on rank 0, the one timing method of benchmarks/throughput.py.
 
 Every runner records ``time.time()`` at the end of every optimizer step on rank 0 and appends
-``{"step": n, "t": ...}`` to the JSON-lines file named by ``$BENCH_STEP_CLOCK``; per-step wall
-time is the difference of consecutive stamps. llama_fsdp calls ``StepClock`` through its
+``{"step": n, "t": ..., "cpu": ...}`` to the JSON-lines file named by ``$BENCH_STEP_CLOCK``;
+per-step wall time is the difference of consecutive ``t``. ``cpu`` is rank 0's process CPU
+time (all its threads): its per-step difference is the work the rank did, which other load
+on the machine barely changes, so it tells a real gap from a noisy wall clock. llama_fsdp calls ``StepClock`` through its
 ``train.callbacks`` seam (``train.callbacks=["benchmarks.step_clock:StepClock"]``); the peer
 loops in benchmarks/peers/ call ``StepClock.stamp`` from their own step ends. Nothing here
 imports llama_fsdp: this module must keep working while the framework is restructured.
@@ -48,18 +50,19 @@ class StepClock:
         if self._file is None:
             return
         _synchronize()
-        self._file.write(json.dumps({"step": step, "t": time.time()}) + "\n")
+        stamp = {"step": step, "t": time.time(), "cpu": time.process_time()}
+        self._file.write(json.dumps(stamp) + "\n")
         self._file.flush()
 
 
-def read_stamps(path: Path) -> dict[int, float]:
-    """Step number -> end time from a clock file (missing file: no stamps)."""
+def read_stamps(path: Path, key: str = "t") -> dict[int, float]:
+    """Step number -> that step's ``key`` stamp from a clock file (missing file: no stamps)."""
     if not path.exists():
         return {}
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {int(r["step"]): float(r["t"]) for r in rows}
+    return {int(r["step"]): float(r[key]) for r in rows if key in r}
 
 
 def step_walls(stamps: dict[int, float], *, warmup: int) -> list[float]:
-    """Wall seconds of every steady step: t[n] - t[n-1] for the steps after ``warmup``."""
+    """Seconds of every steady step: s[n] - s[n-1] for the steps after ``warmup``."""
     return [stamps[n] - stamps[n - 1] for n in sorted(stamps) if n > warmup and n - 1 in stamps]

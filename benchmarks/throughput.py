@@ -98,9 +98,10 @@ def probe_framework(main_python: Path, model: str, extra: list[str]) -> tuple[di
 
 
 def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
-    def peer(key: str, label: str, module: str, *extra: str) -> PeerRunner:
+    def peer(key: str, label: str, module: str, *extra: str, diagnostic: bool = False
+             ) -> PeerRunner:
         return PeerRunner(bench, key=key, label=label, module=f"benchmarks.peers.{module}",
-                          extra=extra)
+                          extra=extra, diagnostic=diagnostic)
 
     factories = {
         "llama_fsdp": lambda: FrameworkRunner(bench, sharding="full", clock=clock),
@@ -109,8 +110,8 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
         "torchtitan": lambda: peer("torchtitan", "torchtitan (llama3, custom flavor)", "titan"),
         "llama_fsdp_no_shard": lambda: FrameworkRunner(bench, sharding="no_shard", clock=clock),
         "bare_fsdp2_packed": lambda: peer(
-            "bare_fsdp2_packed", "bare FSDP2 loop + packed position_ids (diagnostic)",
-            "bare_fsdp", "--packed"),
+            "bare_fsdp2_packed", "bare FSDP2 loop + packed position_ids", "bare_fsdp",
+            "--packed", diagnostic=True),
         "llama_fsdp_unpacked": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
                                                        packing=False),
         "hf_trainer_ddp": lambda: peer("hf_trainer_ddp", "HF Trainer, DDP requested",
@@ -181,8 +182,9 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
          "`fsdp=\"full_shard auto_wrap\"`); the `what it ran` column is read from the trained "
          "model (FSDPModule units / DistributedDataParallel), not assumed."),
         ("torchtitan: the shape is registered as a llama3 flavor (its model, its "
-         "parallelize_llama FSDP2, its loop); torchtitan 0.3.0 has no SDPA for language "
-         "models, so it runs flex attention."),
+         "parallelize_llama FSDP2, its loop, its other defaults: the spmd_types backend and, "
+         "on NVIDIA GPUs, CUDA-graph capture of forward+backward); torchtitan 0.3.0 has no SDPA "
+         "for language models, so it runs flex attention."),
     ]
     if not clock:
         out.append("FALLBACK in force: this llama_fsdp has no `train.callbacks` yet, so its "
@@ -207,11 +209,38 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def select_runners(args: argparse.Namespace, bench: Bench, clock: bool) -> list[Runner]:
+    keys = args.runners.split(",") if args.runners else list(
+        RUNNERS_CUDA if args.device == "cuda" else RUNNERS_CPU)
+    unknown = set(keys) - set(ALL_RUNNERS)
+    if unknown:
+        raise SystemExit(f"unknown runner(s) {sorted(unknown)}: valid: {', '.join(ALL_RUNNERS)}")
+    runners = build_runners(bench, keys, clock)
+    if any(isinstance(r, PeerRunner) for r in runners) and not bench.bench_python.exists():
+        raise SystemExit(f"{bench.bench_python} is missing: run bash benchmarks/setup_peers.sh")
+    return runners
+
+
+def _repo_relative(path: str | Path) -> str:
+    return str(path).replace(str(REPO) + "/", "")
+
+
+def meta_for(args: argparse.Namespace, bench: Bench, summaries: list[Summary], shape: dict,
+             rounds: list[Round], clock: bool, work_dir: Path) -> Meta:
+    return Meta(device=device_text(args.device, args.ranks),
+                versions={".venv": versions(bench.main_python),
+                          args.bench_venv.name: versions(bench.bench_python)},
+                shape=shape, rounds=rounds, date=f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+                argv=shlex.join([_repo_relative(bench.main_python),
+                                 *map(_repo_relative, sys.argv)]),
+                work_dir=_repo_relative(work_dir), notes=notes(bench, summaries, clock))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args()
-    main_python = Path(sys.executable)
+    main_python = Path(sys.executable)  # not resolved: the venv's python, not its target
     work_dir = (args.work_dir or REPO / "outputs" / "benchmarks"
                 / f"throughput-{datetime.datetime.now():%Y%m%d-%H%M%S}").resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -221,27 +250,12 @@ def main() -> None:
     bench = Bench(device=args.device, ranks=args.ranks, model=args.model,
                   batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
                   warmup=args.warmup, precision=args.precision, main_python=main_python,
-                  bench_python=args.bench_venv.resolve() / "bin" / "python",
+                  bench_python=args.bench_venv.absolute() / "bin" / "python",
                   shape_file=shape_file, framework_overrides=tuple(args.framework_override))
-    keys = args.runners.split(",") if args.runners else list(
-        RUNNERS_CUDA if args.device == "cuda" else RUNNERS_CPU)
-    unknown = set(keys) - set(ALL_RUNNERS)
-    if unknown:
-        raise SystemExit(f"unknown runner(s) {sorted(unknown)}: valid: {', '.join(ALL_RUNNERS)}")
-    runners = build_runners(bench, keys, clock)
+    runners = select_runners(args, bench, clock)
     results, rounds = run_rounds(runners, args.rounds, work_dir, args.run_timeout)
     summaries = [summarize(r, results[r.key], args.warmup) for r in runners]
-    meta = Meta(device=device_text(args.device, args.ranks),
-                versions={".venv": versions(main_python), args.bench_venv.name:
-                          versions(bench.bench_python)},
-                shape=shape, rounds=rounds,
-                date=f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
-                argv=shlex.join([Path(main_python).relative_to(REPO).as_posix()
-                                 if main_python.is_relative_to(REPO) else str(main_python),
-                                 *[a.replace(str(REPO) + "/", "") for a in sys.argv]]),
-                work_dir=str(work_dir.relative_to(REPO) if work_dir.is_relative_to(REPO)
-                             else work_dir),
-                notes=notes(bench, summaries, clock))
+    meta = meta_for(args, bench, summaries, shape, rounds, clock, work_dir)
     args.out.write_text(render(bench, summaries, meta))
     base = next((s for s in summaries if s.runner.key == "bare_fsdp2"), None)
     print("\n".join(table(summaries, base, bench, "bare_fsdp2")))

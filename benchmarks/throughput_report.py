@@ -1,6 +1,7 @@
 """Medians, ratios and the markdown report of benchmarks/throughput.py."""
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -13,10 +14,12 @@ BASELINE = "bare_fsdp2"
 
 @dataclass
 class Summary:
-    """One runner over all rounds: pooled steady-step walls and per-round medians."""
+    """One runner over all rounds: pooled steady-step walls (and rank-0 CPU seconds) and the
+    per-round wall medians."""
 
     runner: Runner
     walls: list[float]
+    cpu: list[float]
     round_medians: list[float]
     info: dict[str, Any]
     error: str | None
@@ -25,14 +28,20 @@ class Summary:
     def median(self) -> float | None:
         return statistics.median(self.walls) if self.walls else None
 
+    @property
+    def cpu_median(self) -> float | None:
+        return statistics.median(self.cpu) if self.cpu else None
+
 
 def summarize(runner: Runner, results: list[RunResult], warmup: int) -> Summary:
     ok = [r for r in results if r.ok]
     per_round = [step_walls(r.stamps, warmup=warmup) for r in ok]
     walls = [w for ws in per_round for w in ws]
+    cpu = [c for r in ok for c in step_walls(r.cpu_stamps, warmup=warmup)]
     error = next((r.error for r in results if not r.ok), None)
     info = ok[-1].info if ok else {}
-    return Summary(runner, walls, [statistics.median(ws) for ws in per_round if ws], info, error)
+    return Summary(runner, walls, cpu, [statistics.median(ws) for ws in per_round if ws], info,
+                   error)
 
 
 @dataclass
@@ -65,22 +74,24 @@ def _spread(s: Summary) -> str:
     return f"{min(s.round_medians) * 1000:.1f}–{max(s.round_medians) * 1000:.1f}"
 
 
-def _ratio(s: Summary, base: Summary | None) -> str:
-    if s.median is None or base is None or base.median is None:
-        return "–"
-    return f"{s.median / base.median:.3f}"
+def _ratio(value: float | None, base: float | None) -> str:
+    return "–" if value is None or base is None else f"{value / base:.3f}"
 
 
 def table(rows: list[Summary], base: Summary | None, bench: Bench, base_name: str) -> list[str]:
-    """One line per runner: median s/step, spread over rounds, global tokens/s, ratio."""
+    """One line per runner: median s/step, spread over rounds, global tokens/s, ratio, and
+    rank 0's CPU time per step with its ratio (the load-robust view of the same work)."""
     header = (f"| runner | what it ran | median ms/step | round medians (ms) | tokens/s (global) "
-              f"| s/step vs {base_name} | steady steps |")
-    out = [header, "|---|---|---:|---:|---:|---:|---:|"]
+              f"| s/step vs {base_name} | rank-0 CPU ms/step | CPU vs {base_name} "
+              "| steady steps |")
+    out = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
         tps = "–" if s.median is None else f"{bench.tokens_per_step / s.median:,.0f}"
         ran = s.info.get("ran", "cannot run here" if s.error else "–")
+        wall = _ratio(s.median, base.median if base else None)
+        cpu = _ratio(s.cpu_median, base.cpu_median if base else None)
         out.append(f"| {s.runner.label} | {ran} | {_ms(s.median)} | {_spread(s)} | {tps} "
-                   f"| {_ratio(s, base)} | {len(s.walls)} |")
+                   f"| {wall} | {_ms(s.cpu_median)} | {cpu} | {len(s.walls)} |")
     return out
 
 
@@ -96,13 +107,19 @@ def no_shard_pair(summaries: list[Summary]) -> list[Summary]:
 
 
 def render(bench: Bench, summaries: list[Summary], meta: Meta) -> str:
-    base = by_key(summaries).get(BASELINE)
-    main = [s for s in summaries if s.runner.key != "hf_trainer_ddp"]
+    keys = by_key(summaries)
+    base = keys.get(BASELINE)
+    main = [s for s in summaries if not s.runner.diagnostic and s.runner.key != "hf_trainer_ddp"]
+    diagnostics = [s for s in summaries if s.runner.diagnostic]
     pair = no_shard_pair(summaries)
     lines = ["# Throughput: llama_fsdp against a bare FSDP2 loop, HF Trainer and torchtitan", "",
              f"Measured {meta.date} with `{meta.argv}`.", ""]
     lines += _setup(bench, meta, base)
     lines += ["## Results", "", *table(main, base, bench, BASELINE), ""]
+    if diagnostics:
+        context = [s for s in (base, keys.get("llama_fsdp")) if s is not None]
+        lines += ["## Diagnostics: where the gap to the floor comes from", "",
+                  *table(context + diagnostics, base, bench, BASELINE), ""]
     if pair:
         hf = pair[-1] if len(pair) == 2 else None
         lines += ["## no_shard: llama_fsdp sharding=no_shard against HF Trainer (DDP)", "",
@@ -129,10 +146,25 @@ def _setup(bench: Bench, meta: Meta, base: Summary | None) -> list[str]:
          "and left out"),
         ("- per-step wall = difference of consecutive rank-0 step-end stamps (`time.time()`, "
          "after a CUDA synchronize on GPUs); the tables give the median over all steady steps "
-         "of all rounds, and the spread of the per-round medians"),
+         "of all rounds, and the spread of the per-round medians; rank-0 CPU ms/step is the "
+         "median per-step difference of rank 0's process CPU time (all threads), which load "
+         "from other processes barely moves"),
         f"- one round took {_round_text(meta.rounds)} (process start-up included)",
+        *_load_caveat(bench, meta.rounds),
         "",
     ]
+
+
+def _load_caveat(bench: Bench, rounds: list[Round]) -> list[str]:
+    """Say so when other processes competed for the cores: then wall times mostly measure them."""
+    cores = os.cpu_count() or 1
+    if bench.device != "cpu" or not rounds or max(r.load for r in rounds) <= cores + 1:
+        return []
+    peak = max(r.load for r in rounds)
+    return [(f"- **the machine was busy**: the load average at round starts reached {peak:.1f} "
+             f"on {cores} cores (this benchmark's own ranks make about {bench.ranks}), so other "
+             "processes took CPU from the ranks. Wall times are inflated and spread widely; the "
+             "rank-0 CPU columns are the steadier comparison of the work each runner does")]
 
 
 def _shape_text(shape: dict[str, Any]) -> str:

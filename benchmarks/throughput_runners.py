@@ -53,7 +53,8 @@ class Bench:
 
     @property
     def threads_per_rank(self) -> int:
-        return max(1, (os.cpu_count() or 1) // self.ranks) if self.device == "cpu" else 1
+        """Host cores split evenly between the ranks, as llama_fsdp does by default."""
+        return max(1, (os.cpu_count() or 1) // self.ranks)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RunResult:
     round: int
     elapsed_s: float
     stamps: dict[int, float] = field(default_factory=dict)
+    cpu_stamps: dict[int, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -78,6 +80,7 @@ class Runner:
     key = ""
     label = ""
     timing = f"step clock (`{CLOCK_HOOK}`)"
+    diagnostic = False  # a variant that explains a gap, reported in its own table
 
     def __init__(self, bench: Bench):
         self.bench = bench
@@ -93,6 +96,9 @@ class Runner:
 
     def stamps(self, run_dir: Path) -> dict[int, float]:
         return read_stamps(run_dir / CLOCK_FILE)
+
+    def cpu_stamps(self, run_dir: Path) -> dict[int, float]:
+        return read_stamps(run_dir / CLOCK_FILE, "cpu")
 
     def info(self, run_dir: Path) -> dict[str, Any]:
         path = run_dir / INFO_FILE
@@ -122,7 +128,8 @@ class FrameworkRunner(Runner):
         self.label = f"llama_fsdp (sharding={sharding})"
         if not packing:
             self.key += "_unpacked"
-            self.label = f"llama_fsdp (sharding={sharding}, data.packing=false; diagnostic)"
+            self.label = f"llama_fsdp (sharding={sharding}, data.packing=false)"
+            self.diagnostic = True
         if not clock:
             self.timing = "FALLBACK: MLflow `step_time_s` history timestamps (no train.callbacks)"
 
@@ -178,9 +185,10 @@ class PeerRunner(Runner):
     """A peer in benchmarks/peers/, one process per rank under torchrun, in the peer venv."""
 
     def __init__(self, bench: Bench, *, key: str, label: str, module: str,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), diagnostic: bool = False):
         super().__init__(bench)
         self.key, self.label, self.module, self.extra = key, label, module, extra
+        self.diagnostic = diagnostic
 
     def command(self, run_dir: Path) -> list[str]:
         b = self.bench
@@ -207,6 +215,7 @@ def execute(runner: Runner, run_dir: Path, *, round_no: int, timeout_s: float) -
         result.error = f"{reason}: {root_cause(log_path.read_text(errors='replace'))}"
         return result
     result.stamps, result.info = runner.stamps(run_dir), runner.info(run_dir)
+    result.cpu_stamps = runner.cpu_stamps(run_dir)
     if len(result.stamps) < runner.bench.steps:
         result.error = (f"only {len(result.stamps)} of {runner.bench.steps} step stamps "
                         f"(see {log_path})")

@@ -133,7 +133,7 @@ class ClusterConfig:
 
 @dataclass
 class DataConfig:
-    """Records → tokens → masked, packed rows (llama_fsdp/data.py)."""
+    """Records → tokens → masked, packed rows (llama_fsdp/data/; README "Your own data")."""
 
     # Valid values (plain class attributes, not config keys).
     SOURCES = ("synthetic", "jsonl", "hf")
@@ -143,10 +143,17 @@ class DataConfig:
     # synthetic (embedded, generated) | jsonl (local json/jsonl/parquet/csv/txt files)
     # | hf (datasets.load_dataset: a hub name or a local dataset directory)
     name: str = "synthetic"
-    # synthetic: generated train records. eval_records: generated held-out records (synthetic),
-    # or records held out of the train split (files, or hf without eval_split).
+    # synthetic: generated training records (the held-out set is generated apart, sized by the
+    # eval_* rule below applied to num_records).
     num_records: int = 4000
-    eval_records: int = 200
+    # The held-out (eval) records when no eval file / split is named: eval_fraction of the
+    # records, at least eval_min_records, at most eval_max_records, never all of them (at least
+    # one record always trains). eval_fraction=0 holds out nothing (no eval).
+    eval_fraction: float = 0.05
+    eval_min_records: int = 1
+    eval_max_records: int = 200
+    # An exact held-out count instead of the rule above (null: the rule). 0 holds out nothing.
+    eval_records: Optional[int] = None
     # Generation (synthetic) and held-out selection seed; the sampling order uses train.seed.
     seed: int = 1234
     # jsonl: a file, a glob or a directory of files; hf: a hub dataset name or local directory.
@@ -154,14 +161,20 @@ class DataConfig:
     subset: Optional[str] = None  # hf: the dataset's config name
     revision: Optional[str] = None  # hf: git revision of a hub dataset
     split: str = "train"
-    eval_split: Optional[str] = None  # hf: a held-out split (null: hold out eval_records)
-    eval_path: Optional[str] = None  # jsonl: a held-out file or glob (null: hold out eval_records)
+    eval_split: Optional[str] = None  # hf: a held-out split (null: hold out of the train split)
+    eval_path: Optional[str] = None  # jsonl: a held-out file or glob (null: hold out of path)
+    # "module:function" or "path/to/file.py:function", applied to every record of the files /
+    # hub split before anything else: function(record: dict) -> a record (dict), a list of
+    # records (one record becomes several), or None (skip it). For layouts the *_column names
+    # cannot map, e.g. answers nested in a list.
+    preprocess: Optional[str] = None
     # auto | instruction (alpaca: instruction/input/output) | chat (a messages list, rendered
     # with the tokenizer's chat template) | text. auto picks by the columns present.
     format: str = "auto"
     instruction_column: str = "instruction"
     input_column: str = "input"
     output_column: str = "output"
+    # chat: a list of {role, content} (or ShareGPT's {from, value}) messages.
     messages_column: str = "messages"
     text_column: str = "text"
     # Instruction records: the prompt, then the output (tokenized apart, so the boundary is exact).
@@ -169,9 +182,13 @@ class DataConfig:
     # and hf use the Alpaca layout.
     prompt_template: str = "{instruction} {input} ="
     prompt_template_no_input: str = "{instruction} ="
-    # An HF tokenizer directory or hub name; null: the project tokenizer (512 pieces, trained
-    # once on the synthetic corpus and cached), which needs model.vocab_size=512.
+    # An HF tokenizer directory or hub name. null: model.path's own tokenizer when the model has
+    # a path; else the project tokenizer (512 pieces, trained once on the synthetic corpus and
+    # cached; for the synthetic task and model=tiny, vocab_size 512).
     tokenizer: Optional[str] = None
+    # A Jinja chat template (the text, or a path to a .jinja file) replacing the tokenizer's, for
+    # chat records with a tokenizer that has none (base models).
+    chat_template: Optional[str] = None
     # Loss on prompt tokens too (default: only responses / assistant turns, and their EOS).
     train_on_prompt: bool = False
     # Several records per row (positions restart, no attention across records); false: one
@@ -195,8 +212,25 @@ class DataConfig:
             out.append(f"data.name={self.name} needs data.path (a file/glob/directory or hub name)")
         if self.name == "synthetic" and self.num_records < 1:
             out.append("data.num_records must be >= 1")
-        if self.eval_records < 0 or self.num_proc < 1:
-            out.append("data.eval_records must be >= 0 and data.num_proc >= 1")
+        if not 0 <= self.eval_fraction < 1:
+            out.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.eval_min_records < 0 or self.eval_max_records < 0:
+            out.append("data.eval_min_records and data.eval_max_records must be >= 0")
+        elif self.eval_min_records > self.eval_max_records:
+            out.append(f"data.eval_min_records={self.eval_min_records} exceeds "
+                       f"data.eval_max_records={self.eval_max_records}")
+        if self.eval_records is not None and self.eval_records < 0:
+            out.append("data.eval_records must be >= 0 (or null: the eval_fraction rule)")
+        if self.num_proc < 1:
+            out.append("data.num_proc must be >= 1")
+        if self.preprocess is not None:
+            if self.name == "synthetic":
+                out.append("data.preprocess applies to data=jsonl and data=hf records, not to the "
+                           "synthetic task")
+            mod, _, fn = self.preprocess.rpartition(":")
+            if not mod or not fn.isidentifier():
+                out.append(f"data.preprocess={self.preprocess!r}: expected 'module:function' or "
+                           "'path/to/file.py:function'")
         if "{instruction}" not in self.prompt_template or "{input}" not in self.prompt_template:
             out.append("data.prompt_template must contain {instruction} and {input}")
         if "{instruction}" not in self.prompt_template_no_input:

@@ -81,20 +81,28 @@ def probe_store(uri: str) -> Optional[str]:
 
 
 def resolve_model(spec: RunSpec) -> RunSpec:
-    """model.path as a local directory: a hub name is downloaded here, once (json, safetensors
-    and tokenizer files only)."""
+    """model.path as a local directory: a hub name is downloaded here, once."""
+    from .checkpoint.hf import resolve_hf_dir
+
     path = spec.model.path
     if not path or Path(path).expanduser().is_dir():
         return spec
-    from huggingface_hub import snapshot_download
-
     log.info("downloading %s (config, safetensors, tokenizer) ...", path)
-    local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    local = str(resolve_hf_dir(path))
     return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=local))
 
 
 def prepare_data(spec: RunSpec) -> Any:
-    """Read, validate, tokenize (into the cache) and pack the data as rank 0 will."""
+    """Read, validate, tokenize (into the cache) and pack the data as rank 0 will, once, here.
+
+    Everything about the data that can be wrong fails now, in seconds, naming the file, the
+    record and the fix: files and globs, formats and columns (layouts that cannot be mapped),
+    too few records for the train / eval split, records without any target token, a tokenizer
+    whose ids do not fit model.vocab_size, a model directory without its tokenizer. The tokenizer
+    is model.path's own unless data.tokenizer is set (spec.model.path is a local directory by
+    now: ``resolve_model`` ran first). The notes about the data (split, tokenizer, advice) are
+    printed here, once; the ranks then find the tokenized data in the cache.
+    """
     from .data import build_data
 
     t0 = time.perf_counter()
@@ -102,11 +110,14 @@ def prepare_data(spec: RunSpec) -> Any:
         data = build_data(spec.data, seq_len=spec.train.seq_len,
                           micro_batch=spec.train.batch_size, dp_rank=0,
                           dp_world=spec.world_size, seed=spec.train.seed,
-                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size)
+                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size,
+                          model_path=spec.model.path, announce=True)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise PrepareError(f"data: {e}") from e
-    log.info("data ready in %.1fs: %d training rows, %d held-out rows", time.perf_counter() - t0,
-             len(data.train), len(data.eval))
+    log.info("data ready in %.1fs: %d training rows (%d micro-batches per rank per epoch), %d "
+             "held-out rows; tokenizer %s (%s)", time.perf_counter() - t0, len(data.train),
+             data.batches_per_epoch, len(data.eval), data.info.tokenizer,
+             data.info.tokenizer_source)
     return data
 
 

@@ -227,7 +227,8 @@ class Run:
         data = build_data(spec.data, seq_len=spec.train.seq_len,
                           micro_batch=spec.train.batch_size, dp_rank=env.rank,
                           dp_world=env.world_size, seed=spec.train.seed,
-                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size)
+                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size,
+                          model_path=spec.model.path, announce=False)  # the driver announced
         optimizer = build_optimizer(model, spec.train)
         scheduler = build_scheduler(optimizer, spec.train)
         tracker = open_tracker(spec) if env.rank == 0 else NullTracker()
@@ -259,7 +260,8 @@ class Run:
                                  "derived.global_batch": spec.global_batch,
                                  "derived.tokens_per_step": spec.tokens_per_step,
                                  "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                                 "derived.local_params_rank0": local_numel(self.model)})
+                                 "derived.local_params_rank0": local_numel(self.model),
+                                 **self.data.info.params()})
         self.tracker.log_metrics({**self.data.stats, **self.plan.metrics()}, step=0)
         if spec.restart:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)

@@ -11,6 +11,11 @@ CONF = REPO / "conf"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Rank processes import test hooks (tests.faults.hooks, through train.callbacks).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+# CPU tests pin the CPU, so they mean the same on a machine with a GPU.
+CPU = ["cluster.device=cpu"]
 
 
 def compose(overrides: list[str] | None = None):
@@ -28,10 +33,21 @@ def compose(overrides: list[str] | None = None):
 
 
 def make_spec(overrides: list[str] | None = None, *, output_dir: str | Path = "/tmp/llama_fsdp_test"):
+    """A RunSpec of the real composed config; on the CPU unless an override says otherwise."""
     from llama_fsdp.spec import build_spec
 
-    cfg = compose([f"output_dir={output_dir}", *(overrides or [])])
+    cfg = compose([f"output_dir={output_dir}", *CPU, *(overrides or [])])
     return build_spec(cfg, launch_dir=REPO)
+
+
+def launch_prepared(spec, *, command: str = "pytest"):
+    """What `python -m llama_fsdp` does after planning: prepare in this process, then launch
+    the real rank processes; returns the ranks' results."""
+    from llama_fsdp.launchers import launch
+    from llama_fsdp.prepare import prepare
+
+    prepared = prepare(spec, command=command)
+    return launch(prepared.spec, "llama_fsdp.worker:run_worker", stream=False)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The peer training loops benchmarks/throughput.py compares llama_fsdp against."""

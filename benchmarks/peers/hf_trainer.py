@@ -69,7 +69,7 @@ def what_ran(trainer: Trainer) -> str:
     if type(wrapped).__name__ == "FullyShardedDataParallel":
         return "FSDP1 (FullyShardedDataParallel)"
     if isinstance(wrapped, DistributedDataParallel):
-        return "DDP (DistributedDataParallel)"
+        return f"DDP (find_unused_parameters={wrapped.find_unused_parameters})"
     return f"no data-parallel wrapper ({type(wrapped).__name__})"
 
 

@@ -37,25 +37,16 @@ MAX_SHARD_BYTES = 5 * 1024**3  # export shards, as transformers' save_pretrained
 
 
 def resolve_hf_dir(path: str) -> Path:
-    """A local HF directory as is; a hub name through snapshot_download (rank 0 first, so the
-    other ranks find it in a shared cache). Only json, safetensors and tokenizer files."""
+    """A local HF directory as is; a hub name as its snapshot, downloaded if needed (json,
+    chat templates, safetensors and tokenizer files only). The driver calls this before launch
+    (prepare.resolve_model); ranks run offline and get the local directory."""
     local = Path(path).expanduser()
     if local.is_dir():
         return local
     from huggingface_hub import snapshot_download
 
-    def fetch() -> Path:
-        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors",
-                                                            "tokenizer*"]))
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return fetch()
-    if dist.get_rank() == 0:
-        out = fetch()
-    dist.barrier()
-    if dist.get_rank() != 0:
-        out = fetch()
-    return out
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.safetensors",
+                                                        "tokenizer*"]))
 
 
 def _unique_state(sd: dict[str, Any]) -> dict[str, Any]:

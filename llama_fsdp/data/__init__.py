@@ -2,12 +2,14 @@
 
 The worker's interface:
 
-- ``build_data(cfg, *, seq_len, micro_batch, dp_rank, dp_world, seed, cache_dir, vocab_size)``
-  returns a ``DataModule``; every rank calls it. Tokenized data is cached under
-  ``cache_dir/data`` (keyed by source, tokenizer, seq_len and format options) and built by one
-  process under a file lock with an atomic rename, so concurrent ranks are safe. Calling
-  ``prepare_data`` on rank 0 before a barrier is optional: it only moves the work (and its
-  progress display) to rank 0.
+- ``build_data(cfg, *, seq_len, micro_batch, dp_rank, dp_world, seed, cache_dir, vocab_size,
+  model_path=None, announce=None)`` returns a ``DataModule``; the driver calls it once
+  (llama_fsdp/prepare.py, which reads, checks and tokenizes everything before any rank starts)
+  and every rank calls it again, finding the tokenized data in the cache. Tokenized data is
+  cached under ``cache_dir/data`` (keyed by source, tokenizer, seq_len and format options) and
+  built by one process under a file lock with an atomic rename, so concurrent ranks are safe.
+- The tokenizer: ``data.tokenizer``, else ``model_path``'s own (the model being fine-tuned),
+  else the project tokenizer (tokenizer.py). One whose ids do not fit ``vocab_size`` is refused.
 - ``DataModule.train_batches()`` yields this rank's micro-batches forever: ``input_ids``,
   ``labels`` (already shifted: ``labels[:, t]`` is the target of position t, -100 where no loss
   is taken) and ``position_ids`` (restarting at every packed record). Every key except
@@ -15,45 +17,59 @@ The worker's interface:
   (``masking_utils.find_packed_sequence_indices``) derives a block-causal mask from position
   ids that restart, as long as no ``attention_mask`` and no KV cache is passed.
 - ``DataModule.eval_batches(max_batches)``, ``state_dict()`` / ``load_state_dict()``,
-  ``stats``, ``tokenizer``, and ``evaluate_task(model, device=...)`` (greedy exact match on
-  held-out prompts; collective: every rank must call it).
+  ``stats`` (numbers, for metrics), ``info`` (a ``DataInfo``: the tokenizer used and why, the
+  split, the notes printed; ``info.params()`` for MLflow params) and ``tokenizer``; the task
+  metric on held-out prompts is llama_fsdp/eval.py's ``exact_match``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Optional
 
 from ..config import DataConfig
-from .cache import Prepared, as_config, build_tokenizer, prepare_data
+from .cache import Prepared, as_config, build_tokenizer, prepare_data, resolve_tokenizer
 from .packing import IGNORE_INDEX, Packed, TokenStore, pack
+from .report import DataInfo, data_notes, describe_source, tokenizer_override_note
 from .sampler import DataModule
 from .synthetic import SYNTHETIC_TASKS, synthetic_corpus, synthetic_records
+from .tokenizer import token_id_bound, vocab_problem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataModule", "IGNORE_INDEX", "Packed", "Prepared", "SYNTHETIC_TASKS", "TokenStore",
-           "build_data", "build_tokenizer", "pack", "prepare_data", "synthetic_corpus",
-           "synthetic_records"]
+__all__ = ["DataInfo", "DataModule", "IGNORE_INDEX", "Packed", "Prepared", "SYNTHETIC_TASKS",
+           "TokenStore", "build_data", "build_tokenizer", "pack", "prepare_data",
+           "resolve_tokenizer", "synthetic_corpus", "synthetic_records"]
 
 
 def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int, dp_world: int,
-               seed: int, cache_dir: Path, vocab_size: int) -> DataModule:
-    """Tokenize (or load from cache), pack, and return this rank's ``DataModule``."""
+               seed: int, cache_dir: Path, vocab_size: int, model_path: Optional[str] = None,
+               announce: Optional[bool] = None) -> DataModule:
+    """Tokenize (or load from cache), pack, and return this rank's ``DataModule``.
+
+    ``model_path``: the HF model directory being fine-tuned (model.path): its tokenizer encodes
+    the data unless data.tokenizer is set. ``announce``: log the data's notes (the split, the
+    tokenizer used, advice); default: on dp rank 0. The driver announces; ranks need not again.
+    """
     cfg = as_config(cfg)
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid data config: " + "; ".join(problems))
-    tok = build_tokenizer(cfg, Path(cache_dir))
-    if len(tok) != vocab_size:
-        raise ValueError(
-            f"tokenizer {cfg.tokenizer or 'project (data.tokenizer=null)'} has {len(tok)} tokens "
-            f"but model.vocab_size={vocab_size}; set model.vocab_size={len(tok)} or pick a "
-            "tokenizer of the model's vocabulary (data.tokenizer)")
+    announce = dp_rank == 0 if announce is None else announce
+    tok, choice = resolve_tokenizer(cfg, Path(cache_dir), model_path=model_path)
+    problem = vocab_problem(tok, choice, vocab_size)
+    if problem:
+        raise ValueError(problem)
     prep = prepare_data(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
                         show_progress=dp_rank == 0)
     pad = tok.pad_token_id
     train = Packed.build(TokenStore(prep.train), seq_len, pad, cfg.packing)
     ev = Packed.build(TokenStore(prep.eval), seq_len, pad, cfg.packing)
+    tr_meta, ev_meta = prep.meta["train"], prep.meta["eval"]
+    chars = tr_meta["chars"] + ev_meta["chars"]
+    tokens_per_char = (tr_meta["full_tokens"] + ev_meta["full_tokens"]) / max(1, chars)
+    size = token_id_bound(tok)
     stats = {
         "packing_efficiency": train.efficiency,
         "eval_packing_efficiency": ev.efficiency,
@@ -63,12 +79,35 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
         "train_target_tokens": float(train.store.mask.sum()),
         "eval_records": float(len(ev.store)),
         "eval_rows": float(len(ev)),
-        "records_truncated": float(prep.meta["train"]["truncated"] + prep.meta["eval"]["truncated"]),
-        "records_dropped": float(prep.meta["train"]["dropped"] + prep.meta["eval"]["dropped"]),
+        "records_truncated": float(tr_meta["truncated"] + ev_meta["truncated"]),
+        "records_dropped": float(tr_meta["dropped"] + ev_meta["dropped"]),
+        "records_without_targets": float(tr_meta["no_target"] + ev_meta["no_target"]),
+        "record_tokens_p50": float(tr_meta["length"]["p50"]),
+        "record_tokens_p95": float(tr_meta["length"]["p95"]),
+        "tokens_per_char": float(tokens_per_char),
         "tokenized_from_cache": float(prep.from_cache),
-        "tokenizer_size": float(len(tok)),
+        "tokenizer_size": float(size),
     }
-    log.info("data %s: %d train records in %d rows of %d (packing efficiency %.3f), %d eval rows",
-             cfg.name, len(train.store), len(train), seq_len, train.efficiency, len(ev))
-    return DataModule(train=train, eval=ev, tokenizer=tok, micro_batch=micro_batch, dp_rank=dp_rank,
-                      dp_world=dp_world, seed=seed, stats=stats)
+    info = DataInfo(
+        source=describe_source(cfg), format=tr_meta["format"],
+        tokenizer=(str(choice.name_or_path) if not choice.is_project
+                   else str(Path(tok.name_or_path).resolve())),
+        tokenizer_source=choice.source, tokenizer_size=size,
+        train_records=len(train.store), eval_records=len(ev.store),
+        train_origin=tr_meta["origin"], eval_origin=ev_meta["origin"],
+        tokens_per_char=float(tokens_per_char), cache_path=str(prep.path))
+    dm = DataModule(train=train, eval=ev, tokenizer=tok, micro_batch=micro_batch, dp_rank=dp_rank,
+                    dp_world=dp_world, seed=seed, stats=stats, info=info)
+    notes = data_notes(cfg, prep.meta, info, seq_len=seq_len, vocab_size=vocab_size,
+                       repeats=dm.repeats, rows=len(train), global_batch=micro_batch * dp_world)
+    if announce:
+        override = tokenizer_override_note(choice, tok, model_path)
+        if override:
+            notes.append(override)
+    dm.info = info = dataclasses.replace(info, notes=tuple(notes))
+    if announce:
+        info.announce(log)
+        log.info("data: %d training rows of %d tokens (packing efficiency %.3f), %d eval rows; "
+                 "cached in %s", len(train), seq_len, train.efficiency, len(ev), prep.path)
+    return dm
+

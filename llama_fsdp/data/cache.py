@@ -10,19 +10,31 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+import numpy as np
 
 from ..config import DataConfig
 from .formats import Encoder, detect_format
 from .packing import record_lengths
-from .sources import Split, load_sources
+from .sources import Split, hook_fingerprint, load_sources
 from .synthetic import synthetic_corpus, synthetic_records
-from .tokenizer import load_tokenizer, tokenizer_fingerprint
+from .tokenizer import (
+    TokenizerChoice,
+    choose_tokenizer,
+    load_tokenizer,
+    set_chat_template,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
 # Bump when tokenization or the cached layout changes: it is part of the cache key.
-_CACHE_VERSION = 1
+# 2: chat records tokenized whole (as apply_chat_template), eval hold-out by fraction, length /
+#    character statistics in meta.json, records without targets left out.
+_CACHE_VERSION = 2
+# Columns the encoder adds for statistics and filtering; not stored.
+_WORK_COLUMNS = ("full_len", "targets", "chars", "keep")
 
 
 @dataclass
@@ -37,14 +49,16 @@ class Prepared:
 
 
 def prepare_data(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=None,
-                 show_progress: bool = True) -> Prepared:
+                 model_path: Optional[str] = None, show_progress: bool = True) -> Prepared:
     """Tokenize both splits into ``cache_dir/data/<key>`` or find them there.
 
+    ``tokenizer``: the one to use (default: ``resolve_tokenizer`` with ``model_path``).
     Rank-safe: the first process to take the lock builds into a temporary directory and
     renames it into place; the others wait for the lock and load the result.
     """
     cfg, cache_dir = as_config(cfg), Path(cache_dir)
-    tok = tokenizer if tokenizer is not None else build_tokenizer(cfg, cache_dir)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(cfg, cache_dir,
+                                                                  model_path=model_path)
     key = _cache_key(cfg, seq_len, tok)
     root = cache_dir / "data"
     final = root / f"{cfg.name}-{key[:20]}"
@@ -60,9 +74,21 @@ def prepare_data(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=No
     return _load_prepared(final, from_cache=True)
 
 
-def build_tokenizer(cfg: DataConfig, cache_dir: Path):
-    """The configured tokenizer, or the project tokenizer trained on the synthetic corpus."""
-    return load_tokenizer(cfg.tokenizer, cache_dir=Path(cache_dir), corpus=synthetic_corpus)
+def resolve_tokenizer(cfg: DataConfig, cache_dir: Path, *,
+                      model_path: Optional[str] = None) -> tuple[Any, TokenizerChoice]:
+    """The tokenizer the data is encoded with, and why it was chosen: data.tokenizer, else
+    model.path's own, else the project tokenizer (trained on the synthetic corpus); with
+    data.chat_template applied."""
+    choice = choose_tokenizer(cfg.tokenizer, model_path)
+    tok = load_tokenizer(choice.name_or_path, cache_dir=Path(cache_dir), corpus=synthetic_corpus,
+                         source=choice.source)
+    set_chat_template(tok, cfg.chat_template)
+    return tok, choice
+
+
+def build_tokenizer(cfg: DataConfig, cache_dir: Path, *, model_path: Optional[str] = None):
+    """The tokenizer of ``resolve_tokenizer``."""
+    return resolve_tokenizer(cfg, cache_dir, model_path=model_path)[0]
 
 
 def as_config(cfg) -> DataConfig:
@@ -76,12 +102,14 @@ def as_config(cfg) -> DataConfig:
 
 def _cache_key(cfg: DataConfig, seq_len: int, tok) -> str:
     fields = {f: getattr(cfg, f) for f in (
-        "name", "num_records", "eval_records", "seed", "path", "subset", "revision", "split",
-        "eval_split", "eval_path", "format", "instruction_column", "input_column",
-        "output_column", "messages_column", "text_column", "prompt_template",
-        "prompt_template_no_input", "train_on_prompt", "overlong")}
+        "name", "num_records", "eval_fraction", "eval_min_records", "eval_max_records",
+        "eval_records", "seed", "path", "subset", "revision", "split", "eval_split", "eval_path",
+        "preprocess", "format", "instruction_column", "input_column", "output_column",
+        "messages_column", "text_column", "prompt_template", "prompt_template_no_input",
+        "train_on_prompt", "overlong")}
     if cfg.name != "synthetic":  # generation options do not apply to files / hub data
         fields.pop("num_records")
+    fields["preprocess_source"] = hook_fingerprint(cfg.preprocess)
     blob = {"v": _CACHE_VERSION, "cfg": fields, "seq_len": seq_len,
             "tokenizer": tokenizer_fingerprint(tok), "files": _source_stamp(cfg)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
@@ -135,26 +163,80 @@ def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
 
 def _tokenize(cfg: DataConfig, split: Split, tok, seq_len: int, split_name: str,
               key: str) -> tuple[Any, dict]:
+    """Encode every record; leave out records dropped as overlong and records without any target
+    token; return the stored rows and what was found (counts, lengths, characters)."""
     records = split.records
     if len(records) == 0:
-        return _empty_tokenized(), {"records": 0, "format": None, "truncated": 0, "dropped": 0,
-                                    "tokens": 0}
-    fmt = detect_format(cfg, list(records.column_names), split.name)
-    encoder = Encoder(tok, fmt, cfg, seq_len, split.where)
+        return _empty_tokenized(), split_info(split, None, np.zeros(0, np.int64),
+                                              np.zeros(0, bool), np.zeros(0, np.int64),
+                                              np.zeros(0, bool), 0, 0)
+    fmt, fcfg = detect_format(cfg, records.features, split.name)
+    encoder = Encoder(tok, fmt, fcfg, seq_len, split.where)
     log.info("tokenizing %d %s records (%s format, num_proc=%d)", len(records), split_name, fmt,
              cfg.num_proc)
     ds = records.map(encoder, batched=True, with_indices=True, remove_columns=records.column_names,
                      num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-                     features=_tokenized_features(), desc=f"tokenizing {split_name}",
+                     features=_work_features(), desc=f"tokenizing {split_name}",
                      load_from_cache_file=False, new_fingerprint=f"{key[:32]}-{split_name}")
-    truncated = int(sum(ds["truncated"]))
-    dropped = len(records) - len(ds)
-    if truncated or dropped:
-        log.warning("%s: %d record(s) longer than seq_len=%d were %s", split_name,
-                    truncated or dropped, seq_len, "truncated" if truncated else "dropped")
-    lengths = record_lengths(ds)
-    return ds, {"records": len(ds), "format": fmt, "truncated": truncated, "dropped": dropped,
-                "tokens": int(lengths.sum())}
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+
+    def col(name: str) -> np.ndarray:
+        return table.column(name).to_numpy(zero_copy_only=False)
+
+    full_len, keep, targets = col("full_len"), col("keep").astype(bool), col("targets")
+    truncated = col("truncated").astype(bool)
+    stored = keep & (targets > 0)
+    chars = int(col("chars").sum())
+    tokens = int(record_lengths(ds)[stored].sum())
+    ds = ds.remove_columns(list(_WORK_COLUMNS))
+    if not stored.all():
+        ds = ds.select(np.nonzero(stored)[0])
+    info = split_info(split, fmt, full_len, truncated, targets, keep, chars, tokens)
+    if split_name == "train" and not len(ds):
+        raise ValueError(f"{split.name}: none of the {len(records)} records can train: "
+                         + no_training_reason(info, seq_len, cfg.overlong))
+    return ds, info
+
+
+def split_info(split: Split, fmt: Optional[str], full_len: np.ndarray, truncated: np.ndarray,
+               targets: np.ndarray, keep: np.ndarray, chars: int, tokens: int) -> dict[str, Any]:
+    """What tokenizing one split found (meta.json; the data module's notes read it)."""
+    no_target = keep & (targets == 0)
+    q = (np.percentile(full_len, [50, 90, 95, 99]).round().astype(int).tolist() if len(full_len)
+         else [0, 0, 0, 0])
+    return {"records_in": int(len(full_len)), "records": int((keep & (targets > 0)).sum()),
+            "format": fmt, "origin": split.origin,
+            "truncated": int(truncated.sum()), "dropped": int((~keep).sum()),
+            "no_target": int(no_target.sum()),
+            "no_target_truncated": int((no_target & truncated).sum()),
+            "tokens": tokens, "full_tokens": int(full_len.sum()), "chars": chars,
+            "length": {"p50": q[0], "p90": q[1], "p95": q[2], "p99": q[3],
+                       "max": int(full_len.max()) if len(full_len) else 0},
+            "seq_len_for_95": seq_len_covering(full_len, 0.95)}
+
+
+def seq_len_covering(lengths: np.ndarray, share: float, multiple: int = 64) -> int:
+    """The smallest multiple of ``multiple`` tokens that keeps ``share`` of the records whole."""
+    if not len(lengths):
+        return 0
+    k = int(np.sort(lengths)[max(0, int(np.ceil(share * len(lengths))) - 1)])
+    return -(-k // multiple) * multiple
+
+
+def no_training_reason(info: dict[str, Any], seq_len: int, overlong: str) -> str:
+    parts = []
+    if info["dropped"]:
+        parts.append(f"{info['dropped']} are longer than train.seq_len={seq_len} and were dropped "
+                     f"(data.overlong={overlong})")
+    if info["no_target"]:
+        parts.append(f"{info['no_target']} have no target token"
+                     + (f" ({info['no_target_truncated']} because truncation to train.seq_len="
+                        f"{seq_len} cut off the answer)" if info["no_target_truncated"] else ""))
+    lengths = info["length"]
+    return ("; ".join(parts) + f". Record lengths in tokens: p50 {lengths['p50']}, p95 "
+            f"{lengths['p95']}, max {lengths['max']}. Fix: raise train.seq_len (train.seq_len="
+            f"{info['seq_len_for_95']} keeps 95% of the records whole)"
+            + (", or set data.train_on_prompt=true" if info["no_target"] else ""))
 
 
 def _tokenized_features():
@@ -163,6 +245,13 @@ def _tokenized_features():
     return Features({"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
                      "prompt_len": Value("int32"), "truncated": Value("bool"),
                      "task": Value("string")})
+
+
+def _work_features():
+    from datasets import Features, Value
+
+    return Features({**_tokenized_features(), "full_len": Value("int32"),
+                     "targets": Value("int32"), "chars": Value("int64"), "keep": Value("bool")})
 
 
 def _empty_tokenized():

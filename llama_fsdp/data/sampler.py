@@ -17,29 +17,39 @@ class DataModule:
     """This rank's view of the packed data: train batches (stateful), eval batches, task metric."""
 
     def __init__(self, *, train: Packed, eval: Packed, tokenizer, micro_batch: int, dp_rank: int,
-                 dp_world: int, seed: int, stats: dict[str, float]):
+                 dp_world: int, seed: int, stats: dict[str, float], info: Any = None):
         self.train, self.eval, self.tokenizer = train, eval, tokenizer
         self.micro_batch, self.dp_rank, self.dp_world, self.seed = micro_batch, dp_rank, dp_world, seed
         self._stats = stats
+        # The data in words: a report.DataInfo (tokenizer used, split, notes) from build_data.
+        self.info = info
         self.position = {"epoch": 0, "index": 0}
         self._order_cache: tuple[int, np.ndarray] | None = None
-        if self.batches_per_epoch < 1:
-            raise ValueError(f"{len(train)} packed training rows cannot fill one global batch of "
-                             f"{micro_batch} x {dp_world} ranks; add data or lower train.batch_size")
+        if len(train) == 0:
+            raise ValueError("no packed training rows: no record to train on")
+        # Fewer rows than one global batch (a tiny file): an epoch repeats the rows, each
+        # repetition in its own order, until it fills one.
+        self.repeats = max(1, math.ceil(micro_batch * dp_world / len(train)))
 
     @property
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
 
     @property
+    def epoch_rows(self) -> int:
+        """Rows per epoch: every training row, ``repeats`` times."""
+        return len(self.train) * self.repeats
+
+    @property
     def batches_per_epoch(self) -> int:
         """Micro-batches per rank per epoch (the tail that cannot fill a global batch is skipped)."""
-        return len(self.train) // (self.micro_batch * self.dp_world)
+        return self.epoch_rows // (self.micro_batch * self.dp_world)
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's permutation of training rows (same on every rank; seed + epoch)."""
         if self._order_cache is None or self._order_cache[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
+            rng = np.random.default_rng([self.seed, epoch])
+            perm = np.concatenate([rng.permutation(len(self.train)) for _ in range(self.repeats)])
             self._order_cache = (epoch, perm)
         return self._order_cache[1]
 
@@ -52,7 +62,7 @@ class DataModule:
         glob_b = self.micro_batch * self.dp_world
         while True:
             epoch, index = self.position["epoch"], self.position["index"]
-            if index + glob_b > len(self.train):
+            if index + glob_b > self.epoch_rows:
                 self.position = {"epoch": epoch + 1, "index": 0}
                 continue
             start = index + self.dp_rank * self.micro_batch

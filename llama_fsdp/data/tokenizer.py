@@ -1,10 +1,18 @@
-"""Tokenizers: any Hugging Face tokenizer, or the project tokenizer trained once.
+"""Tokenizers: the model's own, any Hugging Face tokenizer, or the project tokenizer.
 
-Any Hugging Face tokenizer loads through ``AutoTokenizer`` (a local directory or a hub name).
-The embedded default is the project tokenizer: a 512-piece SentencePiece BPE model trained once
-on the synthetic corpus, saved as an ordinary HF tokenizer directory (``LlamaTokenizer``, BOS /
-EOS / pad, byte fallback so no text is lost, a chat template) and cached under
-``cache_dir/tokenizers`` keyed by everything it was trained from.
+Which tokenizer encodes the data (``choose_tokenizer``), as TRL, axolotl and the HF Trainer do:
+
+1. ``data.tokenizer`` when set (a tokenizer directory or a hub name);
+2. else the tokenizer of ``model.path`` (the HF model directory being fine-tuned), with its chat
+   template;
+3. else, with no model path (a model trained from scratch, e.g. ``model=tiny``), the project
+   tokenizer: a 512-piece SentencePiece BPE model trained once on the synthetic corpus, saved as
+   an ordinary HF tokenizer directory (``LlamaTokenizer``, BOS / EOS / pad, byte fallback so no
+   text is lost, a chat template) and cached under ``cache_dir/tokenizers`` keyed by everything
+   it was trained from. It is made for the synthetic task: on real text it spends several times
+   more tokens than a real model's tokenizer (the data module says so, with the measured rate).
+
+``vocab_problem`` refuses a tokenizer whose ids do not fit the model's embedding.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import os
 import shutil
 import string
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -28,7 +37,7 @@ PROJECT_VOCAB_SIZE = 512
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # Each turn is "<|role|>\n" + content + EOS; a generation prompt ends with "<|assistant|>\n".
 # Every rendering of a conversation prefix is a prefix of the next one, which the chat masking
-# relies on (see encode_chat).
+# relies on (see formats.encode_chat).
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
@@ -36,15 +45,62 @@ CHAT_TEMPLATE = (
 )
 # Bump when the training recipe below changes: it is part of the cache key.
 _RECIPE_VERSION = 1
+# Files that make a directory an HF tokenizer (any one is enough for AutoTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TokenizerChoice:
+    """Which tokenizer encodes the data, and why."""
+
+    source: str  # "data.tokenizer" | "model.path" | "project"
+    name_or_path: Optional[str]  # a directory or hub name; None for the project tokenizer
+
+    @property
+    def is_project(self) -> bool:
+        return self.source == "project"
+
+    def describe(self) -> str:
+        if self.is_project:
+            return f"the project tokenizer ({PROJECT_VOCAB_SIZE} pieces, made for the synthetic task)"
+        return f"{self.name_or_path} ({self.source})"
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def choose_tokenizer(tokenizer: Optional[str], model_path: Optional[str]) -> TokenizerChoice:
+    """data.tokenizer, else model.path's own tokenizer, else (no model path) the project one.
+
+    A local model directory without tokenizer files is refused: ids from any other tokenizer
+    would not mean what the pretrained embedding learnt.
+    """
+    if tokenizer:
+        return TokenizerChoice("data.tokenizer", tokenizer)
+    if model_path:
+        local = Path(model_path).expanduser()
+        if local.is_dir():
+            if not has_tokenizer_files(local):
+                raise ValueError(
+                    f"model.path={model_path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+                    ": its data must be tokenized with the tokenizer the model was trained with. "
+                    "Set data.tokenizer to it (a tokenizer directory or hub name), or copy the "
+                    "tokenizer files into the model directory")
+            return TokenizerChoice("model.path", str(local))
+        return TokenizerChoice("model.path", model_path)  # a hub name (the driver resolves it)
+    return TokenizerChoice("project", None)
 
 
 def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
-                   corpus: Optional[Callable[[], Iterable[str]]] = None) -> PreTrainedTokenizerBase:
+                   corpus: Optional[Callable[[], Iterable[str]]] = None,
+                   source: str = "data.tokenizer") -> PreTrainedTokenizerBase:
     """An HF tokenizer: ``name_or_path`` through AutoTokenizer, or (None) the project tokenizer.
 
     ``corpus`` produces the project tokenizer's training text: its hash names the cached
-    tokenizer, trained on it the first time. A tokenizer without a pad token gets its EOS as pad (labels
-    mask padding by position, never by id, so this is safe).
+    tokenizer, trained on it the first time. ``source`` names the setting the path came from,
+    for errors. A tokenizer without a pad token gets its EOS as pad (labels mask padding by
+    position, never by id, so this is safe).
     """
     if name_or_path is None:
         if corpus is None:
@@ -54,14 +110,59 @@ def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
     else:
         try:
             tok = AutoTokenizer.from_pretrained(name_or_path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"data.tokenizer={name_or_path!r}: cannot load an HF tokenizer from it "
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{source}={name_or_path!r}: cannot load an HF tokenizer from it "
                              f"(a local tokenizer directory or a hub name): {e}") from e
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {name_or_path or path} has no EOS token; records end with EOS")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def set_chat_template(tok: PreTrainedTokenizerBase, template: Optional[str]) -> None:
+    """data.chat_template: the Jinja text, or a path to a file holding it, replaces the
+    tokenizer's own template."""
+    if not template:
+        return
+    if "{" not in template:  # every Jinja template has a "{{" or "{%": this is a file's path
+        p = Path(template).expanduser()
+        if not p.is_file():
+            raise ValueError(f"data.chat_template={template!r}: neither a Jinja template nor an "
+                             "existing file")
+        template = p.read_text(encoding="utf-8")
+    tok.chat_template = template
+
+
+def token_id_bound(tok: PreTrainedTokenizerBase) -> int:
+    """One more than the largest id the tokenizer can produce (its vocabulary and added tokens)."""
+    vocab = tok.get_vocab()
+    return max(len(tok), 1 + max(vocab.values(), default=-1))
+
+
+def vocab_problem(tok: PreTrainedTokenizerBase, choice: TokenizerChoice,
+                  vocab_size: int) -> Optional[str]:
+    """Why ``tok``'s ids cannot feed a model of ``vocab_size`` embeddings (None: they can).
+
+    Larger than the model is always refused (ids past the embedding). Smaller is fine for a
+    pretrained model (embeddings are often padded), but the project tokenizer must match exactly:
+    a model of another vocabulary with it means the model's own tokenizer was not found.
+    """
+    n = token_id_bound(tok)
+    if n > vocab_size:
+        if choice.source == "data.tokenizer":
+            fix = ("use the model's own tokenizer (leave data.tokenizer unset with model.path, or "
+                   "point data.tokenizer at the model's tokenizer)")
+        else:
+            fix = "use the tokenizer the model was trained with (data.tokenizer=<dir or hub name>)"
+        return (f"tokenizer {choice.describe()} has {n} tokens but model.vocab_size={vocab_size}: "
+                f"ids >= {vocab_size} would index past the model's embedding. Fix: {fix}; for a "
+                f"model trained from scratch, set model.vocab_size={n}")
+    if choice.is_project and n != vocab_size:
+        return (f"tokenizer {choice.describe()} has {n} tokens but model.vocab_size={vocab_size}: "
+                f"set model.vocab_size={n} (model=tiny) for the synthetic task, or set model.path "
+                "to a Hugging Face model (its tokenizer is used) or data.tokenizer=<dir or hub name>")
+    return None
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:

@@ -15,9 +15,10 @@ STEP_METRICS = {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per
 
 
 def _run(cwd: Path, *overrides: str, env_extra: dict | None = None, timeout: int = 600):
+    """The real command in a fresh directory, on the CPU (as CI has it)."""
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "llama_fsdp", *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", *overrides],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _only_run(db: Path):
@@ -43,7 +44,8 @@ def test_default_run_trains_and_reports(default_run):
     cwd, out = default_run
     log = out.stdout + out.stderr
     assert "train: 100%" in log  # rank 0's progress bar reached the terminal
-    for line in ("steps          60", "final loss", "tokens/s", "peak memory", "mlflow run"):
+    for line in ("status         finished", "steps          60", "final loss", "tokens/s",
+                 "median of the steady steps", "peak memory", "mlflow run"):
         assert line in log
     assert (cwd / "outputs" / "mlflow.db").exists()
     assert log.count("[rank1]") == 0  # only rank 0 talks
@@ -78,10 +80,11 @@ def test_default_run_mlflow_record(default_run):
 
 def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
     out = _run(tmp_path, "train.max_steps=20", "eval.every_steps=0",
-               env_extra={"LLAMA_FSDP_FAULT": "rank=1,step=2"}, timeout=300)
+               "train.callbacks=[tests.faults.hooks:crash]",
+               env_extra={"LLAMA_FSDP_TEST_CRASH": "rank=1,step=2"}, timeout=300)
     log = out.stdout + out.stderr
     assert out.returncode == 1
-    assert "rank 1" in log and "injected fault on rank 1 after step 2" in log
-    assert "Traceback" in log
+    assert "the first rank to fail:\nrank 1 on" in log
+    assert "injected fault on rank 1 after step 2" in log and "Traceback" in log
     _, run = _only_run(tmp_path / "outputs" / "mlflow.db")
     assert run.info.status == "FAILED"

@@ -87,9 +87,15 @@ def _wait_state(cluster, job, state: str, timeout: float = 60) -> dict:
 
 
 def test_cluster_is_up(slurm_cluster):
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %c %P"], capture_output=True,
-                         text=True, timeout=30, check=True).stdout.split("\n")
-    rows = sorted(line.split() for line in out if line.strip())
+    # the session's cluster: jobs of earlier tests may still be completing for a few seconds
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %c %P"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split("\n")
+        rows = sorted(line.split() for line in out if line.strip())
+        if all(r[1] == "idle" for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert [r[0] for r in rows] == slurm_cluster.nodes, out
     assert all(r[1] == "idle" for r in rows), out
     assert all(int(r[2]) == slurm_cluster.cpus_per_node for r in rows), out

@@ -58,9 +58,12 @@ def test_two_nodes_hybrid_job_places_ranks_per_node(tmp_path, slurm_cluster):
 def test_a_crashing_rank_fails_the_job_with_its_error(tmp_path, slurm_cluster):
     out = _cli(tmp_path, slurm_cluster, "cluster.nodes=2", "cluster.nproc_per_node=1",
                "cluster.wait=true", "train.max_steps=6", *FAST,
-               env_extra={"LLAMA_FSDP_FAULT": "rank=1,step=1"})
+               "train.callbacks=[tests.faults.hooks:crash]",
+               env_extra={"LLAMA_FSDP_TEST_CRASH": "rank=1,step=1"})
+    log = out.stdout + out.stderr
     assert out.returncode == 1
-    assert "injected fault on rank 1 after step 1" in out.stdout + out.stderr
+    assert "the first rank to fail:\nrank 1 on node2" in log, log[-3000:]
+    assert "injected fault on rank 1 after step 1" in log
 
 
 def test_invalid_partition_fails_at_submission_with_slurms_message(tmp_path, slurm_cluster):
@@ -108,7 +111,9 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
 
 
 def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster):
-    steps, every = 30, 5
+    # the only checkpoint a run of 30 steps saving every 100 steps can have is the one the
+    # preemption signal makes
+    steps, every = 30, 100
     out = _cli(tmp_path, slurm_cluster, "cluster.nproc_per_node=2", f"train.max_steps={steps}",
                f"save.every_steps={every}", "cluster.wait=false", *FAST)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -138,6 +143,9 @@ def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster
     steps_logged = sorted({m.step for m in history})
     assert steps_logged == list(range(1, steps + 1))  # the same final step count, no gap
     resume_step = int(run.data.tags["resume_step"])
-    assert resume_step >= 7 and resume_step % 1 == 0  # saved on the signal, not only at every_steps
-    rows = slurm_cluster.sacct(job_id)
-    assert any("REQUEUE" in r.get("State", "") for r in rows) or run.data.tags.get("resumed")
+    assert 7 <= resume_step < steps  # the checkpoint the signal made, mid-run
+    assert run.data.tags["restarts"] == "1"  # the requeued job (SLURM_RESTART_COUNT=1)
+    restarts = client.get_metric_history(run.info.run_id, "restart")
+    assert [(m.step, m.value) for m in restarts] == [(resume_step, 1.0)]
+    ckpts = sorted(p.name for p in Path(run.data.tags["output_dir"], "checkpoints").iterdir())
+    assert ckpts == [f"step_{resume_step:06d}", f"step_{steps:06d}"]

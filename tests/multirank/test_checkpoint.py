@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, make_spec
+from llama_fsdp.checkpoint import dcp, layout
+from tests.conftest import REPO, launch_prepared, make_spec
+from tests.faults import hooks
 from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -58,8 +60,7 @@ def _close(x, y, **kw) -> None:
 def _two_rank_session(rank, world, spec_a, spec_b2, step6):
     """a (uninterrupted), then b2 (auto-resume of the crashed b), then the sharded model's
     logits straight after an HF load and after loading a's final checkpoint."""
-    from llama_fsdp.checkpoint import dcp, hf, layout
-from llama_fsdp import checkpoint as ck
+    from llama_fsdp.checkpoint import dcp, hf
     from llama_fsdp.worker import DistEnv, build_model, train_on_rank
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
@@ -95,9 +96,8 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_dir):
-    from llama_fsdp.launchers import LaunchError, launch
-    from llama_fsdp.checkpoint import dcp, hf, layout
-    from llama_fsdp.worker import run_worker
+    from llama_fsdp.launchers import LaunchError
+    from llama_fsdp.prepare import prepare
 
     root = tmp_path_factory.mktemp("ckpt")
     store = tmp_path_factory.mktemp("mlflow")  # beside, not inside, the runs' parent
@@ -107,22 +107,26 @@ def runs(tmp_path_factory, hf_dir):
         return make_spec([*base, *extra], output_dir=root / name)
 
     spec_a = spec("a", "save.full_state_dict=true", "save.export_hf=true")
-    spec_b, spec_b2 = spec("b"), spec("b", "resume=auto", "save.async_save=true")
-    os.environ[ck.FAULT_ENV] = "4"
+    spec_b = spec("b", "train.callbacks=[tests.faults.hooks:kill_during_save]")
+    spec_b2 = spec("b", "resume=auto", "save.async_save=true")
+    os.environ[hooks.KILL_SAVE_STEP] = "4"
     try:
         with pytest.raises(LaunchError):
-            launch(spec_b, run_worker, stream=False)
+            launch_prepared(spec_b)
     finally:
-        del os.environ[ck.FAULT_ENV]
+        del os.environ[hooks.KILL_SAVE_STEP]
+    for s in (spec_a, spec_b2):
+        prepare(s, command="pytest")  # the MLflow runs, as the driver makes them
     ckpts_b = root / "b" / layout.CHECKPOINTS
     after_crash = {p.name: sorted(f.name for f in p.iterdir() if f.is_file())
                    for p in ckpts_b.iterdir()}
-    step6 = ck.step_dir(root / "a", 6)
+    step6 = layout.step_dir(root / "a", 6)
     two = run_ranks(_two_rank_session, 2, spec_a, spec_b2, str(step6))
     a_before_c = _snapshot(root / "a")
     spec_c = spec("c", "cluster.nproc_per_node=4", "sharding=hybrid", "sharding.shard_size=2",
-                  "train.batch_size=4", f"resume={ck.step_dir(root / 'a', 4)}",
+                  "train.batch_size=4", f"resume={layout.step_dir(root / 'a', 4)}",
                   "train.stop_after=5")
+    prepare(spec_c, command="pytest")
     four = run_ranks(_train, 4, spec_c)
     return {"root": root, "hf": hf_dir, "a": two[0]["a"], "b2": two[0]["b2"], "c": four,
             "hf_logits": two[0]["hf_logits"], "a_logits": two[0]["a_logits"],
@@ -139,8 +143,6 @@ def test_sharded_load_from_hf_matches_transformers(runs):
 
 
 def test_exact_resume_after_a_crash_mid_save(runs):
-    from llama_fsdp.checkpoint import dcp, hf, layout
-
     root = runs["root"]
     # the killed save left its .tmp without DCP metadata; step 2 stayed the newest checkpoint
     crash = runs["after_crash"]
@@ -148,60 +150,58 @@ def test_exact_resume_after_a_crash_mid_save(runs):
     assert crash["step_000002"] == [layout.METADATA, "__0_0.distcp", "__1_0.distcp"]
     assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp"]  # data, no metadata
     b2 = runs["b2"]
-    assert b2["resumed_from"] == str(ck.step_dir(root / "b", 2))
-    assert b2["steps"] == STEPS and len(b2["losses"]) == STEPS - 2
+    assert b2.resumed_from == str(layout.step_dir(root / "b", 2))
+    assert b2.steps == STEPS and len(b2.losses) == STEPS - 2
     # same world size, fp32, same data order: the continuation is the uninterrupted run
-    assert b2["losses"] == runs["a"]["losses"][2:], (b2["losses"], runs["a"]["losses"])
-    assert b2["tokens_seen"] == runs["a"]["tokens_seen"]
+    assert b2.losses == runs["a"].losses[2:], (b2.losses, runs["a"].losses)
+    assert b2.tokens_seen == runs["a"].tokens_seen
     # the async save of step 4 holds step 4's weights, not those of steps 5-6 trained while
     # it was written (the staging copy), equal to a's gathered step-4 checkpoint
-    ours, theirs = (ck.read_model_state(ck.step_dir(root / run, 4)) for run in ("b", "a"))
+    ours, theirs = (dcp.read_model_state(layout.step_dir(root / run, 4)) for run in ("b", "a"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     # async saves published 4 and 6; retention dropped 2 and the interrupted 4.tmp
-    assert [Path(p).name for p in b2["checkpoints"]] == ["step_000004", "step_000006"]
+    assert [Path(p).name for p in b2.checkpoints] == ["step_000004", "step_000006"]
     assert sorted(p.name for p in (root / "b" / layout.CHECKPOINTS).iterdir()) == [
         "step_000004", "step_000006"]
 
 
 def test_mlflow_run_continues_in_the_same_dir_and_records_the_source_elsewhere(runs):
-    import json
-
     from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.tracking import read_run_file
 
     root = runs["root"]
     client = MlflowClient(tracking_uri=runs["specs"]["a"].tracking_uri)
-    b_id = json.loads((root / "b" / "mlflow_run.json").read_text())["run_id"]
-    assert runs["b2"]["mlflow_run_id"] == b_id  # the crashed run's MLflow run goes on
+    b_id = read_run_file(root / "b")["run_id"]
+    assert runs["b2"].mlflow_run_id == b_id  # the crashed run's MLflow run goes on
     b_run = client.get_run(b_id)
     assert b_run.info.status == "FINISHED" and b_run.data.tags["resume_step"] == "2"
     assert "resumed_from" not in b_run.data.tags
-    c_run = client.get_run(runs["c"][0]["mlflow_run_id"])
-    assert c_run.info.run_id != runs["a"]["mlflow_run_id"]
+    c_run = client.get_run(runs["c"][0].mlflow_run_id)
+    assert c_run.info.run_id != runs["a"].mlflow_run_id
     assert c_run.data.tags["resumed_from"] == str(root / "a" / "checkpoints" / "step_000004")
     steps = [m.step for m in client.get_metric_history(b_id, "loss")]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # 1..4 from b, 3..6 from b2
 
 
 def test_resharded_resume_two_ranks_full_to_four_ranks_hybrid(runs):
-    from llama_fsdp.checkpoint import dcp, hf, layout
-
     c, a = runs["c"][0], runs["a"]
     assert runs["specs"]["c"].mesh.shape == (2, 2) and runs["specs"]["c"].global_batch == 16
-    assert c["steps"] == 5 and len(c["losses"]) == 1  # stop_after=5 on a 6-step schedule
-    print(f"resharded resume: step 5 loss {c['losses'][0]!r} vs {a['losses'][4]!r} "
-          f"(relative {abs(c['losses'][0] / a['losses'][4] - 1):.1e})")
-    torch.testing.assert_close(c["losses"][0], a["losses"][4], rtol=RESHARD_RTOL, atol=0)
-    assert c["checkpoints"] == [str(ck.step_dir(runs["root"] / "c", 5))]
+    assert c.steps == 5 and len(c.losses) == 1  # stop_after=5 on a 6-step schedule
+    print(f"resharded resume: step 5 loss {c.losses[0]!r} vs {a.losses[4]!r} "
+          f"(relative {abs(c.losses[0] / a.losses[4] - 1):.1e})")
+    torch.testing.assert_close(c.losses[0], a.losses[4], rtol=RESHARD_RTOL, atol=0)
+    assert c.checkpoints == [str(layout.step_dir(runs["root"] / "c", 5))]
     before, after = runs["a_snapshot"]
     assert before == after  # resuming from a's checkpoint changed nothing in a's run dir
 
 
 def test_full_state_dict_checkpoints_and_retention(runs):
     a, root = runs["a"], runs["root"]
-    assert a["steps"] == STEPS and a["resumed_from"] is None
-    names = [Path(p).name for p in a["checkpoints"]]
+    assert a.steps == STEPS and a.resumed_from is None
+    names = [Path(p).name for p in a.checkpoints]
     assert names == ["step_000004", "step_000006"]  # keep_last=2 of 2, 4, 6
-    for p in a["checkpoints"]:
+    for p in a.checkpoints:
         data = sorted(f.name for f in Path(p).iterdir() if f.is_file())
         assert data == [".metadata", "__0_0.distcp"]  # gathered, one file from rank 0
     assert sorted(p.name for p in root.iterdir()) == ["a", "b", "c"]  # nothing else written
@@ -211,7 +211,7 @@ def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, t
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    export = Path(runs["a"]["export_dir"])
+    export = Path(runs["a"].export_dir)
     assert export == runs["root"] / "a" / "export"
     names = sorted(p.name for p in export.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(names)

@@ -18,7 +18,8 @@ def _on_rank(rank, world, cache):
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.config import DataConfig, ModelConfig
-    from llama_fsdp.data import _greedy, _task_prompts, build_data
+    from llama_fsdp.data import build_data
+    from llama_fsdp.eval import exact_match, greedy_generate, task_prompts
     from llama_fsdp.model import llama_config
 
     # every rank builds at once into an empty cache
@@ -34,18 +35,20 @@ def _on_rank(rank, world, cache):
                     intermediate_size=128, vocab_size=512, max_position_embeddings=256)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(m))
-    prompts = _task_prompts(dm.eval.store, dm.tokenizer, 7)
+    prompts = task_prompts(dm.eval.store, dm.tokenizer, 7)
     cpu = torch.device("cpu")
-    reference = _greedy(model.eval(), [p[0] for p in prompts], dm.tokenizer, cpu, 4)
+    reference = greedy_generate(model.eval(), [p[0] for p in prompts], dm.tokenizer, device=cpu,
+                                steps=4)
     out["expected"] = sum(r == p[1] for r, p in zip(reference, prompts)) / len(prompts)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     mine = [p[0] for p in prompts[rank * 4:(rank + 1) * 4]]  # 4 and 3 prompts: one batch each
-    out["sharded_ok"] = _greedy(model, mine, dm.tokenizer, cpu, 4) == reference[rank * 4:(rank + 1) * 4]
+    out["sharded_ok"] = greedy_generate(model, mine, dm.tokenizer, device=cpu, steps=4) == \
+        reference[rank * 4:(rank + 1) * 4]
     # 7 prompts, micro-batch 2: rank 1 answers an uncounted stand-in to keep calls equal
-    out["metric"] = dm.evaluate_task(model, device=cpu, max_prompts=7, max_new_tokens=4)
+    out["metric"] = exact_match(model, dm, device=cpu, max_prompts=7, max_new_tokens=4)
     return out
 
 

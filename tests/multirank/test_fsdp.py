@@ -67,7 +67,7 @@ def _curves(rank, world, specs):
     for name, spec in specs.items():
         r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
         gathered = [None] * world
-        dist.all_gather_object(gathered, r["losses"])
+        dist.all_gather_object(gathered, r.losses)
         out[name] = gathered
     return out
 

@@ -42,7 +42,7 @@ def _run(rank, world, specs, measure):
     out = {}
     for name, spec in specs.items():
         r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
-        out[name] = {"losses": r["losses"]}
+        out[name] = {"losses": r.losses}
         if name in measure:
             model = build_model(spec, torch.device("cpu"))
             data = build_data(spec.data, seq_len=spec.train.seq_len,

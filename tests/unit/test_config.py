@@ -128,7 +128,7 @@ def test_mesh_per_strategy(strategy, nproc, shard_size, shape, reshard):
 
 
 def test_slurm_hybrid_replicates_across_nodes_and_shards_within():
-    spec = make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
+    spec = make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8", "cluster.device=auto",
                       "sharding=hybrid", "model=70b"])
     assert (spec.device, spec.backend, spec.world_size) == ("cuda", "nccl", 32)
     assert spec.mesh.shape == (4, 8) and spec.mesh.dim_names == ("replicate", "shard")

@@ -89,9 +89,21 @@ def test_state_for_other_data_starts_next_epoch(cache):
     assert dm.position == {"epoch": 3, "index": 0}
 
 
-def test_batch_too_large_for_data(cache):
-    with pytest.raises(ValueError, match="cannot fill one global batch"):
-        _dm(cache, micro_batch=10_000)
+@pytest.mark.parametrize("world", [1, 2])
+def test_data_smaller_than_a_global_batch_repeats_every_row_equally(cache, world):
+    from collections import Counter
+
+    mods = [_dm(cache, rank=r, world=world, micro_batch=100) for r in range(world)]
+    n_rows = len(mods[0].train)
+    assert n_rows < 100 * world and mods[0].batches_per_epoch >= 1
+    repeats = mods[0].repeats
+    assert repeats == -(-100 * world // n_rows)
+    # one epoch: every rank's batches together use each row `repeats` times, give or take the
+    # tail that does not fill a global batch
+    seen = Counter(k for m in mods for b in _epoch(m) for k in _row_keys(b))
+    assert set(seen) == {k for i in range(n_rows) for k in _row_keys(mods[0].train.batch([i]))}
+    assert max(seen.values()) <= repeats and sum(seen.values()) == \
+        mods[0].batches_per_epoch * 100 * world
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -181,7 +181,8 @@ def test_overlong_records(tmp_path, cache, caplog):
     with caplog.at_level(logging.WARNING, logger="llama_fsdp.data"):
         dm = _build(cache, name="jsonl", path=str(f), eval_records=0, overlong="truncate")
     assert dm.stats["records_truncated"] == 1 and dm.stats["train_records"] == 11
-    assert "1 record(s) longer than seq_len=64 were truncated" in caplog.text
+    assert "train: 1 of 11 records (9%) are longer than train.seq_len=64 tokens and were truncated" \
+        in caplog.text
     assert dm.train.store.lengths.max() == 64
     dropped = _build(cache, name="jsonl", path=str(f), eval_records=0, overlong="drop")
     assert dropped.stats["records_dropped"] == 1 and dropped.stats["train_records"] == 10
@@ -204,3 +205,212 @@ def test_tokenization_with_several_processes(tmp_path, cache):
     one = _build(cache, name="jsonl", path=str(f), eval_records=4)
     two = _build(cache, name="jsonl", path=str(f), eval_records=4, num_proc=2, seq_len=65)
     assert one.stats["train_tokens"] == two.stats["train_tokens"]
+
+
+# --- real files with the defaults (issue: real fine-tuning data) ---------------------------------
+
+WORDS = ("the a model data answer question because water energy light city river people time year "
+         "explain describe list three ways improve health learning history science simple short "
+         "example important reason first second finally also however which that with from").split()
+
+
+def _sentence(r, n: int) -> str:
+    return " ".join(r.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+def alpaca_records(n: int, seed: int = 0) -> list[dict]:
+    """Stanford-Alpaca-like records: short instructions, input mostly empty, answers of a few to
+    a hundred words (some in Chinese)."""
+    import random
+
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        answer = " ".join(_sentence(r, r.randint(5, 15)) for _ in range(r.randint(1, 8)))
+        if i % 17 == 0:
+            answer += " 水是生命之源，我们应该节约用水。"
+        out.append({"instruction": _sentence(r, r.randint(4, 12)),
+                    "input": _sentence(r, r.randint(3, 20)) if r.random() < 0.4 else "",
+                    "output": answer})
+    return out
+
+
+def _spec(spec_factory, cache, *overrides):
+    return spec_factory([f"cache_dir={cache}", *overrides])
+
+
+def test_small_alpaca_json_array_trains_with_the_defaults(spec_factory, tmp_path, cache, caplog):
+    """102 records, a JSON array, every default (2 ranks x batch 8, seq_len 128): builds, holds
+    out a few records for eval, and says what it did."""
+    from llama_fsdp.prepare import prepare_data as driver_prepare
+
+    f = tmp_path / "alpaca_data.json"
+    f.write_text(json.dumps(alpaca_records(102), ensure_ascii=False, indent=2))
+    spec = _spec(spec_factory, cache, "data=jsonl", f"data.path={f}")
+    with caplog.at_level(logging.INFO, logger="llama_fsdp"):
+        dm = driver_prepare(spec)
+    assert dm.batches_per_epoch >= 1 and len(dm.eval) >= 1
+    kept = dm.stats["train_records"] + dm.stats["eval_records"]
+    assert kept + dm.stats["records_without_targets"] == 102
+    assert dm.info.eval_origin.startswith("held out 5 of 102 records by data.eval_fraction=0.05")
+    assert ": 97 training and 5 eval records (held out 5 of 102 records by" in caplog.text
+    # the project tokenizer on real text: said once, with its rate
+    assert caplog.text.count("tokenized with the project tokenizer") == 1
+    assert f"{dm.stats['tokens_per_char']:.2f} tokens per character" in caplog.text
+
+
+def test_many_truncated_records_report_lengths_and_the_seq_len_that_fits(tmp_path, cache, caplog):
+    import re
+
+    f = tmp_path / "alpaca.json"
+    f.write_text(json.dumps(alpaca_records(120, seed=1)))
+    cfg = dict(name="jsonl", path=str(f), eval_fraction=0,
+               prompt_template="### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+               prompt_template_no_input="### Instruction:\n{instruction}\n\n### Response:\n")
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.data"):
+        dm = _build(cache, seq_len=128, **cfg)
+    found = re.search(r"train: (\d+) of 120 records \(\d+%\) are longer than train.seq_len=128 "
+                      r"tokens and were truncated \(data.overlong=truncate\)\. Record lengths in "
+                      r"tokens: p50 (\d+), p90 \d+, p95 (\d+), p99 \d+, max (\d+); "
+                      r"train.seq_len=(\d+) would keep 95% of them whole", caplog.text)
+    assert found, caplog.text
+    truncated, p50, p95, longest, advice = map(int, found.groups())
+    assert truncated == dm.stats["records_truncated"] > 6 and p50 <= p95 <= longest
+    assert advice % 64 == 0 and advice >= p95
+    # the advice holds: at that seq_len at most 5% of the records are cut
+    again = _build(cache, seq_len=advice, **cfg)
+    assert again.stats["records_truncated"] <= 0.05 * 120
+    assert again.stats["record_tokens_p95"] == dm.stats["record_tokens_p95"] == p95
+
+
+SEED_TASKS = [{"id": f"seed_task_{i}", "name": f"task_{i}",
+               "instruction": f"Give an example of thing {i}.",
+               "instances": [{"input": "", "output": f"Example {i}."},
+                             {"input": "more", "output": f"Another {i}."}][: 1 + i % 2],
+               "is_classification": False} for i in range(30)]
+
+
+def test_nested_layout_is_refused_before_launch_with_the_columns_and_the_fix(spec_factory,
+                                                                              tmp_path, cache):
+    """Self-Instruct's seed_tasks.jsonl: the answers are nested in a list."""
+    from llama_fsdp.prepare import PrepareError
+    from llama_fsdp.prepare import prepare_data as driver_prepare
+
+    f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
+    spec = _spec(spec_factory, cache, "data=jsonl", f"data.path={f}")
+    with pytest.raises(PrepareError) as e:
+        driver_prepare(spec)
+    msg = str(e.value)
+    assert str(f) in msg
+    for found in ("'id' (string)", "'instances' (list of {input, output})",
+                  "'is_classification' (bool)", "Found 'instruction' but no 'output' column",
+                  "Column 'instances' nests records", "data.output_column",
+                  "data.preprocess=module:function"):
+        assert found in msg, found
+
+
+def test_preprocess_hook_flattens_nested_records(spec_factory, tmp_path, cache):
+    from llama_fsdp.prepare import prepare_data as driver_prepare
+
+    f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
+    hook = tmp_path / "hooks.py"
+    hook.write_text("def flatten(rec):\n"
+                    "    return [{'instruction': rec['instruction'], 'input': x['input'],\n"
+                    "             'output': x['output']} for x in rec['instances']]\n")
+    spec = _spec(spec_factory, cache, "data=jsonl", f"data.path={f}",
+                 f"data.preprocess={hook}:flatten")
+    dm = driver_prepare(spec)
+    assert dm.stats["train_records"] + dm.stats["eval_records"] == 45  # 15 x 1 + 15 x 2
+    assert dm.info.format == "instruction"
+    # an edited hook is a different dataset
+    hook.write_text(hook.read_text().replace("for x in rec['instances']]",
+                                             "for x in rec['instances'][:1]]"))
+    again = driver_prepare(spec)
+    assert again.stats["tokenized_from_cache"] == 0.0
+    assert again.stats["train_records"] + again.stats["eval_records"] == 30
+
+
+def test_preprocess_errors_name_the_record(tmp_path, cache):
+    hook = tmp_path / "bad_hooks.py"
+    hook.write_text("def pick(rec):\n    return {'instruction': rec['instruction'],\n"
+                    "            'output': rec['instances'][1]['output']}\n"
+                    "def text(rec):\n    return 'not a record'\n")
+    f = _jsonl(tmp_path / "seed.jsonl", SEED_TASKS)
+    with pytest.raises(ValueError, match=r"seed\.jsonl: record 0 \(0-based\): data\.preprocess="
+                                         r".*:pick raised IndexError"):
+        _build(cache, name="jsonl", path=str(f), preprocess=f"{hook}:pick")
+    with pytest.raises(ValueError, match=r"record 0 \(0-based\): .* returned str; it must return "
+                                         r"a record"):
+        _build(cache, name="jsonl", path=str(f), preprocess=f"{hook}:text")
+    with pytest.raises(ValueError, match=r"cannot import 'no_such_module'.*PYTHONPATH"):
+        _build(cache, name="jsonl", path=str(f), preprocess="no_such_module:f")
+
+
+@pytest.mark.parametrize("n,held_out", [(2, 1), (3, 1), (30, 2), (102, 5), (1000, 50),
+                                        (100000, 200)])
+def test_eval_hold_out_adapts_to_the_data(n, held_out):
+    from llama_fsdp.data.sources import eval_count
+
+    assert eval_count(DataConfig(), n) == held_out
+    assert eval_count(DataConfig(eval_fraction=0), n) == 0
+    assert eval_count(DataConfig(eval_records=1), n) == 1
+
+
+def test_too_few_records_for_the_split_are_refused(tmp_path, cache):
+    f = _jsonl(tmp_path / "one.jsonl", RECS[:1])
+    with pytest.raises(ValueError, match=r"one\.jsonl: 1 record\(s\) are too few to hold out "
+                                         r"data.eval_min_records=1.*data.eval_fraction=0"):
+        _build(cache, name="jsonl", path=str(f))
+    assert _build(cache, name="jsonl", path=str(f), eval_fraction=0).stats["train_records"] == 1
+    f = _jsonl(tmp_path / "few.jsonl", RECS[:10])
+    with pytest.raises(ValueError, match=r"few\.jsonl: data.eval_records=10 leaves no training "):
+        _build(cache, name="jsonl", path=str(f), eval_records=10)
+
+
+def test_a_tiny_file_fills_a_global_batch_by_repeating(tmp_path, cache, caplog):
+    f = _jsonl(tmp_path / "tiny.jsonl", RECS[:3])
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.data"):
+        dm = build_data(DataConfig(name="jsonl", path=str(f)), seq_len=64, micro_batch=8,
+                        dp_rank=0, dp_world=2, seed=0, cache_dir=cache, vocab_size=512)
+    assert dm.stats["train_records"] == 2 and dm.stats["eval_records"] == 1
+    assert dm.batches_per_epoch == 1 and dm.repeats == 16
+    b = next(dm.train_batches())
+    assert b["input_ids"].shape == (8, 64) and (b["labels"] != -100).sum() > 0
+    assert "every epoch repeats them 16 times" in caplog.text
+
+
+def test_records_without_targets_are_left_out_or_refused(tmp_path, cache, caplog):
+    long_prompt = {"instruction": " ".join(["moon"] * 100), "output": "sun"}
+    f = _jsonl(tmp_path / "nt.jsonl", RECS[:20] + [long_prompt] * 3)
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.data"):
+        dm = _build(cache, name="jsonl", path=str(f), eval_fraction=0)
+    assert dm.stats["train_records"] == 20 and dm.stats["records_without_targets"] == 3
+    assert ("train: 3 of 23 records have no target token and are left out (3 because truncation "
+            "to train.seq_len=64 cut off the answer: raise train.seq_len)") in caplog.text
+    f = _jsonl(tmp_path / "none.jsonl", [long_prompt] * 4)
+    with pytest.raises(ValueError, match=r"none\.jsonl: none of the 4 records can train: 4 have "
+                                         r"no target token .*train\.seq_len=128 keeps 95%"):
+        _build(cache, name="jsonl", path=str(f), eval_fraction=0)
+
+
+def test_notes_are_said_once_by_the_announcing_process(tmp_path, cache, caplog):
+    f = _jsonl(tmp_path / "once.jsonl", RECS)
+    kw = dict(seq_len=64, micro_batch=2, dp_world=2, seed=0, cache_dir=cache, vocab_size=512)
+
+    def notes():
+        return [r.getMessage() for r in caplog.records if r.name == "llama_fsdp.data"]
+
+    with caplog.at_level(logging.INFO, logger="llama_fsdp.data"):
+        build_data(DataConfig(name="jsonl", path=str(f)), dp_rank=1, **kw)
+        assert notes() == []  # not rank 0: silent
+        dm = build_data(DataConfig(name="jsonl", path=str(f)), dp_rank=0, announce=False, **kw)
+        assert notes() == []
+        build_data(DataConfig(name="jsonl", path=str(f)), dp_rank=0, **kw)
+    said = [m for m in notes() if "tokenized with the project tokenizer" in m]
+    assert len(said) == 1 and f"{dm.stats['tokens_per_char']:.2f} tokens per character" in said[0]
+    assert any("project tokenizer" in m for _, m in dm.info.notes)
+    assert dm.info.params()["derived.tokenizer_source"] == "project"
+    # the synthetic task is what the project tokenizer is for: no advice there
+    syn = build_data(DataConfig(num_records=100), dp_rank=0, announce=False, **kw)
+    assert syn.info.eval_records == 5 and not any(lvl >= logging.WARNING
+                                                  for lvl, _ in syn.info.notes)

@@ -79,16 +79,17 @@ def test_any_hf_tokenizer_directory_loads(tok, tmp_path, cache):
 
 
 def test_prompt_response_mask(tok):
-    ids, mask, plen = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=False)
+    ids, mask, plen, chars = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=False)
+    assert chars == len("Q: x\n") + len("cat dog")
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
     assert mask == [0] * plen + [1] * (len(ids) - plen)
     assert tok.decode(ids[plen:], skip_special_tokens=True).strip() == "cat dog"
-    ids2, mask2, _ = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=True)
+    ids2, mask2, _, _ = encode_prompt_response(tok, "Q: x\n", "cat dog", train_on_prompt=True)
     assert ids2 == ids and mask2 == [0] + [1] * (len(ids) - 1)
 
 
 def test_text_mask(tok):
-    ids, mask, plen = encode_text(tok, "hello there")
+    ids, mask, plen, _ = encode_text(tok, "hello there")
     assert plen == 0 and ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
     assert mask == [0] + [1] * (len(ids) - 1)
 
@@ -97,19 +98,18 @@ def test_multi_turn_chat_masks_every_non_assistant_turn(tok):
     msgs = [{"role": "system", "content": "sys text"}, {"role": "user", "content": "first question"},
             {"role": "assistant", "content": "cat"}, {"role": "user", "content": "second question"},
             {"role": "assistant", "content": "dog wolf"}]
-    ids, mask, plen = encode_chat(tok, msgs, train_on_prompt=False)
+    ids, mask, plen, _ = encode_chat(tok, msgs, train_on_prompt=False)
+    # the ids are the ones inference sees, token for token
+    assert ids == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
     # the targets are exactly the two assistant contents and their end-of-turn tokens
     spans = _runs(mask)
     assert len(spans) == 2
-    answers = [tok.decode(ids[a:b], skip_special_tokens=True).strip() for a, b in spans]
-    assert answers == ["cat", "dog wolf"]
-    assert all(ids[b - 1] == tok.eos_token_id for a, b in spans)
-    # the prompt for the final answer ends with the generation prompt
-    assert tok.decode(ids[:plen]).endswith("<|assistant|>\n") and plen == spans[-1][0]
-    # segments are tokenized apart (each may gain a leading "▁"); the text is otherwise the template's
-    full = tok.apply_chat_template(msgs, tokenize=False)
-    assert tok.decode(ids).replace(" ", "") == full.replace(" ", "")
-    _, mask_all, _ = encode_chat(tok, msgs, train_on_prompt=True)
+    assert [tok.decode(ids[a:b]) for a, b in spans] == ["cat</s>", "dog wolf</s>"]
+    # the prompt for the final answer is what inference feeds: the generation prompt's ids
+    prompt = tok.apply_chat_template(msgs[:4], tokenize=True, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    assert plen == spans[-1][0] and ids[:plen] == prompt
+    _, mask_all, _, _ = encode_chat(tok, msgs, train_on_prompt=True)
     assert mask_all == [0] + [1] * (len(ids) - 1)
 
 

@@ -16,7 +16,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 REFERENCE_PARAMS = {"tiny": 3_410_176, "1b": 1_235_814_400, "3b": 3_212_749_824,
                     "8b": 8_030_261_248, "70b": 70_553_706_496, "405b": 405_853_388_800}
-GPUS = ["cluster=slurm", "cluster.gpus_per_node=8"]
+GPUS = ["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto"]
 
 
 def make_spec(*overrides: str) -> RunSpec:
@@ -195,7 +195,8 @@ def test_device_capacity_sources():
 
 
 def test_check_fits_refuses_70b_on_one_gpu_and_names_fixes():
-    spec = make_spec("model=70b", "cluster=slurm", "cluster.gpus_per_node=1", "precision=mixed")
+    spec = make_spec("model=70b", "cluster=slurm", "cluster.gpus_per_node=1", "cluster.device=auto",
+                     "precision=mixed")
     plan = P.make_plan(spec)
     assert not plan.fits and plan.predicted_peak_gb > 1000
     with pytest.raises(P.PlanError) as err:
@@ -217,7 +218,8 @@ def test_check_fits_suggests_full_instead_of_grad_op():
 
 
 def test_force_launches_anyway(caplog):
-    spec = make_spec("model=70b", "cluster=slurm", "cluster.gpus_per_node=1", "force=true")
+    spec = make_spec("model=70b", *GPUS[:1], "cluster.gpus_per_node=1", "cluster.device=auto",
+                     "force=true")
     with caplog.at_level(logging.WARNING, logger="llama_fsdp.plan"):
         P.check_fits(spec)
     assert "force=true" in caplog.text
@@ -299,7 +301,8 @@ def test_resolve_auto_replaces_strategy_and_mesh():
 
 
 def test_nothing_fits_falls_back_to_full():
-    spec = make_spec("sharding=auto", "model=405b", "cluster=slurm", "cluster.gpus_per_node=1")
+    spec = make_spec("sharding=auto", "model=405b", "cluster=slurm", "cluster.gpus_per_node=1",
+                     "cluster.device=auto")
     assert P.choose_strategy(spec)[0] == "full"
     with pytest.raises(P.PlanError):
         P.check_fits(P.resolve_auto(spec))

@@ -1,0 +1,85 @@
+"""Faults injected into real rank processes through the loop's step-hook seam
+(``train.callbacks=[tests.faults.hooks:<name>]``), parameterized by environment variables the
+tests set. Production code knows nothing of them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+KILL_SAVE_STEP = "LLAMA_FSDP_TEST_KILL_SAVE_STEP"  # every rank exits mid-save of this step
+CRASH = "LLAMA_FSDP_TEST_CRASH"  # "rank=R,step=S": rank R raises after step S
+SIGNAL = "LLAMA_FSDP_TEST_SIGNAL"  # "rank=R,step=S,sig=KILL": rank R sends itself a signal
+MARK = "LLAMA_FSDP_TEST_MARK"  # a file: its first line says whether this fault already fired
+SLOW = "LLAMA_FSDP_TEST_STEP_SLEEP"  # seconds every rank sleeps after each step
+EXIT_CODE = 86
+
+
+def _spec(var: str) -> dict[str, str]:
+    return dict(kv.split("=") for kv in os.environ[var].split(","))
+
+
+def _once() -> bool:
+    """True the first time in a run (a restarted run must not fail again): marks the file."""
+    mark = os.environ.get(MARK)
+    if not mark:
+        return True
+    path = Path(mark)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def kill_during_save(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """Every rank exits after writing its data files of step N's checkpoint, before DCP's
+    metadata and the publish: what a kill during a save leaves behind."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    step = int(os.environ[KILL_SAVE_STEP])
+    original = FileSystemWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        fut = original(self, plan, planner)
+        if Path(str(self.path)).name == f"step_{step:06d}.tmp":
+            fut.wait()
+            os._exit(EXIT_CODE)
+        return fut
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    return lambda state: None
+
+
+def crash(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """Rank R raises after step S."""
+    want = _spec(CRASH)
+
+    def hook(state: Any) -> None:
+        if rank == int(want["rank"]) and state.step == int(want["step"]) and _once():
+            raise RuntimeError(f"injected fault on rank {rank} after step {state.step}")
+
+    return hook
+
+
+def self_signal(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """Rank R sends itself a signal after step S (SIGKILL: what the OOM killer does)."""
+    want = _spec(SIGNAL)
+    sig = getattr(signal, "SIG" + want.get("sig", "KILL"))
+
+    def hook(state: Any) -> None:
+        if rank == int(want["rank"]) and state.step == int(want["step"]) and _once():
+            os.kill(os.getpid(), sig)
+
+    return hook
+
+
+def slow(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """Every rank sleeps after each step (so a test can act while a run is mid-way)."""
+    import time
+
+    seconds = float(os.environ[SLOW])
+    return lambda state: time.sleep(seconds)
