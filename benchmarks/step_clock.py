@@ -3,11 +3,12 @@
 Every runner records ``time.time()`` at the end of every optimizer step on rank 0 and appends
 ``{"step": n, "t": ..., "cpu": ...}`` to the JSON-lines file named by ``$BENCH_STEP_CLOCK``;
 per-step wall time is the difference of consecutive ``t``. ``cpu`` is rank 0's process CPU
-time (all its threads): its per-step difference is the work the rank did, which other load
-on the machine barely changes, so it tells a real gap from a noisy wall clock. llama_fsdp calls ``StepClock`` through its
-``train.callbacks`` seam (``train.callbacks=["benchmarks.step_clock:StepClock"]``); the peer
-loops in benchmarks/peers/ call ``StepClock.stamp`` from their own step ends. Nothing here
-imports llama_fsdp: this module must keep working while the framework is restructured.
+time (all its threads): its per-step difference is the work the rank did, which other load on
+the machine moves much less, so it tells a real gap from a noisy wall clock. llama_fsdp calls
+``StepClock`` through its ``train.callbacks`` seam
+(``train.callbacks=["benchmarks.step_clock:StepClock"]``); the peer loops in benchmarks/peers/
+call ``StepClock.stamp`` from their own step ends. Nothing here imports llama_fsdp: this module
+must keep working while the framework is restructured.
 """
 from __future__ import annotations
 

@@ -122,13 +122,15 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
 
 def run_rounds(runners: list[Runner], rounds: int, work_dir: Path,
                timeout_s: float) -> tuple[dict[str, list[RunResult]], list[Round]]:
-    """Round r runs every runner once, in the same order; a runner that failed is not retried."""
+    """Round r runs every runner once, in the same order. A runner that has only failed so far
+    (it cannot run here) is not tried again; one that ran before is (a failure can be passing)."""
     results: dict[str, list[RunResult]] = {r.key: [] for r in runners}
     done = []
     for round_no in range(1, rounds + 1):
         start, load = time.monotonic(), os.getloadavg()[0]
         for runner in runners:
-            if any(not r.ok for r in results[runner.key]):
+            past = results[runner.key]
+            if past and not any(r.ok for r in past):
                 continue
             log.info("round %d/%d: %s", round_no, rounds, runner.label)
             res = execute(runner, work_dir / f"round{round_no}" / runner.key,
@@ -168,8 +170,9 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
          "per row, position_ids restarting per record, so transformers builds a block-causal "
          "attention mask instead of the plain causal path), prompt tokens masked from the loss; "
          "the peers use fixed-seed random tokens, every token a target. Same shapes, same "
-         "tokens per step. The `bare FSDP2 + packed position_ids` row is the floor loop fed "
-         "position_ids that restart at random record lengths: the cost of that mask alone."),
+         "tokens per step. The diagnostic `bare FSDP2 loop + packed position_ids` is the floor "
+         "loop fed position_ids that restart every 4-12 tokens (the synthetic records' "
+         "lengths): the cost of that mask alone."),
         ("The bare loop has no gradient clipping, LR schedule, metrics or progress display; "
          "whatever llama_fsdp does per step beyond forward, backward and AdamW (global "
          "target-token count, DTensor-aware clipping, schedule, its metrics and their "

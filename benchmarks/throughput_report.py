@@ -22,7 +22,12 @@ class Summary:
     cpu: list[float]
     round_medians: list[float]
     info: dict[str, Any]
-    error: str | None
+    failures: list[tuple[int, str]]  # (round, reason) of every failed run
+
+    @property
+    def error(self) -> str | None:
+        """Why the runner cannot run here: set only when none of its runs succeeded."""
+        return self.failures[0][1] if self.failures and not self.walls else None
 
     @property
     def median(self) -> float | None:
@@ -38,10 +43,10 @@ def summarize(runner: Runner, results: list[RunResult], warmup: int) -> Summary:
     per_round = [step_walls(r.stamps, warmup=warmup) for r in ok]
     walls = [w for ws in per_round for w in ws]
     cpu = [c for r in ok for c in step_walls(r.cpu_stamps, warmup=warmup)]
-    error = next((r.error for r in results if not r.ok), None)
+    failures = [(r.round, r.error or "") for r in results if not r.ok]
     info = ok[-1].info if ok else {}
     return Summary(runner, walls, cpu, [statistics.median(ws) for ws in per_round if ws], info,
-                   error)
+                   failures)
 
 
 @dataclass
@@ -182,11 +187,17 @@ def _round_text(rounds: list[Round]) -> str:
 
 
 def _failures(summaries: list[Summary]) -> list[str]:
-    failed = [s for s in summaries if s.error]
-    if not failed:
-        return []
-    return ["## Cannot run here", "", *[f"- **{s.runner.label}**: `{s.error}`" for s in failed],
-            ""]
+    """Runners that never ran (cannot run here), then single failed runs of the others."""
+    out = []
+    never = [s for s in summaries if s.error]
+    if never:
+        out += ["## Cannot run here", "", *[f"- **{s.runner.label}**: `{s.error}`" for s in never],
+                ""]
+    flaky = [(s, failure) for s in summaries if not s.error for failure in s.failures]
+    if flaky:
+        out += ["## Failed runs (left out of the medians)", "",
+                *[f"- {s.runner.label}, round {n}: `{why}`" for s, (n, why) in flaky], ""]
+    return out
 
 
 def _timing(summaries: list[Summary]) -> list[str]:

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 CLOCK_HOOK = "benchmarks.step_clock:StepClock"
 CLOCK_FILE = "clock.jsonl"
 INFO_FILE = "info.json"
+LOG_FILE = "output.log"
+RANK_LOGS = "ranks"  # torchrun --log-dir: one stdout/stderr pair per rank
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class Runner:
     def info(self, run_dir: Path) -> dict[str, Any]:
         path = run_dir / INFO_FILE
         return json.loads(path.read_text()) if path.exists() else {}
+
+    def logs(self, run_dir: Path) -> list[Path]:
+        """Where to look for the cause of a failure, most specific first."""
+        return [run_dir / LOG_FILE]
 
     def shown_command(self) -> str:
         """The command as a person would type it, with $RUN for the per-run directory."""
@@ -193,16 +199,22 @@ class PeerRunner(Runner):
     def command(self, run_dir: Path) -> list[str]:
         b = self.bench
         return [str(b.bench_python), "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={b.ranks}", "-m", self.module, "--shape", str(b.shape_file),
+                f"--nproc-per-node={b.ranks}", f"--log-dir={run_dir / RANK_LOGS}", "--tee=3",
+                "-m", self.module, "--shape", str(b.shape_file),
                 "--batch-size", str(b.batch_size), "--seq-len", str(b.seq_len),
                 "--steps", str(b.steps), "--precision", b.precision, "--device", b.device,
                 "--info", str(run_dir / INFO_FILE), *self.extra]
+
+    def logs(self, run_dir: Path) -> list[Path]:
+        """Each rank's own stderr (rank 0 first): the ranks' tracebacks do not interleave there."""
+        ranks = sorted((run_dir / RANK_LOGS).glob("**/stderr.log"), key=lambda p: p.parent.name)
+        return [*ranks, *super().logs(run_dir)]
 
 
 def execute(runner: Runner, run_dir: Path, *, round_no: int, timeout_s: float) -> RunResult:
     """Run once; the result holds the stamps, or the root cause of the failure."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "output.log"
+    log_path = run_dir / LOG_FILE
     start = time.monotonic()
     with log_path.open("w") as out:
         proc = subprocess.Popen(runner.command(run_dir), cwd=REPO, stdout=out,
@@ -212,7 +224,7 @@ def execute(runner: Runner, run_dir: Path, *, round_no: int, timeout_s: float) -
     result = RunResult(runner.key, round_no, time.monotonic() - start)
     if rc != 0:
         reason = "timed out" if rc is None else f"exit code {rc}"
-        result.error = f"{reason}: {root_cause(log_path.read_text(errors='replace'))}"
+        result.error = f"{reason}: {first_root_cause(runner.logs(run_dir))}"
         return result
     result.stamps, result.info = runner.stamps(run_dir), runner.info(run_dir)
     result.cpu_stamps = runner.cpu_stamps(run_dir)
@@ -253,6 +265,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
 _EXCEPTION = re.compile(r"^(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*$")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch prefixes a rank's stderr with it
+
+
+def first_root_cause(logs: list[Path]) -> str:
+    """The root cause from the first log that has a traceback, else from the last log."""
+    texts = [p.read_text(errors="replace") for p in logs if p.exists()]
+    with_traceback = [t for t in texts if "Traceback (most recent call last)" in t]
+    return root_cause((with_traceback or texts or [""])[0 if with_traceback else -1])
 
 
 def root_cause(log_text: str) -> str:

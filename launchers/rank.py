@@ -182,5 +182,5 @@ def _tail(paths: list[Path], n: int) -> list[str]:
                 text = f.read().decode(errors="replace").replace("\r", "\n")
         except OSError:
             continue
-        lines += [x for x in text.splitlines() if x.strip()][-n:]
+        lines += [x for x in text.splitlines() if x.strip() and not x.startswith("submitit ")][-n:]
     return lines[-n:]

@@ -35,27 +35,26 @@ class Prepared:
 
 def prepare(spec: RunSpec, *, command: str) -> Prepared:
     """Reach the tracking store, fetch weights, prepare the data, create the MLflow run."""
-    if spec.tracking.enabled:
-        check_tracking(spec)
+    reachable = check_tracking(spec) if spec.tracking.enabled else False
     spec = resolve_model(spec)
     data = prepare_data(spec)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(spec.output_dir) / CONFIG_FILE).write_text(spec.config_yaml)
     if spec.tracking.enabled:
-        start_run(spec, command=command)
+        start_run(spec, command=command, deliver=reachable)
     return Prepared(spec, data.stats, data.tokenizer)
 
 
-def check_tracking(spec: RunSpec) -> None:
-    """Refuse (or, with tracking.allow_offline, warn) when the store does not answer."""
+def check_tracking(spec: RunSpec) -> bool:
+    """Whether the store answers; refuse (or, with tracking.allow_offline, warn) when not."""
     problem = probe_store(spec.tracking_uri)
     if problem is None:
-        return
+        return True
     text = (f"the MLflow tracking store {spec.tracking_uri} does not answer ({problem})")
     if spec.tracking.allow_offline:
         log.warning("%s; training anyway (tracking.allow_offline=true): metrics wait in the run's "
                     "tracking/ folder and are delivered when it answers", text)
-        return
+        return False
     raise PrepareError(f"{text}. Start it (e.g. `mlflow server --port 5000`), fix tracking.uri, "
                        "set tracking.allow_offline=true to train now and deliver the metrics "
                        "later, or tracking.enabled=false")
@@ -65,15 +64,11 @@ def probe_store(uri: str) -> Optional[str]:
     """None if the store answers a search within ~10 s, else the reason."""
     import os
 
-    from mlflow.tracking import MlflowClient
-
-    from .tracking import FAST_FAIL_ENV
+    from .tracking import FAST_FAIL_ENV, open_client
 
     os.environ.update(FAST_FAIL_ENV)
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     try:
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        open_client(uri).search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 - any failure means: not reachable
         first = str(e).strip().splitlines()
         return (first[0] if first else type(e).__name__)[:300]
@@ -130,12 +125,12 @@ def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
     return tags
 
 
-def start_run(spec: RunSpec, *, command: str) -> None:
+def start_run(spec: RunSpec, *, command: str, deliver: bool = True) -> None:
     """Create the MLflow run (or continue the one of this run dir) through the spool, and
-    deliver it now if the store answers."""
+    deliver it now if the store answers (``deliver``)."""
     from omegaconf import OmegaConf
 
-    from .tracking import Spool, deliver_pending, flatten, read_run_file
+    from .tracking import Spool, deliver_pending, flatten, read_run_file, write_run_file
 
     spool = Spool(spec.output_dir)
     info = read_run_file(spec.output_dir)
@@ -144,13 +139,13 @@ def start_run(spec: RunSpec, *, command: str) -> None:
         spool.append({"t": "running"})
         spool.append({"t": "tags", "tags": {"resumed": "true"}})
     else:
+        write_run_file(spec.output_dir, {"tracking_uri": spec.tracking_uri})  # run_id: once made
         spool.append({"t": "create", "experiment": spec.tracking.experiment,
                       "run_name": spec.run_name, "tags": run_tags(spec, command),
                       "ts": int(time.time() * 1000)})
         flat = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))  # type: ignore[arg-type]
         spool.append({"t": "params", "p": dict(sorted(flat.items()))})
         spool.append({"t": "text", "text": spec.config_yaml, "file": CONFIG_FILE})
-    left = deliver_pending(spec.output_dir, deadline_s=30.0, uri=spec.tracking_uri)
-    if left:
+    if deliver and deliver_pending(spec.output_dir, deadline_s=30.0, uri=spec.tracking_uri):
         log.warning("the MLflow run is not created yet (the store does not answer); it will be "
                     "when it does")

@@ -87,9 +87,9 @@ def plot(keys: list[str], rows: list[dict[str, Any]], path: Path) -> Path:
 
 def summarize(sweep_id: str, *, tracking_uri: str, experiment: str) -> Optional[str]:
     """Print-ready table of a sweep; also logged with a plot to a `sweep-summary` run."""
-    from mlflow.tracking import MlflowClient
+    from .tracking import open_client
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = open_client(tracking_uri)
     runs = _runs(client, experiment, sweep_id)
     if not runs:
         log.warning("no MLflow runs tagged sweep_id=%s in experiment %r", sweep_id, experiment)

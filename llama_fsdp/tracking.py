@@ -40,6 +40,24 @@ METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: the UI opens on the training runs
 
 
+def open_client(uri: str) -> Any:
+    """An MlflowClient. Opening a sqlite store creates or migrates its schema, and two
+    processes doing that at once leave it broken (a half-applied migration), as parallel sweep
+    jobs on a fresh store would: the first open is serialized by a lock file beside it."""
+    from mlflow.tracking import MlflowClient
+
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    from filelock import FileLock
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".lock"):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # the store is created and migrated here
+    return client
+
+
 def tracking_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / TRACKING_DIR
 
@@ -141,11 +159,9 @@ class Delivery:
     """Delivers spooled events to one MLflow store; knows the run once it exists."""
 
     def __init__(self, spool: Spool, uri: str):
-        from mlflow.tracking import MlflowClient
-
         os.environ.update(FAST_FAIL_ENV)
         self.spool, self.uri = spool, uri
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = open_client(uri)
         self.run_id = read_run_file(spool.dir.parent).get("run_id")
 
     def ship(self, events: list[tuple[int, dict[str, Any]]]) -> None:
@@ -244,9 +260,10 @@ def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
 
 
 def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[str] = None,
-                    wait_for_lock: bool = True) -> int:
-    """Deliver what the spool holds until it is empty or the deadline passes; returns the
-    undelivered bytes (0: everything is in MLflow)."""
+                    wait_for_lock: bool = True, patience_s: float = 10.0) -> int:
+    """Deliver what the spool holds until it is empty, the deadline passes, or the store has
+    failed for ``patience_s`` without a success; returns the undelivered bytes (0: everything
+    is in MLflow)."""
     spool = Spool(output_dir)
     uri = uri or read_run_file(output_dir).get("tracking_uri")
     if uri is None:
@@ -255,13 +272,18 @@ def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[
     with spool.exclusive(wait_for_lock) as mine:
         if not mine:
             return spool.backlog()
-        delivery = Delivery(spool, uri)
+        delivery, failing_since = None, None
         while (events := spool.pending()) and time.monotonic() < end:
             try:
+                # opening a sqlite store migrates it: parallel first opens can collide
+                delivery = delivery or Delivery(spool, uri)
                 delivery.ship(events)
-                delay = 0.5
+                delay, failing_since = 0.5, None
             except Exception as e:  # noqa: BLE001 - transient: wait and try again
                 log.debug("delivery failed: %s", e)
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > patience_s:
+                    break
                 time.sleep(min(delay, max(0.0, end - time.monotonic())))
                 delay = min(delay * 2, 10.0)
     return spool.backlog()
@@ -354,7 +376,9 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         self._add({"t": "status", "status": status, "ts": int(time.time() * 1000)})
-        if not self.shipper.stop(self.flush_timeout_s):
+        # a store that is not answering gets a short last chance, not the whole timeout
+        timeout = self.flush_timeout_s if self.shipper.failures == 0 else 5.0
+        if not self.shipper.stop(timeout):
             log.warning("%d bytes of tracking events could not be delivered to %s (%s); they "
                         "are kept in %s: the launcher delivers them, or run `python -m "
                         "llama_fsdp.tracking %s`", self.spool.backlog(), self.uri,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt_io
+from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .eval import eval_loss, exact_match
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights
@@ -219,10 +220,10 @@ class Run:
     @classmethod
     def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "Run":
         torch.manual_seed(spec.train.seed)
-        resume = ckpt_io.resolve_resume(spec.resume, spec.output_dir)
+        resume = resume_candidates(spec.resume, spec.output_dir)
         # A checkpoint to resume from holds the weights: no HF read, no random init.
-        model = build_model(spec, device, init=resume is None and not spec.model.path)
-        if resume is None and spec.model.path:
+        model = build_model(spec, device, init=not resume and not spec.model.path)
+        if not resume and spec.model.path:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         data = build_data(spec.data, seq_len=spec.train.seq_len,
                           micro_batch=spec.train.batch_size, dp_rank=env.rank,

@@ -20,7 +20,8 @@ from transformers import LlamaConfig
 PRECISIONS = ("fp32", "mixed", "bf16")
 
 
-def parse_args(description: str, extra: dict[str, dict[str, Any]] | None = None) -> argparse.Namespace:
+def parse_args(description: str,
+               extra: dict[str, dict[str, Any]] | None = None) -> argparse.Namespace:
     """The arguments every peer takes (plus runner-specific ``extra`` options)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--shape", type=Path, required=True, help="model node as JSON")

@@ -38,7 +38,8 @@ class RandomTokens(Dataset):
     """Fixed-seed random rows; the labels are the inputs (the model shifts them)."""
 
     def __init__(self, rows: int, seq_len: int, vocab: int, seed: int):
-        self.tokens = torch.randint(vocab, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(vocab, (rows, seq_len), generator=gen)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -102,9 +103,8 @@ def main() -> None:
     trainer.train()
     write_info(args.info, d.rank, {
         "ran": f"{what_ran(trainer)}, accelerate {trainer.accelerator.distributed_type.value}",
-        "asked": args.sharding,
-        "distributed_type": str(trainer.accelerator.distributed_type),
-        "precision": args.precision, "bf16_autocast": args.precision != "fp32",
+        "asked": args.sharding, "precision": args.precision,
+        "bf16_autocast": args.precision != "fp32",
         "threads_per_rank": threads_per_rank(), "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "world_size": d.world})
 

@@ -5,6 +5,7 @@ K deep, resharded on load (2 ranks -> 4 ranks hybrid works). Nothing here unpick
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import random
@@ -39,7 +40,10 @@ from .layout import (
     dir_bytes,
     expired,
     interrupted,
+    latest_checkpoint,
     step_dir,
+    verify,
+    write_manifest,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +51,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says what is intact and what to do."""
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost error (DCP wraps a rank's OSError in CheckpointException)."""
+    seen = err
+    while True:
+        inner = seen.__cause__ or seen.__context__
+        failures = getattr(seen, "failures", None)  # CheckpointException: {rank: exception}
+        if failures:
+            inner = next(iter(failures.values()))
+            if isinstance(inner, tuple):
+                inner = inner[0]
+        if not isinstance(inner, BaseException):
+            return seen
+        seen = inner
+
+
+# What a failed DCP write or read raises: DCP's CheckpointException derives from BaseException.
+SAVE_ERRORS = (Exception, dcp.api.CheckpointException)
 HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
 
 
@@ -177,24 +203,58 @@ class Checkpointer:
 
     # resume -------------------------------------------------------------------------------------
 
-    def resume(self, path: Optional[Path]) -> Optional[Path]:
-        """Load the checkpoint at ``path`` (resolve_resume's answer); None: start fresh."""
-        if path is None:
+    def resume(self, candidates: list[Path]) -> Optional[Path]:
+        """Load the first readable checkpoint of ``candidates`` (layout.resume_candidates:
+        newest first); None to start fresh when there are none. A checkpoint with missing or
+        truncated files, or one DCP cannot read, is skipped with a warning; if none can be
+        read the run stops: it never trains on from garbage."""
+        if not candidates:
             log.info("starting at step 0 (no checkpoint to resume from)")
             return None
-        t0 = time.perf_counter()
-        self.load(path)
+        skipped = []
+        for path in candidates:
+            problem = verify(path) or self._try_load(path)
+            if problem is None:
+                break
+            skipped.append(f"{path.name}: {problem}")
+            log.warning("checkpoint %s cannot be used (%s)%s", path, problem,
+                        "; trying the one before" if path != candidates[-1] else "")
+        else:
+            raise CheckpointError(
+                f"no checkpoint of {candidates[0].parent} can be read ({'; '.join(skipped)}). "
+                "Start again with resume=none (or point resume= at a good checkpoint); the "
+                "unreadable ones are left as they are")
         step = self.app.train_state.step
         own = path.resolve().parent == self.root.resolve()
         self.last_saved = step if own else None
         self.resumed_from = path
-        log.info("resumed from %s at step %d in %.2fs", path, step, time.perf_counter() - t0)
+        log.info("resumed from %s at step %d", path, step)
         if self.tracker is not None:
             # the same run dir continues its MLflow run (tracking.py); another run's checkpoint
             # starts a new MLflow run that records where it came from
-            self.tracker.set_tags({"resume_step": str(step),
-                                   **({} if own else {"resumed_from": str(path)})})
+            tags = {"resume_step": str(step), **({} if own else {"resumed_from": str(path)})}
+            if skipped:
+                tags["resume_skipped"] = "; ".join(skipped)[:5000]
+            self.tracker.set_tags(tags)
         return path
+
+    def _try_load(self, path: Path) -> Optional[str]:
+        """Load a checkpoint on every rank; None on success, else why it failed (agreed by all
+        ranks, so they fall back together)."""
+        t0 = time.perf_counter()
+        try:
+            self.load(path)
+            error = None
+        except SAVE_ERRORS as e:  # a corrupt checkpoint: reported, then skipped
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        failed = torch.tensor(float(error is not None), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            error = "another rank could not read it"
+        if error is None:
+            log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+        return error
 
     def load(self, path: Path) -> None:
         keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -260,9 +320,28 @@ class Checkpointer:
             self._pending = (fut, step, tmp, t0)
             self._log({"checkpoint/blocking_s": time.perf_counter() - t0}, step)
         else:
-            dcp.save({"app": self.app}, storage_writer=writer)
+            try:
+                dcp.save({"app": self.app}, storage_writer=writer)
+            except SAVE_ERRORS as e:
+                raise self._save_failed(step, tmp, e) from e
             self._publish(step, tmp, final, t0)
         return final
+
+    def _save_failed(self, step: int, tmp: Path, err: BaseException) -> "CheckpointError":
+        """A save that failed (a full disk, a quota, a lost mount): its partial files are
+        removed (freeing what they took) and the published checkpoints are untouched."""
+        root = _root_cause(err)
+        if self.rank == 0 and tmp.exists():
+            _remove(tmp, self.root)
+        previous = latest_checkpoint(self.output_dir)
+        keep = (f"the previous checkpoint {previous.name} is intact and resume=auto continues "
+                "from it" if previous else "there is no earlier checkpoint of this run")
+        hint = (f"free space on {self.root} (df -h {self.root}) or point output_dir elsewhere"
+                if isinstance(root, OSError) and root.errno == errno.ENOSPC else
+                f"check that {self.root} is writable")
+        return CheckpointError(f"checkpoint step {step} could not be written to {tmp}: "
+                               f"{type(root).__name__}: {root}. Nothing was published: {keep}. "
+                               f"{hint.capitalize()}, then run again with resume=auto")
 
     def _all_done(self) -> bool:
         flag = torch.tensor(float(self._pending[0].done()), device=self.device)  # type: ignore[index]
@@ -272,7 +351,10 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         fut, step, tmp, t0 = self._pending  # type: ignore[misc]
         self._pending = None
-        fut.result()  # re-raises a failed background write
+        try:
+            fut.result()  # re-raises a failed background write
+        except SAVE_ERRORS as e:
+            raise self._save_failed(step, tmp, e) from e
         self._publish(step, tmp, step_dir(self.output_dir, step), t0)
 
     def _publish(self, step: int, tmp: Path, final: Path, t0: float) -> None:
@@ -281,6 +363,7 @@ class Checkpointer:
         if self.rank == 0:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
+            write_manifest(tmp)
             if final.exists():  # a fresh run (resume=none) reusing a run dir: replace
                 _remove(final, self.root)
             tmp.rename(final)

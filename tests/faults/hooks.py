@@ -83,3 +83,30 @@ def slow(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None
 
     seconds = float(os.environ[SLOW])
     return lambda state: time.sleep(seconds)
+
+
+DISK_FULL_STEP = "LLAMA_FSDP_TEST_DISK_FULL_STEP"  # the data files of this step's save hit ENOSPC
+
+
+def disk_full_at_save(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """The data files of step N's checkpoint are written to /dev/full, whose every write fails
+    with ENOSPC (No space left on device), as a full disk's do."""
+    import contextlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    step = int(os.environ[DISK_FULL_STEP])
+    original = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self: Any, path: Any, mode: str) -> Any:
+        target = Path(str(path))
+        if target.parent.name == f"step_{step:06d}.tmp" and target.suffix == ".distcp":
+            with open("/dev/full", "wb") as stream:
+                yield stream
+            return
+        with original(self, path, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = create_stream  # type: ignore[method-assign]
+    return lambda state: None

@@ -1,0 +1,120 @@
+"""Helpers for the fault suite: the real command in a fresh directory, a real MLflow server on
+loopback, the run's progress read from its tracking spool, leftover processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from llama_fsdp.launchers.common import free_port
+
+FAST = ["cluster.device=cpu", "eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
+
+
+def start_cli(cwd: Path, *overrides: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """`python -m llama_fsdp ...` in its own session (signals in a test reach it alone)."""
+    return subprocess.Popen([sys.executable, "-m", "llama_fsdp", *FAST, *overrides], cwd=cwd,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_cli(cwd: Path, *overrides: str, env: Optional[dict] = None,
+            timeout: float = 600) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    p = start_cli(cwd, *overrides, env=env)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out, time.monotonic() - t0
+
+
+def run_dir(cwd: Path) -> Path:
+    dirs = sorted((cwd / "outputs" / "runs").glob("*/*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def logged_steps(run: Path) -> list[int]:
+    """Steps whose metrics rank 0 has spooled (its record, whether MLflow answers or not)."""
+    spool = run / "tracking" / "spool.jsonl"
+    if not spool.exists():
+        return []
+    events = [json.loads(line) for line in spool.read_text().splitlines() if line.strip()]
+    return [e["step"] for e in events if e["t"] == "metrics" and "loss" in e["m"]]
+
+
+def wait_for_step(cwd: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        runs = sorted((cwd / "outputs" / "runs").glob("*/*"))
+        if runs and max(logged_steps(runs[0]), default=0) >= step:
+            return runs[0]
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached in {timeout}s")
+
+
+def leftovers(marker: str) -> list[str]:
+    """Processes still alive whose command line mentions ``marker`` (a test's directory)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
+            out.append(f"{p.pid}: {cmd[:200]}")
+    return out
+
+
+def no_leftovers(marker: str, within_s: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while (left := leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+class MlflowServer:
+    """`mlflow server` on loopback with its own sqlite store, stoppable like a crash (SIGKILL
+    to its whole process group) and restartable on the same port and store."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 90) -> "MlflowServer":
+        mlflow = Path(sys.executable).with_name("mlflow")
+        self.proc = subprocess.Popen(
+            [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
+             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            cwd=self.root, stdout=subprocess.DEVNULL, stderr=(self.root / "server.log").open("a"),
+            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("mlflow server did not come up:\n" +
+                           (self.root / "server.log").read_text()[-2000:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path)
+    yield server
+    server.kill()

@@ -1,0 +1,87 @@
+"""A full disk during a save and a corrupt newest checkpoint: the previous checkpoint stays and
+is used; nothing trains on from garbage. Plus bad data, refused before any rank starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from llama_fsdp.checkpoint.layout import latest_checkpoint, list_checkpoints
+from llama_fsdp.tracking import read_run_file
+from tests.faults import hooks
+from tests.faults.conftest import logged_steps, run_cli, run_dir
+
+pytestmark = [pytest.mark.slow]
+
+STEPS = ["train.max_steps=6", "save.every_steps=2", "save.keep_last=3"]
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    code, log, _ = run_cli(tmp_path, *STEPS, "train.callbacks=[tests.faults.hooks:disk_full_at_save]",
+                           env={hooks.DISK_FULL_STEP: "4"})
+    assert code == 1, log[-3000:]
+    assert "checkpoint step 4 could not be written to" in log
+    assert "No space left on device" in log
+    assert "the previous checkpoint step_000002 is intact and resume=auto continues from it" in log
+    assert "Free space on" in log
+    run = run_dir(tmp_path)
+    # the partial step-4 files are gone, step 2 is whole, and resume=auto would take it
+    assert [p.name for _, p in list_checkpoints(run)] == ["step_000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    assert latest_checkpoint(run).name == "step_000002"
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    assert client.get_run(read_run_file(run)["run_id"]).info.status == "FAILED"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 6-step run with checkpoints at steps 2, 4 and 6."""
+    cwd = tmp_path_factory.mktemp("corrupt")
+    code, log, _ = run_cli(cwd, *STEPS)
+    assert code == 0, log[-3000:]
+    return cwd, run_dir(cwd)
+
+
+def _truncate_a_data_file(ckpt) -> None:
+    f = sorted(ckpt.glob("*.distcp"))[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(finished_run):
+    cwd, run = finished_run
+    _truncate_a_data_file(run / "checkpoints" / "step_000006")
+    before = logged_steps(run)
+    code, log, _ = run_cli(cwd, *STEPS[1:], "train.max_steps=8", f"output_dir={run}")
+    assert code == 0, log[-3000:]
+    assert "checkpoint " in log and "step_000006 cannot be used (__" in log
+    assert "bytes, " in log and "were written); trying the one before" in log
+    assert "resumed from" in log and "step_000004 at step 4" in log
+    assert logged_steps(run)[len(before):] == [5, 6, 7, 8]  # the curve goes on from step 4
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd}/outputs/mlflow.db")
+    tags = client.get_run(read_run_file(run)["run_id"]).data.tags
+    assert tags["resume_step"] == "4" and tags["resume_skipped"].startswith("step_000006: __")
+
+
+def test_no_readable_checkpoint_stops_instead_of_training_from_garbage(finished_run):
+    cwd, run = finished_run
+    for ckpt in (run / "checkpoints").iterdir():
+        (ckpt / ".metadata").write_bytes(b"garbage")
+        if (ckpt / "manifest.json").exists():
+            (ckpt / "manifest.json").unlink()  # only DCP's own reading can tell now
+    code, log, _ = run_cli(cwd, *STEPS[1:], "train.max_steps=10", f"output_dir={run}")
+    assert code == 1, log[-3000:]
+    assert "can be read" in log and "Start again with resume=none" in log
+    assert max(logged_steps(run)) <= 8  # no step trained past what was there
+
+
+def test_bad_data_is_refused_before_any_rank_starts(tmp_path):
+    bad = tmp_path / "seed_tasks.jsonl"
+    bad.write_text("".join(json.dumps({"id": f"t{i}", "name": "n", "instruction": "Do it",
+                                       "instances": [{"input": "", "output": "done"}]}) + "\n"
+                           for i in range(20)))
+    code, log, seconds = run_cli(tmp_path, "data=jsonl", f"data.path={bad}", timeout=120)
+    assert code == 2, log[-3000:]
+    assert str(bad) in log and "instances" in log and "data.preprocess" in log
+    assert not list((tmp_path / "outputs" / "runs").glob("*/*"))  # nothing launched
+    print(f"refused in {seconds:.1f}s")

@@ -1,0 +1,108 @@
+"""Tracking never stops training: a real MLflow server that dies mid-run or is not there at
+launch, and eight jobs writing one sqlite store at once."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from llama_fsdp.launchers.common import free_port
+from llama_fsdp.tracking import read_run_file
+from tests.faults import hooks
+from tests.faults.conftest import logged_steps, run_cli, run_dir, start_cli, wait_for_step
+
+
+def _replay(run) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llama_fsdp.tracking", str(run),
+                           "--timeout", "120"], capture_output=True, text=True, timeout=180)
+
+
+def _loss_steps(uri: str, run_id: str) -> list[int]:
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss"))
+
+
+@pytest.mark.slow
+def test_server_dies_mid_run_training_goes_on_and_nothing_is_lost(tmp_path, mlflow_server):
+    steps = 24
+    mlflow_server.start()
+    proc = start_cli(tmp_path, f"tracking.uri={mlflow_server.uri}", f"train.max_steps={steps}",
+                     "train.callbacks=[tests.faults.hooks:slow]", env={hooks.SLOW: "0.2"})
+    run = wait_for_step(tmp_path, 5, proc)
+    mlflow_server.kill()  # as a crash: SIGKILL to the server's process group
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "status         finished" in out and f"steps          {steps}" in out
+    assert f"is not answering" in out  # rank 0 said so once, and trained on
+    assert f"python -m llama_fsdp.tracking {run}" in out  # how to deliver the rest
+    assert sorted(logged_steps(run)) == list(range(1, steps + 1))
+    run_id = read_run_file(run)["run_id"]
+    mlflow_server.start()  # back, on the same port and store
+    replay = _replay(run)
+    assert replay.returncode == 0, replay.stderr
+    assert _loss_steps(mlflow_server.uri, run_id) == list(range(1, steps + 1))
+    r = MlflowClient(mlflow_server.uri).get_run(run_id)
+    assert r.info.status == "FINISHED" and "summary/tokens_per_sec" in r.data.metrics
+
+
+def test_unreachable_server_is_refused_in_seconds_before_any_rank(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, out, seconds = run_cli(tmp_path, f"tracking.uri={uri}", timeout=120)
+    assert code == 2, out[-3000:]
+    assert f"the MLflow tracking store {uri} does not answer" in out
+    assert "tracking.allow_offline=true" in out and "tracking.enabled=false" in out
+    assert not list((tmp_path / "outputs" / "runs").glob("*/*"))  # no run dir, no rank started
+    print(f"refused in {seconds:.1f}s")
+
+
+@pytest.mark.slow
+def test_allow_offline_trains_now_and_delivers_later(tmp_path, mlflow_server):
+    code, out, _ = run_cli(tmp_path, f"tracking.uri={mlflow_server.uri}", "train.max_steps=4",
+                           "tracking.allow_offline=true", timeout=300)
+    assert code == 0, out[-3000:]
+    assert "training anyway (tracking.allow_offline=true)" in out
+    run = run_dir(tmp_path)
+    assert "run_id" not in read_run_file(run)  # no MLflow run yet: everything is in the spool
+    mlflow_server.start()
+    replay = _replay(run)
+    assert replay.returncode == 0, replay.stderr
+    info = read_run_file(run)
+    assert _loss_steps(mlflow_server.uri, info["run_id"]) == [1, 2, 3, 4]
+    r = MlflowClient(mlflow_server.uri).get_run(info["run_id"])
+    assert r.info.status == "FINISHED" and r.data.params["model.name"] == "tiny"
+
+
+def _job(args) -> None:
+    """One sweep point's tracking: create its run through the spool, log 200 steps of metrics
+    and finish, as rank 0 of a job does."""
+    out, uri, name = args
+    import dataclasses
+
+    from llama_fsdp.prepare import start_run
+    from llama_fsdp.tracking import Tracker
+    from tests.conftest import make_spec
+
+    spec = dataclasses.replace(make_spec([f"tracking.uri={uri}", f"tracking.run_name={name}"],
+                                         output_dir=out))
+    start_run(spec, command=f"job {name}")
+    tracker = Tracker(out, uri)
+    for step in range(1, 201):
+        tracker.log_metrics({"loss": 1.0 / step, "tokens_per_sec": 100.0 + step}, step=step)
+    tracker.finish("FINISHED")
+
+
+@pytest.mark.slow
+def test_eight_parallel_jobs_sharing_a_sqlite_store_lose_no_metric(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    jobs = [(str(tmp_path / f"run{i}"), uri, f"point-{i}") for i in range(8)]
+    with mp.get_context("spawn").Pool(8) as pool:
+        pool.map(_job, jobs)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("llama_fsdp").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"point-{i}" for i in range(8)]
+    for r in runs:
+        assert r.info.status == "FINISHED"
+        assert _loss_steps(uri, r.info.run_id) == list(range(1, 201))
+        assert len(client.get_metric_history(r.info.run_id, "tokens_per_sec")) == 200
