@@ -18,10 +18,19 @@ TRANSFORMERS_VERSION=$(version transformers)
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
-CONSTRAINTS="$VENV/constraints.txt"
-printf 'torch==%s\ntransformers==%s\n' "$TORCH_VERSION" "$TRANSFORMERS_VERSION" >"$CONSTRAINTS"
 
-pip install -q "torch==$TORCH_VERSION"
+# The project's exact build; a local label pip cannot find here (+cuXXX from PyTorch's index)
+# falls back to PyPI's build of the same version, which is the CUDA one; +cpu to PyTorch's CPU
+# index (as scripts/install.sh does), never to PyPI's CUDA wheel.
+if ! pip install -q "torch==$TORCH_VERSION"; then
+  case "$TORCH_VERSION" in
+    *+cpu) pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu ;;
+    *) pip install -q "torch==${TORCH_VERSION%%+*}" ;;
+  esac
+fi
+BENCH_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+CONSTRAINTS="$VENV/constraints.txt"
+printf 'torch==%s\ntransformers==%s\n' "$BENCH_TORCH" "$TRANSFORMERS_VERSION" >"$CONSTRAINTS"
 pip install -q -c "$CONSTRAINTS" "transformers==$TRANSFORMERS_VERSION" accelerate
 # torchtitan may not resolve next to this torch; the benchmark then reports why it cannot run.
 if ! pip install -q -c "$CONSTRAINTS" "torchtitan==$TORCHTITAN" 2>"$VENV/torchtitan-install.log"; then

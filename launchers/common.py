@@ -151,7 +151,7 @@ def watch(job: Any, output_dir: str, *, max_restarts: int = 0, restarts_inside: 
     """
     job_id = str(job.job_id).split("_")[0]
     start, seen = time.monotonic(), set()
-    while not job.done():
+    while not _finished(job, restarts_inside):
         for d in attempt_dirs(output_dir, job_id):
             if d.name in seen or not read_reports(d):
                 continue
@@ -176,6 +176,14 @@ def watch(job: Any, output_dir: str, *, max_restarts: int = 0, restarts_inside: 
         return job.results()
     except Exception as e:  # submitit raises with the task's traceback or the job state
         raise LaunchError(f"job {job_id} failed: {e}") from e
+
+
+def _finished(job: Any, restarts_inside: bool) -> bool:
+    """Whether the job is over. When the batch script restarts ranks itself, a failed attempt
+    leaves every task's result file behind (which submitit reads as done): ask SLURM."""
+    if restarts_inside:
+        return job.watcher.is_done(job.job_id, mode="force")
+    return job.done()
 
 
 def _descendants(pid: int) -> list[Any]:

@@ -99,5 +99,6 @@ def launch_slurm(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
     with SignalGuard(saving=spec.save.every_steps > 0) as guard:
         guard.job = job
         with streaming(job, stream):
+            # SLURM's accounting is asked each poll: not more often than every 2 s
             return watch(job, spec.output_dir, max_restarts=spec.cluster.max_restarts,
-                         restarts_inside=True)
+                         restarts_inside=True, poll_s=2.0)

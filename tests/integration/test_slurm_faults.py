@@ -1,0 +1,38 @@
+"""A rank that crashes in a SLURM job: the job's batch script restarts every rank from the newest
+checkpoint (cluster.max_restarts), within the same allocation and MLflow run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from llama_fsdp.tracking import read_run_file
+from tests.faults import hooks
+from tests.faults.conftest import logged_steps
+
+pytestmark = [pytest.mark.slow]
+
+
+def test_a_crashed_rank_restarts_the_job_step_from_its_checkpoint(tmp_path, slurm_cluster):
+    env = {**os.environ, **slurm_cluster.env, hooks.CRASH: "rank=1,step=3",
+           hooks.MARK: str(tmp_path / "fired")}
+    out = subprocess.run(
+        [sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+         f"cluster.partition={slurm_cluster.partition}", "cluster.nodes=2",
+         "cluster.nproc_per_node=1", "cluster.wait=true", "cluster.max_restarts=1",
+         "train.max_steps=6", "save.every_steps=2", "eval.every_steps=0", "eval.task_prompts=0",
+         "train.warmup_steps=1", "train.callbacks=[tests.faults.hooks:crash]"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:] + slurm_cluster.logs()
+    assert "the first rank to fail:\nrank 1 on node2" in log
+    assert "the job restarts its ranks from the newest checkpoint (restart 1 of 1)" in log
+    run = next((tmp_path / "outputs" / "runs").glob("*/*"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    r = client.get_run(read_run_file(run)["run_id"])
+    assert r.info.status == "FINISHED"
+    assert r.data.tags["restarts"] == "1" and r.data.tags["resume_step"] == "2"
+    assert sorted(set(logged_steps(run))) == [1, 2, 3, 4, 5, 6]
