@@ -153,11 +153,22 @@ def _setup(bench: Bench, meta: Meta, base: Summary | None) -> list[str]:
          "after a CUDA synchronize on GPUs); the tables give the median over all steady steps "
          "of all rounds, and the spread of the per-round medians; rank-0 CPU ms/step is the "
          "median per-step difference of rank 0's process CPU time (all threads), which load "
-         "from other processes barely moves"),
+         "from other processes moves less than the wall time, though not to nothing (shared "
+         "caches and cores)"),
         f"- one round took {_round_text(meta.rounds)} (process start-up included)",
+        *_noise(base),
         *_load_caveat(bench, meta.rounds),
         "",
     ]
+
+
+def _noise(base: Summary | None) -> list[str]:
+    """How far apart the floor's own rounds are: ratios nearer 1 than that are not resolved."""
+    if base is None or len(base.round_medians) < 2 or base.median is None:
+        return []
+    half = (max(base.round_medians) - min(base.round_medians)) / 2 / base.median
+    return [(f"- noise: the floor's per-round median wall times lie within ±{half:.0%} of its "
+             "overall median; a wall ratio nearer 1 than that is not resolved by this run")]
 
 
 def _load_caveat(bench: Bench, rounds: list[Round]) -> list[str]:

@@ -28,7 +28,7 @@ def executor_parameters(spec: Any) -> dict[str, Any]:
         "ntasks_per_node": spec.nproc_per_node,
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
-        "job_name": spec.run_name[:64],
+        "job_name": spec.run_name.replace(" ", "_")[:64],
         # One failing rank ends the job step at once instead of leaving its peers in a
         # collective; appending keeps the logs of earlier restarts.
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", *c.srun_args],

@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,14 +21,19 @@ from .spec import ConfigError, RunSpec, build_spec
 log = logging.getLogger("llama_fsdp")
 
 
-def _sweep_id() -> Optional[str]:
-    from .sweep import sweep_id_for
+def _sweep() -> dict[str, Any]:
+    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
+    from .sweep import point_name, swept_keys_of, sweep_id_for
 
     hc = HydraConfig.get()
-    return sweep_id_for(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    sweep_dir = str(Path(hc.sweep.dir).resolve())
+    return {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
+            "point": point_name(list(hc.overrides.task), swept_keys_of(sweep_dir))}
 
 
-def _command(*, drop: tuple[str, ...] = ()) -> str:
+def command_line(*, drop: tuple[str, ...] = ()) -> str:
     """The command line as the user typed it (the MLflow run's description), without the
     overrides of the keys in ``drop``."""
     prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
@@ -41,7 +46,7 @@ def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
     from .plan import make_plan, resolve_auto
 
     # cfg.output_dir is Hydra's run dir unless the user points it at an earlier run to resume.
-    spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), sweep_id=_sweep_id()))
+    spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), **_sweep()))
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
     plan = make_plan(spec)
@@ -68,13 +73,19 @@ def summary_lines(spec: RunSpec, r0: Any) -> list[str]:
                      f"ranks; the plan's tensors {s['summary/predicted_peak_memory_gb']:.2f} GB)")
     lines.append(f"run dir        {spec.output_dir}")
     if r0.status != "finished":
-        lines.append(f"continue with  {_command(drop=('output_dir', 'resume'))} "
+        lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
                      f"output_dir={spec.output_dir} resume=auto")
     if r0.mlflow_run_id:
+        from .tracking import read_run_file, runs_page
+
         lines.append(f"mlflow run     {r0.mlflow_run_id} in experiment "
                      f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
+        page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"))
         if spec.tracking_uri.startswith("sqlite:///"):
-            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}")
+            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}, then "
+                         f"open {page}")
+        else:
+            lines.append(f"compare runs   {page}")
     return lines
 
 
@@ -104,7 +115,7 @@ def run(cfg: DictConfig) -> Any:
     problems = preflight(spec)
     if problems:
         raise ConfigError(problems)
-    prepared = prepare(spec, command=_command())
+    prepared = prepare(spec, command=command_line())
     results = launch(prepared.spec, "llama_fsdp.worker:run_worker")
     if spec.cluster.kind == "local" or spec.cluster.wait:
         r0 = next(r for r in results if r is not None and r.rank == 0)
@@ -141,6 +152,16 @@ def _remove_if_empty(output_dir: str) -> None:
             return
 
 
+def _exit(code: int) -> None:
+    """End a single run with ``code``; in a sweep, record the point's failure and go on."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from .sweep import FAILED_POINTS
+
+        FAILED_POINTS.append((_sweep()["point"], code))
+        return
+    sys.exit(code)
+
+
 @hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
     from .launchers import Interrupted, LaunchError
@@ -159,20 +180,21 @@ def _hydra_main(cfg: DictConfig) -> Any:
         return result
     except (ConfigError, PlanError, PrepareError) as e:
         log.error("%s", e)
-        sys.exit(2)
+        _exit(2)
     except Interrupted as e:
         launched = True
         log.error("%s", e)
         _finish_tracking(output_dir, status="KILLED")
-        sys.exit(e.exit_code)
+        sys.exit(e.exit_code)  # a stopped sweep stops whole
     except LaunchError as e:
         launched = True
         log.error("%s", e)
         _finish_tracking(output_dir, status="FAILED")
-        sys.exit(1)
+        _exit(1)
     finally:
         if not launched:
             _remove_if_empty(output_dir)
+    return None
 
 
 def main() -> None:

@@ -550,8 +550,8 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
         raise ConfigError(problems)
     name = spec.run_name
     if spec.tracking.run_name is None:  # the generated name carries the strategy
-        prefix = f"{spec.model.name}-"
-        name = name.replace(f"{prefix}{spec.strategy}-", f"{prefix}{strategy}-", 1)
+        prefix = f"{spec.model.name} "
+        name = name.replace(f"{prefix}{spec.strategy} ", f"{prefix}{strategy} ", 1)
     return dataclasses.replace(
         spec, strategy=strategy, mesh=mesh, run_name=name,
         sharding=dataclasses.replace(spec.sharding, strategy=strategy, shard_size=shard_size))

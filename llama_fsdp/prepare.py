@@ -41,7 +41,7 @@ def prepare(spec: RunSpec, *, command: str) -> Prepared:
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(spec.output_dir) / CONFIG_FILE).write_text(spec.config_yaml)
     if spec.tracking.enabled:
-        start_run(spec, command=command, deliver=reachable)
+        start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
     return Prepared(spec, data.stats, data.tokenizer)
 
 
@@ -117,17 +117,57 @@ def prepare_data(spec: RunSpec) -> Any:
 
 
 def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
+    """The run's tags: where and what it ran; a sweep point names its parent run."""
+    from .sweep import parent_run
+
     tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
             "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
             "strategy": spec.strategy, "mlflow.note.content": f"```\n{command}\n```"}
     if spec.sweep_id:
         tags["sweep_id"] = spec.sweep_id
+    if spec.sweep_dir and (parent := parent_run(spec.sweep_dir)):
+        tags["mlflow.parentRunId"] = parent
     return tags
 
 
-def start_run(spec: RunSpec, *, command: str, deliver: bool = True) -> None:
-    """Create the MLflow run (or continue the one of this run dir) through the spool, and
-    deliver it now if the store answers (``deliver``)."""
+def dataset_inputs(spec: RunSpec, data: Any) -> list[dict[str, Any]]:
+    """The train and eval splits as MLflow dataset inputs: name, digest (the tokenized cache's
+    key: source files, options and tokenizer), source, columns and size, so runs on different
+    data differ visibly in the runs table."""
+    import json
+
+    cfg, info, stats = spec.data, data.info, data.stats
+    match cfg.name:
+        case "synthetic":
+            kind, source = "code", {"generator": "llama_fsdp.data.synthetic", "seed": cfg.seed}
+        case "hf":
+            kind = "hugging_face"
+            source = {"path": cfg.path, "config_name": cfg.subset, "split": cfg.split,
+                      "revision": cfg.revision}
+        case _:
+            kind, source = "local", {"uri": str(Path(cfg.path).expanduser().resolve())}
+    digest = Path(info.cache_path).name.rsplit("-", 1)[-1][:16]
+    name = "synthetic" if cfg.name == "synthetic" else Path(str(cfg.path)).stem
+    columns = {"mlflow_colspec": [{"type": "long", "name": "input_ids", "required": True},
+                                  {"type": "long", "name": "labels", "required": True}]}
+    out = []
+    for split, context, records, extra in (
+            ("train", "training", info.train_records, {"tokens": stats["train_tokens"],
+                                                       "rows": stats["train_rows"]}),
+            ("eval", "evaluation", info.eval_records, {"rows": stats["eval_rows"]})):
+        profile = {"num_rows": records, "format": info.format, "tokenizer": info.tokenizer,
+                   "seq_len": spec.train.seq_len, **extra}
+        out.append({"name": f"{name}-{split}", "digest": digest, "source_type": kind,
+                    "source": json.dumps({**source, "split": split} if kind == "code" else source),
+                    "schema": json.dumps(columns), "profile": json.dumps(profile),
+                    "context": context})
+    return out
+
+
+def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
+              datasets: Optional[list[dict[str, Any]]] = None) -> None:
+    """Create the MLflow run (or continue the one of this run dir) through the spool, with its
+    data as dataset inputs, and deliver it now if the store answers (``deliver``)."""
     from omegaconf import OmegaConf
 
     from .tracking import Spool, deliver_pending, flatten, read_run_file, write_run_file
@@ -144,8 +184,11 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True) -> None:
                       "run_name": spec.run_name, "tags": run_tags(spec, command),
                       "ts": int(time.time() * 1000)})
         flat = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))  # type: ignore[arg-type]
+        flat.pop("output_dir", None)  # a tag: it differs for every run
         spool.append({"t": "params", "p": dict(sorted(flat.items()))})
         spool.append({"t": "text", "text": spec.config_yaml, "file": CONFIG_FILE})
+        if datasets:
+            spool.append({"t": "inputs", "datasets": datasets})
     if deliver and deliver_pending(spec.output_dir, deadline_s=30.0, uri=spec.tracking_uri):
         log.warning("the MLflow run is not created yet (the store does not answer); it will be "
                     "when it does")

@@ -114,6 +114,7 @@ class RunSpec:
     git_commit: str
     config_yaml: str = field(repr=False)
     sweep_id: Optional[str] = None
+    sweep_dir: Optional[str] = None  # a sweep point: its sweep's directory (the parent run)
     restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
 
     @property
@@ -389,17 +390,20 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         )
 
 
-def _run_name(cfg: Config, strategy: str, precision: str, world: int) -> str:
-    if cfg.tracking.run_name:
-        return cfg.tracking.run_name
-    return (
-        f"{cfg.model.name}-{strategy}-{precision}-ac_{cfg.checkpointing.mode}"
-        f"-w{world}-b{cfg.train.batch_size}"
-    )
+def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int,
+              device: str) -> str:
+    """What a single run is, short enough for the MLflow table: "tiny full fp32 2xcpu b8"."""
+    nodes = f"{cfg.cluster.nodes}x" if cfg.cluster.nodes > 1 else ""
+    parts = [cfg.model.name, strategy, precision, f"{nodes}{nproc}x{device}",
+             f"b{cfg.train.batch_size}"]
+    if cfg.checkpointing.mode != "none":
+        parts.insert(3, f"ac={cfg.checkpointing.mode}")
+    return " ".join(parts)
 
 
 def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
-               launch_dir: Optional[Path] = None, sweep_id: Optional[str] = None) -> RunSpec:
+               launch_dir: Optional[Path] = None, sweep_id: Optional[str] = None,
+               sweep_dir: Optional[str] = None, point: Optional[str] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError."""
     if isinstance(cfg, DictConfig):
         unknown = unknown_keys(cfg)
@@ -456,7 +460,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
         cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
-        run_name=_run_name(obj, strategy, precision.name, world), git_commit=_git_commit(),
-        config_yaml=config_yaml, sweep_id=sweep_id,
+        run_name=obj.tracking.run_name or point or _run_name(obj, strategy, precision.name, world,
+                                                            nproc, device),
+        git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
     )
 

@@ -1,15 +1,22 @@
-"""Sweep summaries: every run of a `-m` sweep carries the tag `sweep_id`; this gathers them.
+"""Sweeps in MLflow: one parent run per `-m` sweep, one child run per point.
 
-After a local sweep the Hydra callback prints and logs the summary; for SLURM sweeps (which
-return at submission) run it on demand: `python -m llama_fsdp.sweep <sweep_id> [--uri URI]`.
-The summary is a table of the swept values against tokens/s, peak memory and final loss, and
-a plot, logged as artifacts of a `sweep-summary` run in the same experiment.
+MLflow's convention for searches is nested runs: the runs table shows the sweep as one
+expandable row. The parent is made when the sweep starts (Hydra callback), holds the swept
+parameters and the command, and gets the summary (a table of the swept values against
+throughput, memory and loss, and a plot) when the points are done: after a local sweep at once,
+for SLURM sweeps (which return at submission) on demand:
+
+    python -m llama_fsdp.sweep <sweep_id> [--uri URI]
+
+A sweep started again in the same sweep directory (``hydra.sweep.dir=<dir>``, to resume or
+re-run its failed points) keeps its parent run.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,8 +25,12 @@ from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
-SUMMARY_METRICS = ("tokens_per_sec", "peak_memory_gb", "loss")
+SUMMARY_METRICS = ("summary/tokens_per_sec", "summary/peak_memory_gb", "summary/final_loss")
 IGNORED_PARAMS = ("output_dir", "tracking.run_name")
+KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
+# Points of this process's sweep that failed (override_dirname, exit code): the sweep goes on to
+# its other points and its summary, then exits with the worst code (on_multirun_end).
+FAILED_POINTS: list[tuple[str, int]] = []
 
 
 def sweep_id_for(sweep_dir: str) -> str:
@@ -28,13 +39,73 @@ def sweep_id_for(sweep_dir: str) -> str:
     return "sweep-" + "_".join(parts[-2:])
 
 
-def _runs(client: Any, experiment: str, sweep_id: str) -> list[Any]:
+def point_name(overrides: list[str], swept: Optional[list[str]] = None) -> str:
+    """A child run's name: the point's values of the swept keys (all its overrides if those
+    are unknown), with short keys: "batch_size=2 sharding=full"."""
+    out = []
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if swept is None or key in swept:
+            out.append(f"{key.split('.')[-1]}={value}")
+    return " ".join(out)
+
+
+def swept_keys_of(sweep_dir: str) -> Optional[list[str]]:
+    """The keys the sweep in ``sweep_dir`` varies (recorded when it started)."""
+    from .tracking import read_run_file
+
+    return read_run_file(sweep_dir).get("swept")
+
+
+def swept_overrides(task_overrides: list[str]) -> list[str]:
+    """The overrides of a sweep command that vary (comma lists, ranges, choices)."""
+    return [o for o in task_overrides if "," in o.partition("=")[2] or "range(" in o
+            or "choice(" in o]
+
+
+def parent_run(sweep_dir: str) -> Optional[str]:
+    """The parent run id of the sweep in ``sweep_dir`` (None if none was made)."""
+    from .tracking import read_run_file
+
+    return read_run_file(sweep_dir).get("run_id")
+
+
+def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
+                 task_overrides: list[str]) -> None:
+    """Create the sweep's parent run (or keep the one of this sweep dir)."""
+    from .tracking import Spool, deliver_pending, read_run_file, write_run_file
+
+    if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
+        Spool(sweep_dir).append({"t": "running"})  # the same parent, running again
+        deliver_pending(sweep_dir, deadline_s=30.0)
+        return
+    swept = swept_overrides(task_overrides)
+    sweep_id = sweep_id_for(sweep_dir)
+    write_run_file(sweep_dir, {"tracking_uri": uri,
+                               "swept": [o.partition("=")[0].lstrip("+~") for o in swept]})
+    spool = Spool(sweep_dir)
+    spool.append({"t": "create", "experiment": experiment,
+                  "run_name": "sweep " + " ".join(swept) if swept else sweep_id,
+                  "tags": {"sweep_id": sweep_id, KIND_TAG: "sweep",
+                           "mlflow.note.content": f"```\n{command}\n```"},
+                  "ts": int(time.time() * 1000)})
+    spool.append({"t": "params", "p": {o.partition("=")[0]: o.partition("=")[2] for o in swept}})
+    deliver_pending(sweep_dir, deadline_s=30.0)
+
+
+def _children(client: Any, parent_id: str) -> list[Any]:
+    run = client.get_run(parent_id)
+    return client.search_runs([run.info.experiment_id],
+                              f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000)
+
+
+def _find_parent(client: Any, experiment: str, sweep_id: str) -> Optional[str]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        return []
-    runs = client.search_runs([exp.experiment_id], f"tags.sweep_id = '{sweep_id}'",
-                              max_results=1000)
-    return [r for r in runs if r.data.tags.get("llama_fsdp.kind") != "sweep-summary"]
+        return None
+    runs = client.search_runs([exp.experiment_id],
+                              f"tags.sweep_id = '{sweep_id}' and tags.`{KIND_TAG}` = 'sweep'")
+    return runs[0].info.run_id if runs else None
 
 
 def swept_keys(runs: list[Any]) -> list[str]:
@@ -56,11 +127,17 @@ def summary_rows(runs: list[Any]) -> tuple[list[str], list[dict[str, Any]]]:
     return keys, rows
 
 
+def _header(col: str) -> str:
+    return col.removeprefix("summary/")
+
+
 def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
     cols = [*keys, *SUMMARY_METRICS, "status"]
+
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
-    table = [cols] + [[cell(row[c]) for c in cols] for row in rows]
+
+    table = [[_header(c) for c in cols]] + [[cell(row[c]) for c in cols] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -78,52 +155,82 @@ def plot(keys: list[str], rows: list[dict[str, Any]], path: Path) -> Path:
     for ax, metric in zip(axes, SUMMARY_METRICS):
         ax.bar(range(len(rows)), [row[metric] or 0.0 for row in rows])
         ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=8)
-        ax.set_title("final loss" if metric == "loss" else metric)
+        ax.set_title(_header(metric))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def summarize(sweep_id: str, *, tracking_uri: str, experiment: str) -> Optional[str]:
-    """Print-ready table of a sweep; also logged with a plot to a `sweep-summary` run."""
+def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
+              parent_id: Optional[str] = None) -> Optional[str]:
+    """Print-ready table of a sweep's points; logged with a plot to the parent run, which ends
+    FINISHED (its tag failed_points counts the points that did not finish)."""
+    from mlflow.entities import Metric, RunTag
+
     from .tracking import open_client
 
     client = open_client(tracking_uri)
-    runs = _runs(client, experiment, sweep_id)
+    parent_id = parent_id or _find_parent(client, experiment, sweep_id)
+    if parent_id is None:
+        log.warning("no sweep run tagged sweep_id=%s in experiment %r", sweep_id, experiment)
+        return None
+    runs = _children(client, parent_id)
     if not runs:
-        log.warning("no MLflow runs tagged sweep_id=%s in experiment %r", sweep_id, experiment)
+        log.warning("sweep %s has no finished points yet", sweep_id)
         return None
     keys, rows = summary_rows(runs)
     table = format_table(keys, rows)
-    exp = client.get_experiment_by_name(experiment)
-    summary = client.create_run(exp.experiment_id, run_name=f"{sweep_id}-summary",
-                                tags={"sweep_id": sweep_id, "llama_fsdp.kind": "sweep-summary"})
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "sweep_summary.md").write_text(f"# {sweep_id}\n\n```\n{table}\n```\n")
         plot(keys, rows, Path(tmp) / "sweep_summary.png")
-        client.log_artifacts(summary.info.run_id, tmp)
-    client.set_terminated(summary.info.run_id)
+        client.log_artifacts(parent_id, tmp)
+    best = max((r for r in rows if r["summary/tokens_per_sec"]),
+               key=lambda r: r["summary/tokens_per_sec"], default=None)
+    now = int(time.time() * 1000)
+    metrics = [Metric("points", float(len(rows)), now, 0)]
+    if best is not None:
+        metrics.append(Metric("best/tokens_per_sec", best["summary/tokens_per_sec"], now, 0))
+    failed = sum(r["status"] != "FINISHED" for r in rows)
+    client.log_batch(parent_id, metrics=metrics, tags=[RunTag("failed_points", str(failed))])
+    client.set_terminated(parent_id, status="FINISHED")
     return table
 
 
 class SweepSummaryCallback(Callback):
-    """Hydra callback: after a multirun, summarize the runs it made (local sweeps wait)."""
+    """Hydra callback: the parent run when a multirun starts; its summary when it ends
+    (local sweeps), or the command that makes it (SLURM sweeps, which return at submission)."""
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from .__main__ import command_line
         from .spec import resolve_tracking_uri
 
         if not config.tracking.enabled:
             return
-        sweep_id = sweep_id_for(config.hydra.sweep.dir)
+        start_parent(str(Path(config.hydra.sweep.dir).resolve()),
+                     uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
+                     experiment=config.tracking.experiment, command=command_line(),
+                     task_overrides=list(config.hydra.overrides.task))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from .spec import resolve_tracking_uri
+
+        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
+        sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
-        if config.cluster.kind == "slurm" and not config.cluster.wait:
+        if not config.tracking.enabled:
+            pass
+        elif config.cluster.kind == "slurm" and not config.cluster.wait:
             log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
                      "--uri %s", sweep_id, sweep_id, uri)
-            return
-        table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment)
-        if table:
+        elif table := summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
+                                parent_id=parent_run(sweep_dir)):
             log.info("sweep %s summary:\n%s", sweep_id, table)
+        if FAILED_POINTS:
+            log.error("%d point(s) of sweep %s failed: %s; run the same command with "
+                      "hydra.sweep.dir=%s to resume them", len(FAILED_POINTS), sweep_id,
+                      ", ".join(name or "(no overrides)" for name, _ in FAILED_POINTS), sweep_dir)
+            raise SystemExit(max(code for _, code in FAILED_POINTS))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -37,7 +37,18 @@ FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 PERMANENT_ERRORS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
                     "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
-EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: the UI opens on the training runs
+EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
+VIEW = "llama_fsdp"  # a saved runs-table view: open the runs page with ?viewStateShareKey=llama_fsdp
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
+VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
+                *(f"metrics.`summary/{m}`" for m in ("tokens_per_sec", "tokens_per_sec_per_device",
+                                                     "mfu", "peak_memory_gb",
+                                                     "predicted_peak_memory_gb", "final_loss",
+                                                     "eval_loss")),
+                *(f"params.`{p}`" for p in ("model.name", "sharding.strategy", "precision.name",
+                                            "train.batch_size")),
+                "tags.`derived.world_size`"]
+MODEL_MAX_BYTES = 20 * 10**9  # larger exports are linked by path, not copied into MLflow
 
 
 def open_client(uri: str) -> Any:
@@ -211,6 +222,8 @@ class Delivery:
                 c.log_text(self.run_id, group[0]["text"], group[0]["file"])
             case "artifacts":
                 c.log_artifacts(self.run_id, group[0]["dir"], group[0].get("path"))
+            case "model":
+                self._log_model(group[0])
             case "inputs":
                 c.log_inputs(self.run_id, datasets=[_dataset_input(d) for d in group[0]["datasets"]])
             case "status":
@@ -220,6 +233,20 @@ class Delivery:
             case other:
                 raise ValueError(f"unknown tracking event {other!r}")
 
+    def _log_model(self, e: dict[str, Any]) -> None:
+        """The exported HF directory as the run's logged model (its Models column and tab):
+        downloadable and registrable from the UI."""
+        from mlflow.entities import LoggedModelOutput
+
+        c = self.client
+        exp_id = c.get_run(self.run_id).info.experiment_id
+        model = c.create_logged_model(exp_id, name=e["name"], source_run_id=self.run_id,
+                                      model_type="transformers-llama",
+                                      params={k: str(v) for k, v in e.get("params", {}).items()})
+        c.log_model_artifacts(model.model_id, e["dir"])
+        c.finalize_logged_model(model.model_id, "READY")
+        c.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, e["step"])])
+
     def _create(self, e: dict[str, Any]) -> None:
         """The run (and its experiment) for a spool that starts without one."""
         if self.run_id is not None:
@@ -227,13 +254,36 @@ class Delivery:
         c = self.client
         exp = c.get_experiment_by_name(e["experiment"])
         exp_id = exp.experiment_id if exp else c.create_experiment(
-            e["experiment"], artifact_location=artifact_location(self.uri, e["experiment"]),
-            tags={"mlflow.experimentKind": EXPERIMENT_KIND})
+            e["experiment"], artifact_location=artifact_location(self.uri, e["experiment"]))
+        if exp is None or VIEW_TAG not in exp.tags:
+            for key, value in experiment_tags().items():
+                c.set_experiment_tag(exp_id, key, value)
         run = c.create_run(exp_id, run_name=e["run_name"], tags=e.get("tags") or {},
                            start_time=e["ts"])
         self.run_id = run.info.run_id
-        write_run_file(self.spool.dir.parent, {"run_id": self.run_id, "experiment_id": exp_id,
-                                               "tracking_uri": self.uri})
+        where = self.spool.dir.parent
+        write_run_file(where, {**read_run_file(where), "run_id": self.run_id,
+                               "experiment_id": exp_id, "tracking_uri": self.uri})
+
+
+def experiment_tags() -> dict[str, str]:
+    """A model-training experiment, its description, and the runs-table view that shows what
+    runs are compared on (summary metrics, key choices, data), sorted by start so sweeps stay
+    grouped (the UI's own default shows none of them)."""
+    now = int(time.time() * 1000)
+    state = {"selectedColumns": VIEW_COLUMNS, "orderByKey": "attributes.start_time",
+             "orderByAsc": False}
+    view = {"name": "llama_fsdp: throughput, memory, loss", "createdAt": now, "updatedAt": now,
+            "state": json.dumps(state)}
+    return {"mlflow.experimentKind": EXPERIMENT_KIND, VIEW_TAG: json.dumps(view),
+            "mlflow.note.content": "Fine-tuning runs of llama_fsdp. A sweep is one row (expand "
+            "it for its points); the summary/* metrics are each run's steady-state numbers."}
+
+
+def runs_page(uri: str, experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
+    """The URL of the experiment's runs table with the llama_fsdp view (for `mlflow ui`)."""
+    host = uri if uri.startswith("http") else base
+    return f"{host}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW}"
 
 
 def _dataset_input(d: dict[str, Any]) -> Any:
@@ -254,6 +304,7 @@ def read_run_file(output_dir: str | Path) -> dict[str, Any]:
 
 def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
     path = tracking_dir(output_dir) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(path)
@@ -337,15 +388,58 @@ class Shipper(threading.Thread):
 # --- what rank 0 holds ------------------------------------------------------------------------
 
 
+class SystemSampler(threading.Thread):
+    """CPU, memory, disk, network and (with nvidia-ml-py) GPU utilisation and memory of rank 0's
+    node every ``interval_s``, as MLflow's system/* metrics (its System metrics tab), through
+    the spool like every other metric. MLflow's own monitors do the measuring."""
+
+    def __init__(self, tracker: "Tracker", interval_s: float):
+        super().__init__(name="system-metrics", daemon=True)
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        self.tracker, self.interval_s = tracker, interval_s
+        self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        try:
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            self.monitors.append(GPUMonitor())
+        except (ImportError, RuntimeError) as e:  # no NVML, or no GPU
+            log.debug("no GPU system metrics: %s", e)
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        sample = 0
+        while not self._halt.wait(self.interval_s):
+            metrics: dict[str, float] = {}
+            for m in self.monitors:
+                try:
+                    m.collect_metrics()
+                    metrics.update(m.aggregate_metrics())
+                finally:
+                    m.clear_metrics()
+            self.tracker.log_metrics({f"system/{k}": v for k, v in metrics.items()}, step=sample)
+            sample += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
 class Tracker:
     """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
 
-    def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0):
+    def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0,
+                 system_metrics_s: Optional[float] = None):
         self.output_dir, self.uri = output_dir, uri
         self.spool = Spool(output_dir)
         self.flush_timeout_s = flush_timeout_s
         self.shipper = Shipper(self.spool, uri)
         self.shipper.start()
+        self.sampler = SystemSampler(self, system_metrics_s) if system_metrics_s else None
+        if self.sampler is not None:
+            self.sampler.start()
 
     @property
     def run_id(self) -> Optional[str]:
@@ -368,13 +462,24 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._add({"t": "text", "text": text, "file": artifact_file})
 
-    def log_model_dir(self, path: Optional[Path]) -> None:
-        """The exported HF directory, as the run's ``model`` artifacts."""
-        if path is not None:
-            self._add({"t": "artifacts", "dir": str(path), "path": "model"})
-            self.set_tags({"export_dir": str(path)})
+    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+                      params: Optional[dict[str, Any]] = None) -> None:
+        """The exported HF directory as the run's logged model (copied into MLflow's artifact
+        store unless it is larger than MODEL_MAX_BYTES; its path is always a tag)."""
+        if path is None:
+            return
+        self.set_tags({"export_dir": str(path)})
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        if size > MODEL_MAX_BYTES:
+            log.info("export %s (%.1f GB) is linked by its path, not copied into MLflow", path,
+                     size / 1e9)
+            return
+        self._add({"t": "model", "dir": str(path), "name": Path(path).parent.name,
+                   "step": step, "params": params or {}})
 
     def finish(self, status: str = "FINISHED") -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
         self._add({"t": "status", "status": status, "ts": int(time.time() * 1000)})
         # a store that is not answering gets a short last chance, not the whole timeout
         timeout = self.flush_timeout_s if self.shipper.failures == 0 else 5.0
@@ -389,7 +494,9 @@ def open_tracker(spec: Any) -> Any:
     """Rank 0's tracker for a RunSpec (the driver created the run), or the null twin."""
     if not spec.tracking.enabled:
         return NullTracker()
-    return Tracker(spec.output_dir, spec.tracking_uri)
+    t = spec.tracking
+    return Tracker(spec.output_dir, spec.tracking_uri,
+                   system_metrics_s=t.system_metrics_interval_s if t.system_metrics else None)
 
 
 class NullTracker:
@@ -401,7 +508,8 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_model_dir(self, path: Optional[Path]) -> None: ...
+    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+                      params: Optional[dict[str, Any]] = None) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
 
 

@@ -253,17 +253,22 @@ class Run:
         hosts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         spec = self.spec
-        tags = {"rank_hosts": ",".join(hosts)}  # which node each rank ran on
-        if spec.restart:
-            tags["restarts"] = str(spec.restart)
-        self.tracker.set_tags(tags)
-        self.tracker.log_params({"derived.world_size": spec.world_size,
-                                 "derived.global_batch": spec.global_batch,
-                                 "derived.tokens_per_step": spec.tokens_per_step,
-                                 "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                                 "derived.local_params_rank0": local_numel(self.model),
-                                 **self.data.info.params()})
-        self.tracker.log_metrics({**self.data.stats, **self.plan.metrics()}, step=0)
+        # The run's config is its params; what follows from it is in tags (strings) and step-0
+        # metrics (numbers), so that the params that differ between runs are what was chosen.
+        # The plan's prediction goes first: MLflow's compare page plots the first metric.
+        self.tracker.log_metrics({"summary/predicted_peak_memory_gb":
+                                  self.plan.predicted_peak_gb}, step=0)
+        local = local_numel(self.model)
+        self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
+                               **({"restarts": str(spec.restart)} if spec.restart else {}),
+                               "derived.world_size": str(spec.world_size),
+                               "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                               "derived.precision": spec.precision.name,
+                               **self.data.info.params()})
+        self.tracker.log_metrics({"global_batch": spec.global_batch,
+                                  "tokens_per_step": spec.tokens_per_step,
+                                  "local_params_rank0": local, **self.data.stats,
+                                  **self.plan.metrics()}, step=0)
         if spec.restart:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
 
@@ -284,6 +289,8 @@ class Run:
     def train(self) -> RunResult:
         stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
         status, export_dir, final, summary = "FAILED", None, {}, {}
+        t = self.spec.train
+        done_before = self.state.step >= (t.stop_after or t.max_steps)  # resumed a finished run
         try:
             hang.arm()
             result = run_loop(self.model, self.optimizer, self.scheduler, self.state,
@@ -291,11 +298,16 @@ class Run:
             final = result.last
             summary = self.summary(result.logged, final)
             self.checkpointer.finish(self.state)
-            if self.spec.save.export_hf:
+            if done_before:
+                log.info("this run had already finished at step %d: nothing to train",
+                         self.state.step)
+            elif self.spec.save.export_hf:
                 export_dir = ckpt_io.export_hf(self.model, Path(self.spec.output_dir) /
                                                ckpt_io.EXPORT, config=self.checkpointer.hf_config,
                                                tokenizer=self.data.tokenizer)
-                self.tracker.log_model_dir(export_dir)
+                self.tracker.log_model_dir(export_dir, step=self.state.step,
+                                           params={"base": self.spec.model.path or "random init",
+                                                   "model": self.spec.model.name})
             status = "finished"
         except StopRequested as e:
             status = e.reason

@@ -50,7 +50,7 @@ def test_two_nodes_hybrid_job_places_ranks_per_node(tmp_path, slurm_cluster):
     hosts = run.data.tags["rank_hosts"].split(",")
     assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
     assert set(hosts) == set(slurm_cluster.nodes)
-    assert run.data.params["derived.mesh"] == "2x2"  # replicate across nodes, shard within
+    assert run.data.tags["derived.mesh"] == "2x2"  # replicate across nodes, shard within
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
     assert {"tokens_per_sec", "peak_memory_gb"} <= set(run.data.metrics)
 
