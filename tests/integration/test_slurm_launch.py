@@ -80,7 +80,7 @@ def _wait_all_finished(cwd: Path, n: int, timeout: float) -> list:
     while time.monotonic() < deadline:
         _, runs = _runs(cwd)
         done = [r for r in runs if r.info.status in ("FINISHED", "FAILED", "KILLED")
-                and r.data.tags.get("llama_fsdp.kind") != "sweep-summary"]
+                and r.data.tags.get("llama_fsdp.kind") != "sweep"]
         if len(done) >= n:
             return done
         time.sleep(2)
@@ -105,9 +105,19 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     starts = sorted(r.info.start_time for r in runs)
     ends = sorted(r.info.end_time for r in runs)
     assert starts[-1] < ends[0] or submit_s < 60
+    # one parent run holds the sweep: running until its summary is made on demand
+    client, every = _runs(tmp_path)
+    parents = [r for r in every if r.data.tags.get("llama_fsdp.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "RUNNING"
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
+    assert sorted(r.info.run_name for r in runs) == [
+        "batch_size=2 sharding=full", "batch_size=2 sharding=no_shard",
+        "batch_size=4 sharding=full", "batch_size=4 sharding=no_shard"]
     summary = subprocess.run([sys.executable, "-m", "llama_fsdp.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
+    parent = client.get_run(parents[0].info.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
 
 
 def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster):
