@@ -40,6 +40,14 @@ class RankFailed(RuntimeError):
     """Raised in the supervisor when its worker failed; the report is already on disk."""
 
 
+def rendezvous_port(job_id: str) -> int:
+    """The job's rendezvous port, the same on every node: from its id and attempt, below
+    Linux's ephemeral range (32768-60999), where submitit's own choice (20000-60000) can meet a
+    port the node already uses for an outgoing connection (EADDRINUSE when jobs share a node)."""
+    base = int(str(job_id).split("_")[0]) * 7 % 12000
+    return 20000 + (base + int(os.environ.get(ATTEMPT_ENV, "0"))) % 12000
+
+
 def attempt_dir(output_dir: str | Path, job_id: str, requeue: int, attempt: int) -> Path:
     return Path(output_dir) / LAUNCH_DIR / f"{job_id}.{requeue}.{attempt}"
 
@@ -88,12 +96,11 @@ class RankEntry:
         from submitit.helpers import TorchDistributedEnvironment
 
         dist_env = TorchDistributedEnvironment()
-        if self.master_port is not None:
-            dist_env.master_port = self.master_port
+        job = submitit.JobEnvironment()
+        dist_env.master_port = self.master_port or rendezvous_port(job.job_id)
         if self.master_addr is not None:
             dist_env.master_addr = self.master_addr
         dist_env.export(set_cuda_visible_devices=False, overwrite=True)
-        job = submitit.JobEnvironment()
         return Supervisor(self.payload, job.job_id.split("_")[0], dist_env.rank,
                           [Path(job.paths.stderr), Path(job.paths.stdout)]).run()
 
@@ -138,6 +145,8 @@ class Supervisor:
             return result
         report = self._report(code, files["traceback"])
         (where / f"rank{self.rank}.json").write_text(json.dumps(report, indent=1))
+        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts:
+            _close_mlflow_run(spec)
         raise RankFailed(format_report(report))
 
     def _install_signals(self) -> None:
@@ -171,6 +180,21 @@ class Supervisor:
                 "time": tb.get("time", time.time()), "traceback": text,
                 "echo": any(e in text for e in ECHOES), "attempt": self.attempt,
                 "log_tail": _tail(self.logs, 12)}
+
+
+def _close_mlflow_run(spec: Any) -> None:
+    """Mark the run FAILED in MLflow when no launcher waits to do it (a SLURM job that
+    returned at submission); what rank 0 spooled is delivered with it."""
+    if not spec.tracking.enabled:
+        return
+    try:
+        from llama_fsdp.tracking import Spool, deliver_pending
+
+        Spool(spec.output_dir).append({"t": "status", "status": "FAILED",
+                                       "ts": int(time.time() * 1000)})
+        deliver_pending(spec.output_dir, deadline_s=20.0)
+    except Exception as e:  # noqa: BLE001 - the rank's own failure is what matters
+        print(f"could not mark the MLflow run failed: {e}", file=sys.stderr)
 
 
 def _tail(paths: list[Path], n: int) -> list[str]:

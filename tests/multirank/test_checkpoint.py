@@ -82,15 +82,18 @@ def _train(rank, world, spec):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    """A tiny Llama saved by transformers in several safetensors files with an index."""
+    """A tiny Llama saved by transformers in several safetensors files with an index, and its
+    tokenizer (the project's sentencepiece one) beside it, as a hub snapshot has."""
     from transformers import LlamaForCausalLM
 
+    from llama_fsdp.data import build_tokenizer
     from llama_fsdp.model import llama_config
 
     spec = make_spec()
     torch.manual_seed(3)
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     LlamaForCausalLM(llama_config(spec.model)).save_pretrained(path, max_shard_size="2MB")
+    build_tokenizer(spec.data, tmp_path_factory.mktemp("tok-cache")).save_pretrained(path)
     return path
 
 
@@ -147,7 +150,8 @@ def test_exact_resume_after_a_crash_mid_save(runs):
     # the killed save left its .tmp without DCP metadata; step 2 stayed the newest checkpoint
     crash = runs["after_crash"]
     assert sorted(crash) == ["step_000002", "step_000004.tmp"]
-    assert crash["step_000002"] == [layout.METADATA, "__0_0.distcp", "__1_0.distcp"]
+    assert crash["step_000002"] == [layout.METADATA, "__0_0.distcp", "__1_0.distcp",
+                                    layout.MANIFEST]
     assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp"]  # data, no metadata
     b2 = runs["b2"]
     assert b2.resumed_from == str(layout.step_dir(root / "b", 2))
@@ -203,7 +207,7 @@ def test_full_state_dict_checkpoints_and_retention(runs):
     assert names == ["step_000004", "step_000006"]  # keep_last=2 of 2, 4, 6
     for p in a.checkpoints:
         data = sorted(f.name for f in Path(p).iterdir() if f.is_file())
-        assert data == [".metadata", "__0_0.distcp"]  # gathered, one file from rank 0
+        assert data == [".metadata", "__0_0.distcp", layout.MANIFEST]  # gathered, one file
     assert sorted(p.name for p in root.iterdir()) == ["a", "b", "c"]  # nothing else written
 
 
