@@ -158,3 +158,27 @@ def test_cli_unknown_option_lists_valid_ones(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "Available options in 'sharding'" in out.stderr and "hybrid_grad_op" in out.stderr
+
+
+def test_experiment_presets_compose_with_the_values_they_leave_open():
+    presets = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    assert presets, "conf/experiment/ ships an example preset"
+    for name in presets:
+        cfg = compose([f"experiment={name}", "data.path=/data/alpaca.json", "cluster.device=cpu"])
+        assert cfg.model.name == "1b" and cfg.train.seq_len == 2048 and cfg.data.name == "jsonl"
+
+
+def test_a_users_config_dir_adds_presets(tmp_path):
+    """`--config-dir` puts a user's folder on the search path: its presets sit beside ours."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /sharding: grad_op\n  - _self_\n"
+        "train:\n  batch_size: 3\n")
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "--config-dir", str(tmp_path),
+                          "experiment=mine", "cluster.device=cpu", "dry_run=true"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-2000:]
+    assert "strategy                       grad_op" in log
+    assert "micro_batch x grad_accum x dp  3 x 1 x 2 = 6" in log
+    assert not list((tmp_path / "outputs" / "runs").glob("*/*"))  # a dry run leaves no run dir
