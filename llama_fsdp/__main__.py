@@ -142,10 +142,16 @@ def _finish_tracking(output_dir: str, status: str) -> None:
 
 
 def _remove_if_empty(output_dir: str) -> None:
-    """Hydra made the run directory; a run that did not launch leaves nothing behind (rmdir
-    removes only empty directories, so nothing of a user's is ever deleted)."""
-    path = Path(output_dir)
-    for d in (path, path.parent):
+    """Hydra made the run directory (and its parents); a run that did not launch leaves nothing
+    behind. rmdir removes only empty directories, so nothing of a user's is ever deleted; it
+    climbs to the working directory for a relative run dir (outputs/runs/<date>/<time>), and two
+    levels for one elsewhere."""
+    path = Path(output_dir).absolute()
+    cwd = Path.cwd().absolute()
+    chain = [path, *path.parents]
+    chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
+             else chain[:2])
+    for d in chain:
         try:
             d.rmdir()
         except OSError:

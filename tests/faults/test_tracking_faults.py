@@ -53,7 +53,7 @@ def test_unreachable_server_is_refused_in_seconds_before_any_rank(tmp_path):
     assert code == 2, out[-3000:]
     assert f"the MLflow tracking store {uri} does not answer" in out
     assert "tracking.allow_offline=true" in out and "tracking.enabled=false" in out
-    assert not list((tmp_path / "outputs" / "runs").glob("*/*"))  # no run dir, no rank started
+    assert not (tmp_path / "outputs" / "runs").exists()  # no run dir, no rank started
     print(f"refused in {seconds:.1f}s")
 
 
