@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-fast clean-outputs
+.PHONY: install run test test-fast test-wheel test-floor clean-outputs
 
 install:
 	@bash scripts/install.sh
@@ -15,6 +15,12 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not integration"
+
+test-wheel: install  # the wheel in a fresh venv, run from an empty directory
+	bash scripts/check_wheel.sh
+
+test-floor: install  # the oldest supported transformers
+	bash scripts/test_floor.sh
 
 clean-outputs:
 	@echo "outputs/ holds your runs and MLflow store; remove it by hand if you mean it."

@@ -4,7 +4,7 @@
 #   - an NVIDIA GPU (nvidia-smi works): the default PyPI wheel, which is the CUDA build;
 #   - otherwise the CPU build: a local wheel if pip can find one (torch==X+cpu), else
 #     PyTorch's CPU index. Never the multi-GB CUDA wheels on a machine without a GPU.
-# Then the package itself (editable) with its dev extras.
+# Then the package itself: editable with its dev extras, or what LLAMA_FSDP_PACKAGE names (a wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -19,12 +19,16 @@ if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "GPU found: installing the CUDA build of torch"
-  pip install -q "torch>=2.6"
+  pip install -q "torch>=2.11"
 else
   echo "no GPU: installing the CPU build of torch"
   pip install -q "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
     || pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
 # torch is already satisfied, so this resolves the rest without touching it.
-pip install -q -e ".[dev]"
+if [ -n "${LLAMA_FSDP_PACKAGE:-}" ]; then
+  pip install -q "$LLAMA_FSDP_PACKAGE"
+else
+  pip install -q -e ".[dev]"
+fi
 "$VENV/bin/python" -c "import torch, llama_fsdp; print('llama_fsdp ready: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
