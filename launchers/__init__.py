@@ -9,10 +9,25 @@ from .common import Entry, Interrupted, LaunchError, RankFailure
 def preflight(spec: Any) -> list[str]:
     """What this machine lacks to launch the run (checked before any preparation)."""
     import shutil
+    import subprocess
 
-    if spec.cluster.kind == "slurm" and shutil.which("sbatch") is None:
+    if spec.cluster.kind != "slurm":
+        return []
+    if shutil.which("sbatch") is None:
         return ["cluster=slurm but sbatch is not on PATH: this is not a SLURM login node. Run "
                 "from one, use cluster=local, or add dry_run=true to see the job script"]
+    # SLURM's commands are here: does its controller answer? (sinfo reads the same config and
+    # asks the same slurmctld as sbatch; a login node answers in well under a second)
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True,
+                             text=True, timeout=30)
+        problem = None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        problem = f"sinfo did not answer: {e}"
+    if problem:
+        return [f"cluster=slurm but the SLURM controller does not answer here ({problem}). Run "
+                "from a login node of the cluster (or set SLURM_CONF), use cluster=local, or add "
+                "dry_run=true to see the job script"]
     return []
 
 

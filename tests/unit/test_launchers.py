@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -100,3 +101,29 @@ def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_pa
     with pytest.raises(ConfigError, match=r"cluster.nproc_per_node=4 but only 2 GPU\(s\) are "
                                           r"visible: use cluster.nproc_per_node<=2"):
         make_spec(["cluster.device=cuda", "cluster.nproc_per_node=4"], output_dir=tmp_path)
+
+
+def test_slurm_without_sbatch_is_one_plain_line(monkeypatch, tmp_path):
+    from llama_fsdp.launchers import preflight
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM command anywhere
+    spec = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path / "run")
+    assert preflight(spec) == [
+        "cluster=slurm but sbatch is not on PATH: this is not a SLURM login node. Run from one, "
+        "use cluster=local, or add dry_run=true to see the job script"]
+    assert preflight(make_spec(output_dir=tmp_path / "local")) == []
+
+
+@pytest.mark.skipif(not shutil.which("sinfo"), reason="SLURM's client commands are not installed")
+def test_slurm_whose_controller_does_not_answer_is_refused(monkeypatch, tmp_path):
+    """The commands are installed but no controller answers (a workstation with slurm-client):
+    refused before any data work, with sinfo's own reason."""
+    from llama_fsdp.launchers import preflight
+
+    (tmp_path / "slurm.conf").write_text("ClusterName=nowhere\nSlurmctldHost=127.0.0.1\n"
+                                         "SlurmctldPort=9\n")  # nothing listens on port 9
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    spec = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path / "run")
+    (problem,) = preflight(spec)
+    assert problem.startswith("cluster=slurm but the SLURM controller does not answer here (")
+    assert "use cluster=local" in problem
