@@ -52,11 +52,16 @@ def attempt_dir(output_dir: str | Path, job_id: str, requeue: int, attempt: int)
     return Path(output_dir) / LAUNCH_DIR / f"{job_id}.{requeue}.{attempt}"
 
 
+def report_path(directory: Path, rank: int | str) -> Path:
+    """Where a failed rank's report is written (one per rank per attempt)."""
+    return Path(directory) / f"rank{rank}.json"
+
+
 def read_reports(directory: Path) -> list[dict[str, Any]]:
     """The rank reports of one attempt, cause first: the earliest non-echo failure, then the
     rest by time."""
     out = []
-    for p in directory.glob("rank*.json"):
+    for p in directory.glob(report_path(Path(), "*").name):
         try:
             out.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -144,7 +149,7 @@ class Supervisor:
                 self._hand_over_to_submitit()
             return result
         report = self._report(code, files["traceback"])
-        (where / f"rank{self.rank}.json").write_text(json.dumps(report, indent=1))
+        report_path(where, self.rank).write_text(json.dumps(report, indent=1))
         if self.rank == 0 and self.attempt >= spec.cluster.max_restarts:
             _close_mlflow_run(spec)
         raise RankFailed(format_report(report))

@@ -346,6 +346,14 @@ def conf_dir() -> Path:
     return Path(str(files("llama_fsdp.conf")))
 
 
+def model_config_from_node(node: Any) -> ModelConfig:
+    """A ``model`` config node (a preset file, a run's config.yaml section) as a typed
+    ModelConfig: unset fields take the schema's defaults, as at compose time."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+
+
 def model_presets() -> dict[str, ModelConfig]:
     """Every ``model=`` option as a typed ModelConfig (unset fields take the schema's defaults,
     as at compose time); an option that does not validate is left out (compose reports it)."""
@@ -356,8 +364,7 @@ def model_presets() -> dict[str, ModelConfig]:
         node = OmegaConf.load(f)
         node.pop("defaults", None)  # type: ignore[union-attr]
         try:
-            out[f.stem] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                                                              node))
+            out[f.stem] = model_config_from_node(node)
         except Exception:  # noqa: BLE001 - a broken preset is reported by compose, not here
             continue
     return out  # type: ignore[return-value]

@@ -48,14 +48,13 @@ def _config_from_run_yaml(path: Path):
     """The HF config of the model node of a run's (resolved) config.yaml."""
     from omegaconf import OmegaConf
 
-    from .config import ModelConfig
+    from .config import model_config_from_node
     from .model import llama_config
 
     node = OmegaConf.load(path)
     if "model" not in node:
         raise ValueError(f"{path} has no model section: pass a run's config.yaml")
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node.model))
-    cfg = llama_config(model_cfg)  # type: ignore[arg-type]
+    cfg = llama_config(model_config_from_node(node.model))
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.use_cache = True
     return cfg

@@ -264,7 +264,9 @@ def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
 
 def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
           problems: list[str]) -> MeshSpec:
-    """Map a strategy to (replicate, shard); see the table in ARCHITECTURE.md."""
+    """Map a strategy to (replicate, shard): full / grad_op shard over every rank (replicate 1);
+    hybrid / hybrid_grad_op shard within sharding.shard_size ranks (default: a node) and replicate
+    across the groups; no_shard replicates over every rank (shard 1)."""
     zero2 = strategy in ("grad_op", "hybrid_grad_op")
     match strategy:
         case "full" | "grad_op" | "auto":

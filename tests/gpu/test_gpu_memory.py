@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
+
+from llama_fsdp.launchers.common import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -43,9 +44,7 @@ def one_rank_group():
         return
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                             "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     device = torch.device("cuda", 0)

@@ -157,11 +157,9 @@ def test_one_crashing_rank_ends_the_job_with_kill_on_bad_exit(slurm_cluster, tmp
     """Without --kill-on-bad-exit the other ranks would wait out their 300 s gloo timeout."""
     ex = slurm_cluster.executor(slurm_cluster.submitit_folder(tmp_path), nodes=2, tasks_per_node=2,
                                 slurm_srun_args=["--kill-on-bad-exit=1"])
-    t0 = time.monotonic()
     job = ex.submit(one_rank_crashes_job)
-    slurm_cluster.wait(job, timeout=120)
+    slurm_cluster.wait(job, timeout=120)  # raises if the job is still there: the ranks waited
     _wait_state(slurm_cluster, job, "FAILED")
-    assert time.monotonic() - t0 < 120
     exc = job._sub_jobs[3].exception()
     assert exc is not None and "rank 3 fails on purpose" in str(exc), str(exc)
 
@@ -169,10 +167,8 @@ def test_one_crashing_rank_ends_the_job_with_kill_on_bad_exit(slurm_cluster, tmp
 def test_invalid_partition_fails_at_submission(slurm_cluster, tmp_path):
     ex = slurm_cluster.executor(slurm_cluster.submitit_folder(tmp_path),
                                 slurm_partition="no_such_partition")
-    t0 = time.monotonic()
     with pytest.raises(Exception) as info:
         ex.submit(raising_job, "never-runs")
-    assert time.monotonic() - t0 < 60
     assert "invalid partition specified" in str(info.value).lower(), str(info.value)
 
 
@@ -224,7 +220,8 @@ def test_cli_up_status_down_cleanly(tmp_path_factory):
         assert p.returncode == 0, p.stderr
         second = slurm_cluster_mod.Cluster.load(state)
         assert second.token != first.token
-        assert slurm_cluster_mod.leftovers(first) == [] or first.index == second.index
+        if first.index != second.index:  # the same index: the new cluster owns those names
+            assert slurm_cluster_mod.leftovers(first) == []
         for key, pid in first.pids.items():
             assert not slurm_cluster_mod._alive(pid, key.split(":")[0]), (key, pid)
 

@@ -88,10 +88,8 @@ def _wait_all_finished(cwd: Path, n: int, timeout: float) -> list:
 
 
 def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
-    t0 = time.monotonic()
     out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4", "sharding=full,no_shard",
                "cluster.nproc_per_node=1", "train.max_steps=2", *FAST)
-    submit_s = time.monotonic() - t0
     assert out.returncode == 0, out.stderr[-4000:]
     log = out.stdout + out.stderr
     assert log.count("submitted SLURM job") == 4
@@ -100,11 +98,11 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len({r.data.tags["sweep_id"] for r in runs}) == 1
     sweep_id = runs[0].data.tags["sweep_id"]
-    # submitted at once: every job started before the slowest finished the submit loop would
-    # have needed running them one after another
+    # submitted at once: every point's run began before the first point ended (a sweep that
+    # waited for each job would start the next only after the previous one finished)
     starts = sorted(r.info.start_time for r in runs)
     ends = sorted(r.info.end_time for r in runs)
-    assert starts[-1] < ends[0] or submit_s < 60
+    assert starts[-1] < ends[0], (starts, ends)
     # one parent run holds the sweep: running until its summary is made on demand
     client, every = _runs(tmp_path)
     parents = [r for r in every if r.data.tags.get("llama_fsdp.kind") == "sweep"]

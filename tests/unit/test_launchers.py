@@ -10,7 +10,7 @@ import pytest
 
 from llama_fsdp.launchers.common import failure_message, worker_env
 from llama_fsdp.launchers.local import NO_TIME_LIMIT_MIN, local_parameters
-from llama_fsdp.launchers.rank import read_reports
+from llama_fsdp.launchers.rank import read_reports, report_path
 from llama_fsdp.launchers.slurm import executor_parameters, with_restarts
 from tests.conftest import make_spec
 
@@ -25,8 +25,8 @@ def _report(rank, t, traceback="", sig=0, code=1):
 def test_failure_report_leads_with_the_rank_that_died_not_its_echoes(tmp_path):
     # rank 1 was SIGKILLed (no traceback); rank 0's collective broke and it reported first
     echo = "Traceback\nRuntimeError: Read error: Connection reset by peer"
-    (tmp_path / "rank0.json").write_text(json.dumps(_report(0, 1.0, echo)))
-    (tmp_path / "rank1.json").write_text(json.dumps(_report(1, 2.0, sig=signal.SIGKILL)))
+    report_path(tmp_path, 0).write_text(json.dumps(_report(0, 1.0, echo)))
+    report_path(tmp_path, 1).write_text(json.dumps(_report(1, 2.0, sig=signal.SIGKILL)))
     reports = read_reports(tmp_path)
     assert [r["rank"] for r in reports] == [1, 0]
     msg = failure_message("42", reports)
@@ -37,8 +37,8 @@ def test_failure_report_leads_with_the_rank_that_died_not_its_echoes(tmp_path):
 
 
 def test_earliest_real_error_is_the_cause(tmp_path):
-    (tmp_path / "rank0.json").write_text(json.dumps(_report(0, 5.0, "Traceback\nKeyError: 'x'")))
-    (tmp_path / "rank1.json").write_text(json.dumps(_report(1, 3.0, "Traceback\nValueError: bad")))
+    report_path(tmp_path, 0).write_text(json.dumps(_report(0, 5.0, "Traceback\nKeyError: 'x'")))
+    report_path(tmp_path, 1).write_text(json.dumps(_report(1, 3.0, "Traceback\nValueError: bad")))
     assert [r["rank"] for r in read_reports(tmp_path)] == [1, 0]
 
 
@@ -127,3 +127,21 @@ def test_slurm_whose_controller_does_not_answer_is_refused(monkeypatch, tmp_path
     (problem,) = preflight(spec)
     assert problem.startswith("cluster=slurm but the SLURM controller does not answer here (")
     assert "use cluster=local" in problem
+
+
+def test_requeue_budget_and_restart_loop_reach_the_executors(tmp_path):
+    """cluster.max_requeues is how many preemptions/timeouts submitit resubmits after;
+    cluster.max_restarts wraps the SLURM job step in a restart loop."""
+    from llama_fsdp.launchers.local import _executor
+    from llama_fsdp.launchers.slurm import make_executor
+
+    local = _executor(make_spec(["cluster.device=cpu", "cluster.max_requeues=5"],
+                                output_dir=tmp_path / "local"))
+    assert local.max_num_timeout == 5
+    slurm = make_executor(make_spec(["cluster=slurm", "cluster.device=cpu", "dry_run=true",
+                                     "cluster.max_requeues=2", "cluster.max_restarts=3"],
+                                    output_dir=tmp_path / "slurm"))
+    assert slurm.max_num_timeout == 2
+    script = slurm._make_submission_file_text("python -m x", "uid")
+    assert 'job step failed (attempt $attempt of 3 restarts)' in script
+    assert script.rstrip().endswith("done\nexit 1")

@@ -1,0 +1,14 @@
+"""Tables committed under benchmarks/ that are generated, not measured, stay current."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import plan_seed_table
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_classic_budget_table_file_is_current():
+    table = plan_seed_table.seed_table_markdown()
+    assert (BENCHMARKS / "plan_seed_table.md").read_text() == table
+    assert "| 8.03 | 16.06 |" in table  # Llama 3.1 8B: 8.03B parameters, 16.06 GB in bf16
