@@ -114,27 +114,68 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+INIT_BLOCK_NUMEL = 1 << 20  # elements per independently seeded block of rows
+
+
 @torch.no_grad()
 def init_weights(model: LlamaForCausalLM, *, std: float, seed: int) -> None:
-    """Deterministic init of a model already moved off meta (sharded or not).
+    """Deterministic init of a model already moved off meta (sharded or not), local shards only.
 
-    Same values on every rank and for every world size: each full tensor is drawn from one
-    generator in a fixed order, then the local shard is taken. So a 1-rank and a 4-rank run
-    start from the same weights, which is what the correctness tests compare.
+    Same values on every rank and for every world size, without drawing any full tensor: each
+    parameter's rows are cut into fixed blocks (about INIT_BLOCK_NUMEL elements, the same cut for
+    any world size), each block drawn from its own generator seeded by (seed, parameter, block),
+    and a rank draws only the blocks its shard overlaps. A 70B model's ranks draw 1/world of it,
+    with no collective; a 1-rank and a 4-rank run still start from the same weights, which is
+    what the correctness tests compare.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     n_layers = model.config.num_hidden_layers
-    for name, p in model.named_parameters():
-        full_shape = p.shape
+    for index, (name, p) in enumerate(model.named_parameters()):
+        local, offset = _local_view(p)
         if name.endswith("norm.weight"):
-            full = torch.ones(full_shape)
-        else:
-            s = std
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                s = std / math.sqrt(2 * n_layers)  # GPT-2-style residual scaling
-            full = torch.randn(full_shape, generator=gen) * s
-        _copy_full_into(p, full)
+            local.fill_(1.0)
+            continue
+        s = std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            s = std / math.sqrt(2 * n_layers)  # GPT-2-style residual scaling
+        local.copy_(_normal_rows(tuple(p.shape), offset, local.shape[0] if local.dim() else 1,
+                                 seed=seed, index=index).view(local.shape) * s)
     init_buffers(model)
+
+
+def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's part of ``p`` and the global row (dim-0 index) it starts at. FSDP2 shards
+    dim 0 only (replicated on other mesh dims), so the part is a block of whole rows."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return p, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = p.to_local()
+    if local.dim() and any(o for o in offset[1:]):
+        raise RuntimeError(f"init expects dim-0 shards, got offset {offset} for {tuple(p.shape)}")
+    return local, (offset[0] if offset else 0)
+
+
+def _normal_rows(shape: tuple[int, ...], start: int, rows: int, *, seed: int,
+                 index: int) -> torch.Tensor:
+    """Rows [start, start + rows) of a standard-normal tensor of ``shape`` defined block by
+    block (see init_weights); drawn on the CPU, so the values do not depend on the device."""
+    row_numel = math.prod(shape[1:])
+    per_block = max(1, INIT_BLOCK_NUMEL // max(row_numel, 1))
+    total_rows = shape[0] if shape else 1
+    out = []
+    gen = torch.Generator(device="cpu")
+    for block in range(start // per_block, -(-(start + rows) // per_block) if rows else 0):
+        lo, hi = block * per_block, min((block + 1) * per_block, total_rows)
+        gen.manual_seed((seed * 1_000_003 + index) * 1_000_033 + block)
+        out.append(torch.randn((hi - lo, *shape[1:]), generator=gen))
+    if not out:
+        return torch.empty((0, *shape[1:]))
+    rows_drawn = torch.cat(out)
+    first = (start // per_block) * per_block
+    return rows_drawn[start - first:start - first + rows]
 
 
 def init_buffers(model: nn.Module) -> None:
@@ -142,16 +183,6 @@ def init_buffers(model: nn.Module) -> None:
     for buf_name, _ in model.named_buffers():
         if "inv_freq" in buf_name:
             _reset_rope_buffer(model, buf_name)
-
-
-def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
-        p.to_local().copy_(local)
-    else:
-        p.copy_(full)
 
 
 def _reset_rope_buffer(model: nn.Module, buf_name: str) -> None:

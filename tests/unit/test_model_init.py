@@ -1,0 +1,38 @@
+"""Random init: the same weights for any world size, drawn shard by shard."""
+from __future__ import annotations
+
+import torch
+
+from llama_fsdp.model import INIT_BLOCK_NUMEL, _normal_rows, build_meta_model, init_weights
+from tests.conftest import make_spec
+
+
+def test_any_split_of_the_rows_draws_the_same_values():
+    shape = (1000, 3000)  # 349 rows per block: splits fall inside blocks
+    full = _normal_rows(shape, 0, shape[0], seed=7, index=3)
+    assert full.shape == shape and abs(float(full.std()) - 1) < 0.01
+    for world in (2, 3, 4, 8):
+        size = -(-shape[0] // world)  # torch.chunk's split, as FSDP2 shards dim 0
+        parts = [_normal_rows(shape, r * size, max(0, min(size, shape[0] - r * size)), seed=7,
+                              index=3) for r in range(world)]
+        assert torch.equal(torch.cat(parts), full), world
+    assert not torch.equal(_normal_rows(shape, 0, 10, seed=7, index=4), full[:10])  # per param
+    assert not torch.equal(_normal_rows(shape, 0, 10, seed=8, index=3), full[:10])  # per seed
+    assert INIT_BLOCK_NUMEL // 3000 == 349
+
+
+def test_init_is_deterministic_and_scaled():
+    spec = make_spec()
+    a, b = build_meta_model(spec.model), build_meta_model(spec.model)
+    for m in (a, b):
+        m.to_empty(device="cpu")
+        init_weights(m, std=0.02, seed=spec.train.seed)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    params = dict(a.named_parameters())
+    assert torch.equal(params["model.norm.weight"], torch.ones_like(params["model.norm.weight"]))
+    q = params["model.layers.0.self_attn.q_proj.weight"]
+    o = params["model.layers.0.self_attn.o_proj.weight"]
+    assert abs(float(q.detach().std()) - 0.02) < 0.002
+    layers = spec.model.num_layers
+    assert abs(float(o.detach().std()) - 0.02 / (2 * layers) ** 0.5) < 0.001  # residual scaling
