@@ -123,7 +123,7 @@ def run(cfg: DictConfig) -> Any:
     return results
 
 
-def _finish_tracking(output_dir: str, status: str) -> None:
+def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
     """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
     could not close (killed, crashed)."""
     from .tracking import Spool, deliver_pending, read_run_file
@@ -134,7 +134,7 @@ def _finish_tracking(output_dir: str, status: str) -> None:
     if status:
         Spool(output_dir).append({"t": "status", "status": status,
                                   "ts": int(time.time() * 1000)})
-    left = deliver_pending(output_dir, deadline_s=30.0)
+    left = deliver_pending(output_dir, deadline_s=deadline_s)
     if left:
         log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
                     "deliver them with: python -m llama_fsdp.tracking %s", left,
@@ -175,12 +175,13 @@ def _hydra_main(cfg: DictConfig) -> Any:
     from .prepare import PrepareError
 
     output_dir = str(Path(cfg.output_dir).resolve())
+    final_s = float(cfg.tracking.final_delivery_s)
     launched = False
     try:
         result = run(cfg)
         launched = result is not None
         if launched and (cfg.cluster.kind == "local" or cfg.cluster.wait):
-            _finish_tracking(output_dir, status="")
+            _finish_tracking(output_dir, status="", deadline_s=final_s)
             if any(r is not None and r.status != "finished" for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result
@@ -190,12 +191,12 @@ def _hydra_main(cfg: DictConfig) -> Any:
     except Interrupted as e:
         launched = True
         log.error("%s", e)
-        _finish_tracking(output_dir, status="KILLED")
+        _finish_tracking(output_dir, status="KILLED", deadline_s=final_s)
         sys.exit(e.exit_code)  # a stopped sweep stops whole
     except LaunchError as e:
         launched = True
         log.error("%s", e)
-        _finish_tracking(output_dir, status="FAILED")
+        _finish_tracking(output_dir, status="FAILED", deadline_s=final_s)
         _exit(1)
     finally:
         if not launched:

@@ -305,6 +305,10 @@ class TrackingConfig:
     # An unreachable tracking server at launch: refuse the run (false), or train anyway and
     # deliver the spooled metrics when the server is back (true).
     allow_offline: bool = False
+    # After the ranks end, how long the launcher keeps offering what the store has not taken yet
+    # (a server that went away mid-run); what is left stays in the run's tracking/ folder,
+    # delivered by `python -m llama_fsdp.tracking <run dir>`.
+    final_delivery_s: float = 30.0
     # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0

@@ -29,7 +29,8 @@ def test_server_dies_mid_run_training_goes_on_and_nothing_is_lost(tmp_path, mlfl
     steps = 24
     mlflow_server.start()
     proc = start_cli(tmp_path, f"tracking.uri={mlflow_server.uri}", f"train.max_steps={steps}",
-                     "train.callbacks=[tests.faults.hooks:slow]", env={hooks.SLOW: "0.2"})
+                     "tracking.final_delivery_s=3", "train.callbacks=[tests.faults.hooks:slow]",
+                     env={hooks.SLOW: "0.2"})
     run = wait_for_step(tmp_path, 5, proc)
     mlflow_server.kill()  # as a crash: SIGKILL to the server's process group
     out, _ = proc.communicate(timeout=300)
@@ -60,7 +61,8 @@ def test_unreachable_server_is_refused_in_seconds_before_any_rank(tmp_path):
 @pytest.mark.slow
 def test_allow_offline_trains_now_and_delivers_later(tmp_path, mlflow_server):
     code, out, _ = run_cli(tmp_path, f"tracking.uri={mlflow_server.uri}", "train.max_steps=4",
-                           "tracking.allow_offline=true", timeout=300)
+                           "tracking.allow_offline=true", "tracking.final_delivery_s=3",
+                           timeout=300)
     assert code == 0, out[-3000:]
     assert "training anyway (tracking.allow_offline=true)" in out
     run = run_dir(tmp_path)
