@@ -12,7 +12,7 @@ import faulthandler
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +27,7 @@ from .eval import eval_loss, exact_match
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
+from .result import RunResult
 from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from .tracking import Console, NullConsole, NullTracker, open_tracker
@@ -57,23 +58,6 @@ class DistEnv:
         e = os.environ
         return cls(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)),
                    int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_WORLD_SIZE", 1)))
-
-
-@dataclass
-class RunResult:
-    """What a rank hands back to the launcher."""
-
-    rank: int
-    status: str  # finished | stopped by the user | preempted
-    steps: int
-    losses: list[float]  # logged steps (every step with train.log_every=1)
-    final: dict[str, float]  # the last logged step's metrics, with the last eval's
-    summary: dict[str, float]  # steady-state throughput, peak memory, final losses (MLflow too)
-    tokens_seen: int
-    mlflow_run_id: Optional[str]
-    resumed_from: Optional[str]
-    checkpoints: list[str] = field(default_factory=list)
-    export_dir: Optional[str] = None
 
 
 def setup_logging(rank: int) -> None:
