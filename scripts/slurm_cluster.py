@@ -388,7 +388,9 @@ def _slurm_conf(c: Cluster) -> str:
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={c.munge_socket}",
+        # cred_expire also sets how long a requeued job waits before it may start again
+        # (default 120 s): 20 s keeps the preemption test short on a cluster this small
+        f"AuthInfo=socket={c.munge_socket},cred_expire=20",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
