@@ -10,8 +10,12 @@ install:
 run: install
 	$(PY) -m llama_fsdp
 
+# two pytest workers: most tests wait on processes they start (ranks, SLURM, a server), so two
+# at once fill 2 cores; a module's tests stay on one worker, the SLURM tests share one
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not integration"

@@ -60,3 +60,27 @@ def spec_factory(tmp_path):
         return make_spec([*base, *(overrides or [])], output_dir=out)
 
     return factory
+
+
+def mask_runs(mask) -> list[tuple[int, int]]:
+    """[start, end) of each run of true values in a 0/1 mask."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): a module's tests stay on
+    one worker (its module fixtures run once), and every test on the session's SLURM cluster
+    shares one worker (one cluster, not one per worker)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.module.__name__))

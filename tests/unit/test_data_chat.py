@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from llama_fsdp.config import DataConfig
 from llama_fsdp.data import build_data
 from llama_fsdp.data.formats import ChatTemplateError, encode_chat
+from tests.conftest import mask_runs
 
 TEMPLATES = {
     "chatml": "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
@@ -114,15 +115,6 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-def _runs(mask):
-    out, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def _reference_ids(tok, conv) -> list[int]:
@@ -138,7 +130,7 @@ def test_chat_ids_are_apply_chat_template_ids_and_targets_are_assistant_turns(to
         assert ids == _reference_ids(tok, conv), conv  # exactly, token for token
         # every target run is one assistant turn: its content, then its end-of-turn token
         answers = [m["content"] for m in conv if m["role"] == A]
-        runs = [tok.decode(ids[a:b]) for a, b in _runs(mask)]
+        runs = [tok.decode(ids[a:b]) for a, b in mask_runs(mask)]
         assert len(runs) == len(answers), (conv, runs)
         for run, answer in zip(runs, answers):
             assert run.endswith(eot) and run[:-len(eot)].strip() == answer.strip(), (run, answer)
@@ -146,7 +138,7 @@ def test_chat_ids_are_apply_chat_template_ids_and_targets_are_assistant_turns(to
         if conv[-1]["role"] == A:
             prompt = tok.apply_chat_template(conv[:-1], tokenize=True, add_generation_prompt=True,
                                              return_dict=True)["input_ids"]
-            assert prompt_len == _runs(mask)[-1][0]
+            assert prompt_len == mask_runs(mask)[-1][0]
             # (a prompt ending in a space: that space is part of the answer's first token)
             assert ids[:prompt_len] == prompt[:prompt_len]
             assert len(prompt) - prompt_len <= 1

@@ -1,22 +1,7 @@
 """The synthetic task: deterministic records, prompt masking."""
 from __future__ import annotations
 
-from pathlib import Path
-import pytest
-
-from llama_fsdp.config import DataConfig
-from llama_fsdp.data import SYNTHETIC_TASKS, build_data, synthetic_records
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "data-cache"
-
-
-@pytest.fixture(scope="module")
-def dm(cache):
-    return build_data(DataConfig(num_records=300, eval_records=40), seq_len=128, micro_batch=4,
-                      dp_rank=0, dp_world=1, seed=0, cache_dir=cache, vocab_size=512)
+from llama_fsdp.data import SYNTHETIC_TASKS, synthetic_records
 
 
 def test_synthetic_records_are_deterministic_and_split_apart():

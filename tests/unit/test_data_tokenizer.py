@@ -10,6 +10,7 @@ from llama_fsdp.config import DataConfig
 from llama_fsdp.data import build_tokenizer, synthetic_corpus
 from llama_fsdp.data.formats import encode_chat, encode_prompt_response, encode_text
 from llama_fsdp.data.tokenizer import PROJECT_VOCAB_SIZE, load_tokenizer, project_tokenizer_dir
+from tests.conftest import mask_runs
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_multi_turn_chat_masks_every_non_assistant_turn(tok):
     # the ids are the ones inference sees, token for token
     assert ids == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
     # the targets are exactly the two assistant contents and their end-of-turn tokens
-    spans = _runs(mask)
+    spans = mask_runs(mask)
     assert len(spans) == 2
     assert [tok.decode(ids[a:b]) for a, b in spans] == ["cat</s>", "dog wolf</s>"]
     # the prompt for the final answer is what inference feeds: the generation prompt's ids
@@ -122,15 +123,6 @@ def test_chat_needs_a_template(tok, tmp_path):
                     train_on_prompt=False)
 
 
-def _runs(mask):
-    out, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def test_small_corpus_is_filled_with_reserved_tokens(tmp_path):

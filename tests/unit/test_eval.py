@@ -1,10 +1,8 @@
 """Held-out evaluation: exact match of greedy answers (KV-cached generation in lockstep)."""
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -12,17 +10,6 @@ from llama_fsdp.config import DataConfig, ModelConfig
 from llama_fsdp.data import SYNTHETIC_TASKS, build_data
 from llama_fsdp.eval import exact_match, greedy_generate
 from llama_fsdp.model import llama_config
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "data-cache"
-
-
-@pytest.fixture(scope="module")
-def dm(cache):
-    return build_data(DataConfig(num_records=300, eval_records=40), seq_len=128, micro_batch=4,
-                      dp_rank=0, dp_world=1, seed=0, cache_dir=cache, vocab_size=512)
 
 
 class Oracle(torch.nn.Module):
