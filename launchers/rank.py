@@ -150,8 +150,9 @@ class Supervisor:
             return result
         report = self._report(code, files["traceback"])
         report_path(where, self.rank).write_text(json.dumps(report, indent=1))
-        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts:
-            _close_mlflow_run(spec)
+        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts \
+                and spec.cluster.kind == "slurm" and not spec.cluster.wait:
+            _close_mlflow_run(spec)  # no launcher waits to do it
         raise RankFailed(format_report(report))
 
     def _install_signals(self) -> None:
@@ -193,11 +194,9 @@ def _close_mlflow_run(spec: Any) -> None:
     if not spec.tracking.enabled:
         return
     try:
-        from llama_fsdp.tracking import Spool, deliver_pending
+        from llama_fsdp.tracking import close_run
 
-        Spool(spec.output_dir).append({"t": "status", "status": "FAILED",
-                                       "ts": int(time.time() * 1000)})
-        deliver_pending(spec.output_dir, deadline_s=20.0)
+        close_run(spec.output_dir, "FAILED", deadline_s=spec.tracking.final_delivery_s)
     except Exception as e:  # noqa: BLE001 - the rank's own failure is what matters
         print(f"could not mark the MLflow run failed: {e}", file=sys.stderr)
 

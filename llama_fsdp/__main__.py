@@ -6,7 +6,6 @@ import logging
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -126,15 +125,13 @@ def run(cfg: DictConfig) -> Any:
 def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
     """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
     could not close (killed, crashed)."""
-    from .tracking import Spool, deliver_pending, read_run_file
+    from .tracking import close_run, deliver_pending, read_run_file
 
     if not (Path(output_dir) / "tracking").is_dir():
         return
     info = read_run_file(output_dir)
-    if status:
-        Spool(output_dir).append({"t": "status", "status": status,
-                                  "ts": int(time.time() * 1000)})
-    left = deliver_pending(output_dir, deadline_s=deadline_s)
+    left = (close_run(output_dir, status, deadline_s=deadline_s) if status
+            else deliver_pending(output_dir, deadline_s=deadline_s))
     if left:
         log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
                     "deliver them with: python -m llama_fsdp.tracking %s", left,

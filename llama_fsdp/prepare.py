@@ -170,7 +170,8 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
     data as dataset inputs, and deliver it now if the store answers (``deliver``)."""
     from omegaconf import OmegaConf
 
-    from .tracking import Spool, deliver_pending, flatten, read_run_file, write_run_file
+    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, flatten, read_run_file,
+                           write_run_file)
 
     spool = Spool(spec.output_dir)
     info = read_run_file(spec.output_dir)
@@ -189,6 +190,7 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
         spool.append({"t": "text", "text": spec.config_yaml, "file": CONFIG_FILE})
         if datasets:
             spool.append({"t": "inputs", "datasets": datasets})
-    if deliver and deliver_pending(spec.output_dir, deadline_s=30.0, uri=spec.tracking_uri):
+    if deliver and deliver_pending(spec.output_dir, deadline_s=START_DELIVERY_S,
+                                   uri=spec.tracking_uri):
         log.warning("the MLflow run is not created yet (the store does not answer); it will be "
                     "when it does")

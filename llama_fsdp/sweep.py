@@ -73,11 +73,11 @@ def parent_run(sweep_dir: str) -> Optional[str]:
 def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
                  task_overrides: list[str]) -> None:
     """Create the sweep's parent run (or keep the one of this sweep dir)."""
-    from .tracking import Spool, deliver_pending, read_run_file, write_run_file
+    from .tracking import START_DELIVERY_S, Spool, deliver_pending, read_run_file, write_run_file
 
     if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
         Spool(sweep_dir).append({"t": "running"})  # the same parent, running again
-        deliver_pending(sweep_dir, deadline_s=30.0)
+        deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
         return
     swept = swept_overrides(task_overrides)
     sweep_id = sweep_id_for(sweep_dir)
@@ -90,7 +90,7 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
                            "mlflow.note.content": f"```\n{command}\n```"},
                   "ts": int(time.time() * 1000)})
     spool.append({"t": "params", "p": {o.partition("=")[0]: o.partition("=")[2] for o in swept}})
-    deliver_pending(sweep_dir, deadline_s=30.0)
+    deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
 
 
 def _children(client: Any, parent_id: str) -> list[Any]:
@@ -219,12 +219,15 @@ class SweepSummaryCallback(Callback):
         sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
         if not config.tracking.enabled:
-            pass
+            table = None
         elif config.cluster.kind == "slurm" and not config.cluster.wait:
+            table = None
             log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
                      "--uri %s", sweep_id, sweep_id, uri)
-        elif table := summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
-                                parent_id=parent_run(sweep_dir)):
+        else:
+            table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
+                              parent_id=parent_run(sweep_dir))
+        if table:
             log.info("sweep %s summary:\n%s", sweep_id, table)
         if FAILED_POINTS:
             log.error("%d point(s) of sweep %s failed: %s; run the same command with "

@@ -310,6 +310,16 @@ def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+START_DELIVERY_S = 30.0  # how long a new run's (or sweep's) first events may take to deliver
+
+
+def close_run(output_dir: str | Path, status: str, *, deadline_s: float) -> int:
+    """End the run's MLflow record with ``status`` (FAILED, KILLED) after what is spooled, and
+    deliver; returns the undelivered bytes."""
+    Spool(output_dir).append({"t": "status", "status": status, "ts": int(time.time() * 1000)})
+    return deliver_pending(output_dir, deadline_s=deadline_s)
+
+
 def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[str] = None,
                     wait_for_lock: bool = True, patience_s: float = 10.0) -> int:
     """Deliver what the spool holds until it is empty, the deadline passes, or the store has
