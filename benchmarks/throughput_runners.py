@@ -166,7 +166,8 @@ class FrameworkRunner(Runner):
     def info(self, run_dir: Path) -> dict[str, Any]:
         """What the framework ran: its own sharding; in fallback mode, its inner step time."""
         data = "packed rows" if self.packing else "one record per row, right-padded"
-        info = {"ran": f"FSDP2, sharding={self.sharding} (framework CLI; {data})"}
+        how = "DDP (composable replicate)" if self.sharding == "no_shard" else "FSDP2"
+        info = {"ran": f"{how}, sharding={self.sharding} (framework CLI; {data})"}
         if not self.clock:
             inner = [s for step, (_, s) in mlflow_step_times(run_dir).items()
                      if step > self.bench.warmup]

@@ -114,6 +114,14 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def retie_embeddings(model: LlamaForCausalLM) -> None:
+    """Tie the head to the embedding again where the config ties them: moving a plain model off
+    the meta device (``to_empty``) makes each module its own tensor, so the tie would silently
+    become two parameters (FSDP2 keeps shared parameters shared itself)."""
+    if model.config.tie_word_embeddings:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
 INIT_BLOCK_NUMEL = 1 << 20  # elements per independently seeded block of rows
 
 

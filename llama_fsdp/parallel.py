@@ -1,7 +1,9 @@
-"""Parallelism applied to a model built elsewhere: mesh, activation checkpointing, compile, FSDP2.
+"""Parallelism applied to a model built elsewhere: mesh, activation checkpointing, compile, FSDP2
+or DDP.
 
 Order matters and follows torchtitan: activation checkpointing -> compile -> fully_shard on each
-decoder layer -> fully_shard on the root. No model definitions here (see model.py).
+decoder layer -> fully_shard on the root. sharding=no_shard replicates with composable DDP
+instead (``apply_ddp``). No model definitions here (see model.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .config import CheckpointingConfig
-from .spec import DTYPE_BYTES, MeshSpec, PrecisionPolicy
+from .spec import DDP_BUCKET_MB, DTYPE_BYTES, MeshSpec, PrecisionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,57 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
     return units
 
 
+def apply_ddp(model: nn.Module, *, policy: PrecisionPolicy, device_type: str) -> None:
+    """sharding=no_shard: a full replica on every rank, gradients all-reduced in buckets that
+    overlap backward (composable DDP over the default process group). The gradients live in the
+    buckets (no second copy); buffers are not re-broadcast every forward (every rank computes the
+    same rotary tables). DDP is built at the first forward, so it sees the materialized weights
+    and starts every rank from rank 0's. With precision=mixed the forward runs under autocast in
+    the compute dtype (fp32 parameters, gradients and all-reduce), where FSDP2 casts the
+    gathered parameters instead.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (2.11 has only the old name)
+    buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
+               inspect.signature(DistributedDataParallel.__init__).parameters
+               else "broadcast_buffers")
+    replicate(model, bucket_cap_mb=DDP_BUCKET_MB, gradient_as_bucket_view=True,
+              **{buffers: False})
+    if policy.compute_dtype != policy.param_dtype:
+        model.forward = torch.autocast(device_type, dtype=torch_dtype(policy.compute_dtype))(
+            model.forward)
+
+
+def uses_ddp(model: nn.Module) -> bool:
+    """Whether ``apply_ddp`` replicated this model (gradient sync can then wait for the last
+    micro-batch at no memory cost; FSDP would keep unsharded gradients instead)."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return "replicate" in (_get_registry(model) or {})
+
+
 def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, mesh_spec: MeshSpec,
                 policy: PrecisionPolicy, ac: CheckpointingConfig, compile: bool,
                 cpu_offload: bool) -> nn.Module:
-    """AC -> compile -> FSDP, in place; the model may still be on the meta device."""
+    """AC -> compile -> FSDP (or DDP for no_shard), in place; the model may still be on the meta
+    device."""
     wrapped = apply_activation_checkpointing(layers, ac)
     if compile:
         apply_compile(layers)
-    units = apply_fsdp(model, layers, mesh=mesh, reshard_after_forward=mesh_spec.reshard_after_forward,
-                       policy=policy, cpu_offload=cpu_offload)
-    log.info("parallelized: %d FSDP units on mesh %s, %d layer(s) checkpointed, compile=%s",
-             units, dict(zip(mesh_spec.dim_names, mesh_spec.shape)), wrapped, compile)
+    if mesh_spec.ddp:
+        apply_ddp(model, policy=policy, device_type=mesh.device_type)
+        how = f"DDP over {mesh.size()} rank(s), buckets of {DDP_BUCKET_MB} MB"
+    else:
+        units = apply_fsdp(model, layers, mesh=mesh,
+                           reshard_after_forward=mesh_spec.reshard_after_forward, policy=policy,
+                           cpu_offload=cpu_offload)
+        how = f"{units} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))}"
+    log.info("parallelized: %s, %d layer(s) checkpointed, compile=%s", how, wrapped, compile)
     return model
 
 

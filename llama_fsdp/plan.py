@@ -27,7 +27,7 @@ from .config import (
     TrainConfig,
     model_preset,
 )
-from .spec import DTYPE_BYTES, PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
+from .spec import DDP_BUCKET_MB, DTYPE_BYTES, PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +230,25 @@ def _comm_bytes(spec: RunSpec) -> int:
     m, p = spec.model, spec.policy
     c, r = DTYPE_BYTES[p.compute_dtype], DTYPE_BYTES[p.reduce_dtype]
     layer, root = _numel(layer_shapes(m)), _numel(root_shapes(m))
+    if spec.mesh.ddp:  # one gradient bucket being all-reduced
+        return _ddp_bucket_bytes(spec)
     params = 0 if not spec.mesh.reshard_after_forward else (2 * layer + root) * c
     return params + (2 * layer + root) * c + layer * r
+
+
+def _ddp_bucket_bytes(spec: RunSpec) -> int:
+    """One DDP bucket: the gradients, in param dtype, up to the bucket cap."""
+    return min(DDP_BUCKET_MB * 2**20,
+               count_params(spec.model) * DTYPE_BYTES[spec.policy.param_dtype])
+
+
+def _ddp_kept(spec: RunSpec) -> int:
+    """DDP keeps no unsharded copy; under autocast (precision=mixed) the compute-dtype casts of
+    the weights are cached from forward to backward."""
+    p = spec.policy
+    if p.compute_dtype == p.param_dtype:
+        return 0
+    return count_params(spec.model) * DTYPE_BYTES[p.compute_dtype]
 
 
 def memory_breakdown(spec: RunSpec) -> Memory:
@@ -243,6 +260,8 @@ def memory_breakdown(spec: RunSpec) -> Memory:
     if spec.sharding.cpu_offload:
         host, params, grads, optim = params + grads + optim, 0, 0, 0
     kept = 0 if spec.mesh.reshard_after_forward else count_params(spec.model) * c
+    if spec.mesh.ddp:
+        kept = _ddp_kept(spec)
     return Memory(
         params=params, grads=grads, optimizer=optim, unsharded_params=kept,
         comm_buffers=_comm_bytes(spec),
@@ -327,6 +346,9 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # ... and each reduce-scatter's output is added to them
     new_root_shard = sharded_numel(root_shapes(m), mesh.shard) * r if accumulated else 0
     state = params + optim
+    if mesh.ddp:
+        return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
+                                saved=saved, gloo=gloo)
     return {
         "forward": state + accumulated + saved + kept + root_unsharded + in_flight
         + c * tokens * vocab,
@@ -587,10 +609,41 @@ def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
         out.append(("precision=bf16 (bf16 params, grads and optimizer state)",
                     dataclasses.replace(spec, precision=PrecisionConfig(name="bf16"),
                                         policy=PRECISION_POLICIES["bf16"])))
-    if spec.device == "cuda" and not spec.sharding.cpu_offload:
+    if spec.device == "cuda" and not spec.sharding.cpu_offload and not spec.mesh.ddp:
         sh = dataclasses.replace(spec.sharding, cpu_offload=True)
         out.append(("sharding.cpu_offload=true", dataclasses.replace(spec, sharding=sh)))
     return out
+
+
+def _ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts: int,
+                     saved: int, gloo: bool) -> dict[str, int]:
+    """phase_peaks for sharding=no_shard (DDP): the gradients live in DDP's buckets for the
+    whole run (gradient_as_bucket_view), so they are part of the state in every phase; nothing
+    is gathered; one bucket is all-reduced at a time (gloo copies it)."""
+    m, t, c = spec.model, spec.train, DTYPE_BYTES[spec.policy.compute_dtype]
+    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
+    state = params + optim + grads + _ddp_kept(spec)
+    # autocast (precision=mixed) leaves the residual stream in the param dtype: the saved inputs
+    # of each layer (two per layer, one per checkpointed layer) and of the final norm are wider
+    # than the activation model's compute dtype
+    wide = DTYPE_BYTES[spec.policy.param_dtype] - c
+    if wide > 0:
+        wrapped = len(spec.checkpointing.wrapped_layers(m.num_layers))
+        residual = tokens * hidden * wide * (2 * (m.num_layers - wrapped) + wrapped + 1)
+        saved, acts = saved + residual, acts + residual
+    bucket = _ddp_bucket_bytes(spec) if gloo else 0
+    grad_logits_fp32 = (4 + (c if c < 4 else 0)) * tokens * vocab
+    layer = _numel(layer_shapes(m))
+    return {
+        "forward": state + saved + c * tokens * vocab,
+        "loss": state + saved + max(
+            logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c),
+            grad_logits_fp32),
+        "layers": state + max(saved + c * tokens * (vocab + hidden),
+                              acts + layer * c + bucket),
+        "root": state + bucket,
+        "optimizer": state + params,
+    }
 
 
 def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
@@ -664,7 +717,8 @@ def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
 
 def _candidates(spec: RunSpec) -> list[str]:
     multi = spec.nodes > 1 or spec.sharding.shard_size is not None
-    return [s for s in AUTO_ORDER if s not in HYBRID or multi]
+    offload = spec.sharding.cpu_offload  # offload moves FSDP shards: no_shard has none
+    return [s for s in AUTO_ORDER if (s not in HYBRID or multi) and not (offload and s == "no_shard")]
 
 
 def choose_strategy(spec: RunSpec) -> tuple[str, str]:

@@ -63,13 +63,24 @@ PRECISION_POLICIES = {
 }
 
 
+# sharding=no_shard's DDP gradient bucket: fewer, larger all-reduces than DDP's 25 MB default
+# (torchtitan's choice); the planner counts one bucket in flight.
+DDP_BUCKET_MB = 100
+
+
 @dataclass(frozen=True)
 class MeshSpec:
-    """Data-parallel layout: ``replicate`` groups of ``shard`` ranks each."""
+    """Data-parallel layout: ``replicate`` groups of ``shard`` ranks each.
+
+    ``ddp``: sharding=no_shard, a full replica on every rank whose gradients are all-reduced in
+    buckets during backward (composable DDP, as torchtitan does), not FSDP2 on a (world, 1) mesh,
+    which pays size-1 all-gathers and reduce-scatters and a second copy of every parameter.
+    """
 
     replicate: int
     shard: int
     reshard_after_forward: bool
+    ddp: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -283,7 +294,7 @@ def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
                     f"sharding.shard_size={shard_size} with sharding=no_shard: no_shard keeps a "
                     "full replica per rank; drop sharding.shard_size or use sharding=hybrid"
                 )
-            return MeshSpec(world, 1, False)
+            return MeshSpec(world, 1, False, ddp=True)
         case "hybrid" | "hybrid_grad_op":
             shard = shard_size if shard_size is not None else nproc
             if shard < 1 or world % shard:
@@ -392,6 +403,12 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         problems.append(
             "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
             "memory): drop it or run on GPUs"
+        )
+    elif cfg.sharding.cpu_offload and cfg.sharding.strategy == "no_shard":
+        problems.append(
+            "sharding.cpu_offload=true with sharding=no_shard: offload moves FSDP shards to host "
+            "memory, and no_shard keeps a full replica on every GPU; use sharding=full (or "
+            "hybrid) with cpu_offload, or drop it"
         )
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EvalConfig, TrainConfig
-from .parallel import clip_grad_norm
+from .parallel import clip_grad_norm, uses_ddp
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +100,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         dist.all_reduce(targets)
     targets = targets.clamp(min=1.0)  # a step without targets (prepare refuses such data)
     total = torch.zeros((), device=device)
-    for batch in micro_batches:
+    ddp = uses_ddp(model)
+    defer_sync = ddp and len(micro_batches) > 1
+    for i, batch in enumerate(micro_batches):
+        if defer_sync:  # DDP: all-reduce once, in the last micro-batch's backward
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         batch = _to(batch, device)
-        # FSDP averages gradients over ranks, so scale by world to get sum / global targets.
+        # FSDP and DDP average gradients over ranks: scale by world to get sum / global targets.
         loss = loss_sum(model, batch) / targets
         (loss * world).backward()
         total += loss.detach()
     grad_norm = clip_grad_norm([p for p in model.parameters()], max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its all-reduce buckets: zeroed in place, they stay there
+    # (set to None, autograd would make a second set beside the buckets every step)
+    optimizer.zero_grad(set_to_none=not ddp)
     scheduler.step()
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * world  # same shape everywhere
     return StepResult(loss=total, grad_norm=grad_norm, tokens=tokens)

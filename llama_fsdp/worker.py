@@ -24,7 +24,7 @@ from . import checkpoint as ckpt_io
 from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .eval import eval_loss, exact_match
-from .model import build_meta_model, decoder_layers, init_buffers, init_weights
+from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
 from .result import RunResult
@@ -152,6 +152,8 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
                 ac=spec.checkpointing, compile=spec.train.compile,
                 cpu_offload=spec.sharding.cpu_offload)
     model.to_empty(device="cpu" if spec.sharding.cpu_offload else device)
+    if spec.mesh.ddp:  # DDP gathers its parameters at the first forward: after this
+        retie_embeddings(model)
     if init:
         init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
     else:

@@ -93,3 +93,29 @@ def test_four_ranks_match_one_rank_full_hybrid_no_shard(reference_curve):
         assert all(c == per_rank[0] for c in per_rank), f"{name}: ranks disagree on the loss"
         torch.testing.assert_close(per_rank[0], reference_curve, rtol=2e-5, atol=2e-5,
                                    msg=f"{name} with 4 ranks diverged from 1 rank")
+
+
+def _ddp_and_curves(rank, world, specs):
+    from llama_fsdp.parallel import uses_ddp
+    from llama_fsdp.worker import build_model
+
+    models = {name: build_model(spec, torch.device("cpu")) for name, spec in specs.items()}
+    return {"ddp": {name: uses_ddp(m) for name, m in models.items()},
+            "tensors": {name: len(list(m.parameters())) for name, m in models.items()},
+            "curves": _curves(rank, world, specs)}
+
+
+def test_no_shard_is_ddp_and_accumulates_like_fsdp():
+    """no_shard replicates with DDP and all-reduces only in the last micro-batch's backward;
+    with gradient accumulation and a tied embedding (which must stay one parameter) it still
+    trains exactly as full sharding does."""
+    accum = ["train.grad_accum=2", "model.tie_word_embeddings=true"]
+    res = run_ranks(_ddp_and_curves, 2, {
+        "full": _spec(2, "full", accum, global_batch=4),
+        "no_shard": _spec(2, "no_shard", accum, global_batch=4)})[0]
+    assert res["ddp"] == {"full": False, "no_shard": True}
+    assert res["tensors"]["no_shard"] == res["tensors"]["full"], "the tie became two parameters"
+    full, no_shard = res["curves"]["full"], res["curves"]["no_shard"]
+    assert no_shard[0] == no_shard[1], "no_shard ranks disagree on the loss"
+    assert no_shard[0][-1] < no_shard[0][0], "no_shard loss did not go down"
+    torch.testing.assert_close(no_shard[0], full[0], rtol=2e-5, atol=2e-5)
