@@ -39,7 +39,6 @@ def _full_draw_init(model, *, std: float, seed: int) -> None:
 
 
 def _rank(rank: int, world: int, model_name: str, how: str) -> dict:
-    import torch
     import torch.distributed as dist
 
     from llama_fsdp.model import build_meta_model, decoder_layers, init_weights
