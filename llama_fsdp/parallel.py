@@ -7,7 +7,9 @@ instead (``apply_ddp``). No model definitions here (see model.py).
 """
 from __future__ import annotations
 
+import inspect
 import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -89,9 +91,6 @@ def apply_ddp(model: nn.Module, *, policy: PrecisionPolicy, device_type: str) ->
     gathered parameters instead.
     """
     from torch.distributed._composable.replicate import replicate
-
-    import inspect
-
     from torch.nn.parallel import DistributedDataParallel
 
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (2.11 has only the old name)

@@ -27,7 +27,15 @@ from .config import (
     TrainConfig,
     model_preset,
 )
-from .spec import DDP_BUCKET_MB, DTYPE_BYTES, PRECISION_POLICIES, ConfigError, RunSpec, _mesh, build_spec
+from .spec import (
+    DDP_BUCKET_MB,
+    DTYPE_BYTES,
+    PRECISION_POLICIES,
+    ConfigError,
+    RunSpec,
+    _mesh,
+    build_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +321,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
               and, with accumulation, the new grad shard added to the old;
     optimizer params, grads, both moments and foreach AdamW's denominator (one param-size
               temporary).
+
+    sharding=no_shard is DDP, with its own model: ``_ddp_phase_peaks``.
 
     Activations include the packed sequences' mask term when data.packing is true (see
     ``packed_mask_bytes``), in every phase that holds saved activations.
@@ -718,7 +728,8 @@ def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
 def _candidates(spec: RunSpec) -> list[str]:
     multi = spec.nodes > 1 or spec.sharding.shard_size is not None
     offload = spec.sharding.cpu_offload  # offload moves FSDP shards: no_shard has none
-    return [s for s in AUTO_ORDER if (s not in HYBRID or multi) and not (offload and s == "no_shard")]
+    return [s for s in AUTO_ORDER
+            if (s not in HYBRID or multi) and not (offload and s == "no_shard")]
 
 
 def choose_strategy(spec: RunSpec) -> tuple[str, str]:

@@ -34,7 +34,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert client.get_run(read_run_file(run)["run_id"]).info.status == "FAILED"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """A 6-step run with checkpoints at steps 2, 4 and 6."""
     cwd = tmp_path_factory.mktemp("corrupt")

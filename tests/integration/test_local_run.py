@@ -31,7 +31,7 @@ def _only_run(db: Path):
     return client, runs[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """`python -m llama_fsdp` exactly as a user types it, in an empty directory."""
     cwd = tmp_path_factory.mktemp("fresh")

@@ -80,7 +80,7 @@ def _train(rank, world, spec):
     return train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny Llama saved by transformers in several safetensors files with an index, and its
     tokenizer (the project's sentencepiece one) beside it, as a hub snapshot has."""
@@ -97,7 +97,7 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, hf_dir):
     from llama_fsdp.launchers import LaunchError
     from llama_fsdp.prepare import prepare

@@ -72,7 +72,7 @@ def _curves(rank, world, specs):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_curve():
     return run_ranks(_curves, 1, {"full": _spec(1, "full")})[0]["full"][0]
 

@@ -51,7 +51,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def memtrack(tmp_path_factory):
     lib = B.build_memtrack(tmp_path_factory.mktemp("memtrack"))
     if lib is None:

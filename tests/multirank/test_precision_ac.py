@@ -53,7 +53,7 @@ def _run(rank, world, specs, measure):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results():
     specs = {
         "fp32": _spec("fp32"),
