@@ -335,6 +335,9 @@ FULL_CASES = (
     + [(4, "hybrid", "fp32", "full", 1, True), (4, "full", "mixed", "none", 1, True)]
     + [(2, "full", "fp32", "none", 2, False, 2), (2, "grad_op", "bf16", "full", 1, False, 2),
        (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 1, False, 2)]
+    # no_shard is DDP: its buckets with accumulation and a tied embedding, autocast with AC
+    + [(2, "no_shard", "fp32", "none", 2, False, 2), (2, "no_shard", "fp32", "none", 4, True),
+       (2, "no_shard", "mixed", "full", 1, True, 2)]
 )
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),

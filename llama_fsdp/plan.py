@@ -267,9 +267,10 @@ def memory_breakdown(spec: RunSpec) -> Memory:
     host = 0
     if spec.sharding.cpu_offload:
         host, params, grads, optim = params + grads + optim, 0, 0, 0
-    kept = 0 if spec.mesh.reshard_after_forward else count_params(spec.model) * c
     if spec.mesh.ddp:
         kept = _ddp_kept(spec)
+    else:
+        kept = 0 if spec.mesh.reshard_after_forward else count_params(spec.model) * c
     return Memory(
         params=params, grads=grads, optimizer=optim, unsharded_params=kept,
         comm_buffers=_comm_bytes(spec),
@@ -343,12 +344,15 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # the layer recomputed in backward is not live before it
     recomputed = tokens * saved_layer_bytes(m, seq_len=t.seq_len, c=c, packing=packing)
     saved = acts - (recomputed if wrapped else 0)
+    if mesh.ddp:
+        return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
+                                saved=saved, gloo=gloo)
     root_unsharded = root * c if resharded else 0
     in_flight = 2 * layer * c if resharded else 0
     rs_copies = 2 if gloo else 1
     layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
                    * DTYPE_BYTES[pol.param_dtype])
-    grad_logits_fp32 = (4 + (c if c < 4 else 0)) * tokens * vocab
+    grad_logits_fp32 = _grad_logits_bytes(c, tokens, vocab)
     # tied embedding: the embedding's grad is made beside the head's and added out of place
     tied_grad = 2 * vocab * hidden * c if m.tie_word_embeddings else 0
     # gradient accumulation: the sharded grads of earlier micro-batches stay through the step
@@ -356,9 +360,6 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # ... and each reduce-scatter's output is added to them
     new_root_shard = sharded_numel(root_shapes(m), mesh.shard) * r if accumulated else 0
     state = params + optim
-    if mesh.ddp:
-        return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
-                                saved=saved, gloo=gloo)
     return {
         "forward": state + accumulated + saved + kept + root_unsharded + in_flight
         + c * tokens * vocab,
@@ -373,6 +374,11 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
                                     root * c + rs_copies * root * r + new_root_shard),
         "optimizer": state + grads + params,
     }
+
+
+def _grad_logits_bytes(c: int, tokens: int, vocab: int) -> int:
+    """The fp32 grad of the logits, and its cast to a narrower compute dtype."""
+    return (4 + (c if c < 4 else 0)) * tokens * vocab
 
 
 def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:
@@ -642,7 +648,7 @@ def _ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts
         residual = tokens * hidden * wide * (2 * (m.num_layers - wrapped) + wrapped + 1)
         saved, acts = saved + residual, acts + residual
     bucket = _ddp_bucket_bytes(spec) if gloo else 0
-    grad_logits_fp32 = (4 + (c if c < 4 else 0)) * tokens * vocab
+    grad_logits_fp32 = _grad_logits_bytes(c, tokens, vocab)
     layer = _numel(layer_shapes(m))
     return {
         "forward": state + saved + c * tokens * vocab,
