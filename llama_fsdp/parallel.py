@@ -145,10 +145,50 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all shards (DTensor-aware); clip when max_norm > 0."""
+    """Global L2 gradient norm over all shards; clip to max_norm when max_norm > 0.
+
+    Works on the local shards: one ``_foreach_norm`` per group of gradients that share a mesh
+    and placements, the squared sum all-reduced over the mesh dims the gradient is sharded on
+    (a replicated dim holds the same values and is not summed), one in-place ``_foreach_mul_``
+    to clip. ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients gives the same numbers but
+    dispatches every per-tensor op through DTensor and stacks the norms as DTensors: measured on
+    2 CPU ranks with the tiny model (sharding=full), 3.3 ms per call against 1.7 ms here. Returns
+    a 0-d fp32 tensor on the gradients' device (no host sync).
+    """
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if any(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads):
+        return _clip_grad_norm_dtensor(params, grads, max_norm)  # not FSDP's layout: exact path
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            sharded = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            key = (g.device_mesh, sharded, g.device)
+            groups.setdefault(key, []).append(g.to_local())
+        else:
+            groups.setdefault((None, (), g.device), []).append(g)
+    device = grads[0].device
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for (mesh, sharded, _), local in groups.items():
+        sq = torch.stack(torch._foreach_norm(local, 2.0)).float().square().sum()
+        for dim in sharded:
+            torch.distributed.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq += sq.to(device)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as clip_grads_with_norm_
+        for (_, _, dev), local in groups.items():
+            torch._foreach_mul_(local, coef.to(dev))
+    return total
+
+
+def _clip_grad_norm_dtensor(params: list[nn.Parameter], grads: list[torch.Tensor],
+                            max_norm: float) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # reduce the partial norms across the mesh

@@ -119,3 +119,43 @@ def test_no_shard_is_ddp_and_accumulates_like_fsdp():
     assert no_shard[0] == no_shard[1], "no_shard ranks disagree on the loss"
     assert no_shard[0][-1] < no_shard[0][0], "no_shard loss did not go down"
     torch.testing.assert_close(no_shard[0], full[0], rtol=2e-5, atol=2e-5)
+
+
+def _clip_against_full_gradient(rank, world, specs):
+    """clip_grad_norm on the local shards vs the norm of the gathered full gradient."""
+    from llama_fsdp.parallel import clip_grad_norm
+    from llama_fsdp.train import loss_sum
+    from llama_fsdp.worker import build_model
+
+    def full(g):
+        return g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+
+    out = {}
+    for name, spec in specs.items():
+        model = build_model(spec, torch.device("cpu"))
+        tokens = torch.randint(0, spec.model.vocab_size, (2, 33),
+                               generator=torch.Generator().manual_seed(rank))
+        loss_sum(model, {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}).backward()
+        params = list(model.parameters())
+        before = [full(p.grad).double() for p in params]
+        reference = float(torch.stack([g.pow(2).sum() for g in before]).sum().sqrt())
+        max_norm = reference / 4
+        total = clip_grad_norm(params, max_norm)
+        after = [full(p.grad).double() for p in params]
+        scale = max(max_norm / (reference + 1e-6), 0.0)
+        err = max(float((a - b * scale).abs().max() / b.abs().max().clamp(min=1e-30))
+                  for a, b in zip(after, before))
+        out[name] = {"total": float(total), "reference": reference, "err": err}
+    return out
+
+
+def test_clip_grad_norm_is_the_full_gradient_norm_on_every_mesh():
+    """The norm is summed over the sharded mesh dims only (hybrid: not over the replicas),
+    and clipping scales every shard by the same factor."""
+    res = run_ranks(_clip_against_full_gradient, 4,
+                    {s: _spec(4, s) for s in ("full", "hybrid", "no_shard")})
+    for rank, per in enumerate(res):
+        for name, r in per.items():
+            assert r["total"] == pytest.approx(r["reference"], rel=1e-5), (rank, name)
+            assert r["total"] == pytest.approx(res[0][name]["total"], rel=1e-6), (rank, name)
+            assert r["err"] < 1e-5, (rank, name, r["err"])
