@@ -8,9 +8,10 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -161,6 +162,27 @@ def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _spawned_workers(active: bool) -> Iterator[None]:
+    """datasets' ``map(num_proc=N)`` pool, started with spawn instead of Linux's fork while
+    the block runs. A forked worker inherits the parent's threads' locks, its pipes and its
+    Python signal handlers: from a process with threads (the driver's MLflow and progress
+    threads, a test worker's servers) a worker could hang in a lock held at fork time, and
+    ``Pool.terminate`` after a bad record then waited for it forever. Spawned workers start
+    clean (a second or two to import, once per map)."""
+    if not active:
+        yield
+        return
+    import multiprocess
+
+    previous = multiprocess.get_start_method(allow_none=True)
+    multiprocess.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocess.set_start_method(previous, force=True)
+
+
 def _tokenize(cfg: DataConfig, split: Split, tok, seq_len: int, split_name: str,
               key: str) -> tuple[Any, dict]:
     """Encode every record; leave out records dropped as overlong and records without any target
@@ -174,10 +196,12 @@ def _tokenize(cfg: DataConfig, split: Split, tok, seq_len: int, split_name: str,
     encoder = Encoder(tok, fmt, fcfg, seq_len, split.where)
     log.info("tokenizing %d %s records (%s format, num_proc=%d)", len(records), split_name, fmt,
              cfg.num_proc)
-    ds = records.map(encoder, batched=True, with_indices=True, remove_columns=records.column_names,
-                     num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-                     features=_work_features(), desc=f"tokenizing {split_name}",
-                     load_from_cache_file=False, new_fingerprint=f"{key[:32]}-{split_name}")
+    with _spawned_workers(cfg.num_proc > 1):
+        ds = records.map(encoder, batched=True, with_indices=True,
+                         remove_columns=records.column_names,
+                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                         features=_work_features(), desc=f"tokenizing {split_name}",
+                         load_from_cache_file=False, new_fingerprint=f"{key[:32]}-{split_name}")
     table = ds.data.table if hasattr(ds.data, "table") else ds.data
 
     def col(name: str) -> np.ndarray:

@@ -265,12 +265,22 @@ def _on_sigterm(signum, frame):          # a cancelled CI job still takes its cl
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _forget_clusters_in_child() -> None:
+    _pending.clear()
+    with contextlib.suppress(ValueError):
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _install_cleanup_hooks() -> None:
     global _sigterm_installed
     if _sigterm_installed:
         return
     _sigterm_installed = True
     atexit.register(_teardown_all)
+    # a process forked from this one (a datasets or multiprocessing worker) must never take
+    # this process's clusters down: it forgets them and its SIGTERM is the default again
+    os.register_at_fork(after_in_child=_forget_clusters_in_child)
     with contextlib.suppress(ValueError):          # not in the main thread: atexit only
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _on_sigterm)
