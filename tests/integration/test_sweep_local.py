@@ -131,27 +131,29 @@ def ui(sweep):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
-    from playwright.sync_api import sync_playwright
+    try:  # the server goes, however the browser's teardown ends
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run",
-            "--disable-dev-shm-usage"])
-        ctx = browser.new_context(viewport={"width": 1800, "height": 1000})
-        ctx.add_init_script("localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');"
-                            "localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1',"
-                            " 'true');")
-        yield base, ctx.new_page()
-        browser.close()
-    os.killpg(proc.pid, 9)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run",
+                "--disable-dev-shm-usage"])
+            ctx = browser.new_context(viewport={"width": 1800, "height": 1000})
+            ctx.add_init_script("localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');"
+                                "localStorage.setItem("
+                                "'mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');")
+            yield base, ctx.new_page()
+            browser.close()
+    finally:
+        os.killpg(proc.pid, 9)
 
 
 ROW = '.ag-center-cols-container .ag-row[row-id="{}"]'
