@@ -164,12 +164,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         return _clip_grad_norm_dtensor(params, grads, max_norm)  # not FSDP's layout: exact path
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        if isinstance(g, DTensor):
-            sharded = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
-            key = (g.device_mesh, sharded, g.device)
-            groups.setdefault(key, []).append(g.to_local())
-        else:
-            groups.setdefault((None, (), g.device), []).append(g)
+        dt = isinstance(g, DTensor)
+        sharded = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()) if dt else ()
+        groups.setdefault((g.device_mesh if dt else None, sharded, g.device), []).append(_local(g))
     device = grads[0].device
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for (mesh, sharded, _), local in groups.items():
