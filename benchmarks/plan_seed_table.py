@@ -81,8 +81,10 @@ def seed_table_markdown() -> str:
         "Usable = 80 GB less a 10% margin = 72 GB. Transient = all-gather / reduce-scatter "
         "buffers and the root's unsharded embedding and head with their grads. The columns are "
         "component sizes, never all live at once; peak GB is the plan's prediction, the largest "
-        "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Activations "
-        "include the packed-sequence mask term (data.packing=true, the default).",
+        "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Packed rows "
+        "(data.packing=true, the default) run varlen attention (model.attn_implementation=auto "
+        "on CUDA in 16-bit): no mask term; with a torch whose varlen_attn has no enable_gqa "
+        "(before 2.12) k/v repeated to every head would add to the activations.",
         "",
         "| model | precision | model state | transient | activations | logits + loss "
         "| peak GB | fits | nodes needed |",

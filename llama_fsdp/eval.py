@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .attention import model_inputs, standard_attention
 from .train import loss_sum
 
 
@@ -21,10 +22,6 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=op)
     return t
-
-
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -37,7 +34,7 @@ def eval_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     sums = torch.zeros(2, device=device, dtype=torch.float64)
     try:
         for batch in batches[:n]:  # every rank runs the same number of forwards (FSDP)
-            batch = _to(batch, device)
+            batch = model_inputs(model, batch, device)
             sums[0] += loss_sum(model, batch).double()
             sums[1] += (batch["labels"] != -100).sum()
     finally:
@@ -123,8 +120,9 @@ def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new = []
     for _ in range(steps):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        with standard_attention(model):  # a padding mask and a KV cache: not varlen's inputs
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = logits.argmax(-1).masked_fill(done, tok.pad_token_id)
         done |= nxt == tok.eos_token_id
         new.append(nxt)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from . import attention
 from .config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ def llama_config(m: ModelConfig, *, dtype: Optional[torch.dtype] = None) -> Llam
     cfg = LlamaConfig(**fields, max_position_embeddings=m.max_position_embeddings,
                       rope_parameters=rope_parameters(m), initializer_range=m.init_std,
                       use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg._attn_implementation = m.attn_implementation
+    # "auto" is resolved per run (spec.build_spec); a config made outside a run gets SDPA
+    cfg._attn_implementation = (attention.FALLBACK if m.attn_implementation == attention.AUTO
+                                else m.attn_implementation)
     if dtype is not None:
         cfg.dtype = dtype
     return cfg

@@ -146,9 +146,22 @@ def sharded_numel(shapes: list[tuple[int, ...]], shard: int) -> int:
 # sequence: at s=8192 it is GBs over a layer stack.
 
 
-def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int) -> int:
+# model.attn_implementation=varlen (llama_fsdp/attention.py) takes packed rows with no mask: no
+# c·s term. Where torch's varlen_attn has no enable_gqa (before 2.12) k and v are repeated to
+# every head before the kernel, which saves them: the 2c(h - g) term stays.
+
+
+def _varlen_repeats_kv() -> bool:
+    from .attention import VARLEN_GQA
+
+    return not VARLEN_GQA
+
+
+def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sdpa") -> int:
     """Extra saved-for-backward bytes per token of one layer when sequences are packed."""
     h, g = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
+    if attention == "varlen":
+        return 2 * c * (h - g) if _varlen_repeats_kv() else 0
     return 2 * c * (h - g) + c * seq_len
 
 
@@ -160,8 +173,9 @@ def layer_activation_bytes(m: ModelConfig, c: int) -> int:
 
 def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False) -> int:
     """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
-    sequences' mask term when ``packing``."""
-    return layer_activation_bytes(m, c) + (packed_mask_bytes(m, seq_len, c) if packing else 0)
+    sequences' term when ``packing`` (that of ``m.attn_implementation``)."""
+    extra = packed_mask_bytes(m, seq_len, c, m.attn_implementation) if packing else 0
+    return layer_activation_bytes(m, c) + extra
 
 
 def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,

@@ -122,7 +122,9 @@ def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
 
     tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
             "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
-            "strategy": spec.strategy, "mlflow.note.content": f"```\n{command}\n```"}
+            "strategy": spec.strategy, "precision": spec.precision.name,
+            "attention": spec.model.attn_implementation,  # auto values, resolved for this run
+            "mlflow.note.content": f"```\n{command}\n```"}
     if spec.sweep_id:
         tags["sweep_id"] = spec.sweep_id
     if spec.sweep_dir and (parent := parent_run(spec.sweep_dir)):

@@ -138,6 +138,7 @@ class RunSpec:
             "model": self.model.name,
             "strategy": self.strategy,
             "precision": self.precision.name,
+            "attention": self.model.attn_implementation,
             "activation_checkpointing": self.checkpointing.mode,
             "device": f"{self.device} ({self.backend})",
             "world_size": f"{self.world_size} = {self.nodes} node(s) x {self.nproc_per_node}",
@@ -252,6 +253,11 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
         problems.append("save.every_steps and eval.every_steps must be >= 0 (0 disables)")
 
 
+# model.attn_implementation: ours (auto, varlen: llama_fsdp/attention.py), then transformers'
+ATTENTION_KERNELS = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2",
+                     "flash_attention_3")
+
+
 def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                 "vocab_size"):
@@ -266,6 +272,11 @@ def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
             f"{m.num_kv_heads} (grouped-query attention needs whole groups)"
         )
+    if m.attn_implementation not in ATTENTION_KERNELS and "/" not in m.attn_implementation:
+        problems.append(
+            f"model.attn_implementation={m.attn_implementation!r} is not one of "
+            f"{', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
+            "kernels-community/flash-attn)")
     if t.seq_len > m.max_position_embeddings:
         problems.append(
             f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
@@ -340,6 +351,22 @@ def resolve_precision(name: str, device: str) -> str:
     if name != "auto":
         return name
     return "mixed" if device == "cuda" else "fp32"
+
+
+def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packing: bool,
+                      problems: list[str]) -> tuple[ModelConfig, str]:
+    """model.attn_implementation=auto made concrete, and an explicit varlen checked
+    (llama_fsdp/attention.py; torch is imported only for CUDA runs)."""
+    name = m.attn_implementation
+    if device != "cuda" or name not in ("auto", "varlen"):
+        impl, why = ("sdpa", "auto: not CUDA") if name == "auto" else (name, "set")
+    else:
+        from . import attention
+
+        problems.extend(attention.problems(name, device=device, compute_dtype=compute_dtype))
+        impl, why = attention.resolve(name, device=device, compute_dtype=compute_dtype,
+                                      packing=packing)
+    return dataclasses.replace(m, attn_implementation=impl), why
 
 
 def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
@@ -462,23 +489,29 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
             f"resume={obj.resume!r} does not exist: use resume=auto, resume=none or an existing "
             "checkpoint directory"
         )
+    precision = dataclasses.replace(obj.precision,
+                                    name=resolve_precision(obj.precision.name, device))
+    policy = PRECISION_POLICIES.get(precision.name)
+    model = obj.model
+    if policy is not None:
+        model, _ = resolve_attention(obj.model, device=device,
+                                     compute_dtype=policy.compute_dtype,
+                                     packing=obj.data.packing, problems=problems)
     if problems:
         raise ConfigError(problems)
 
-    precision = dataclasses.replace(obj.precision,
-                                    name=resolve_precision(obj.precision.name, device))
     base = launch_dir or Path.cwd()
     out = Path(output_dir or obj.output_dir)
     out = out if out.is_absolute() else (base / out)
     global_batch = obj.train.batch_size * obj.train.grad_accum * world
     return RunSpec(
-        model=obj.model, sharding=obj.sharding, precision=precision,
+        model=model, sharding=obj.sharding, precision=precision,
         checkpointing=obj.checkpointing, cluster=obj.cluster, data=obj.data, train=obj.train,
         eval=obj.eval, save=obj.save, tracking=obj.tracking, resume=obj.resume,
         dry_run=obj.dry_run, force=obj.force,
         strategy=strategy, device=device, backend="nccl" if device == "cuda" else "gloo", gpu=gpu,
         nodes=obj.cluster.nodes, nproc_per_node=nproc, world_size=world, mesh=mesh,
-        policy=PRECISION_POLICIES[precision.name], global_batch=global_batch,
+        policy=policy, global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
         cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),

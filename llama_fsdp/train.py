@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import model_inputs
 from .config import EvalConfig, TrainConfig
 from .parallel import clip_grad_norm, uses_ddp
 
@@ -63,10 +64,6 @@ def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.l
                                  min_ratio=t.min_lr_ratio))
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's target tokens (fp32)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -105,7 +102,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     for i, batch in enumerate(micro_batches):
         if defer_sync:  # DDP: all-reduce once, in the last micro-batch's backward
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        batch = _to(batch, device)
+        batch = model_inputs(model, batch, device)
         # FSDP and DDP average gradients over ranks: scale by world to get sum / global targets.
         loss = loss_sum(model, batch) / targets
         (loss * world).backward()

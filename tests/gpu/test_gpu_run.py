@@ -6,6 +6,7 @@ Skipped without CUDA (CI never has one); run on a GPU machine with `pytest -m gp
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,8 @@ def test_default_command_uses_every_gpu_with_nccl(tmp_path):
     assert code == 0, log[-4000:]
     assert "cuda (nccl)" in log and f"{n} = 1 node(s) x {n}" in log
     assert "precision                      mixed" in log  # precision=auto on CUDA
+    # model.attn_implementation=auto on CUDA with packed rows in bf16: flash varlen, no mask
+    assert re.search(r"attention\s+varlen", log), log[-4000:]
     client, run = _run_record(tmp_path)
     m = run.data.metrics
     assert {"mfu", "peak_memory_gb", "peak_memory_reserved_gb", "tokens_per_sec",

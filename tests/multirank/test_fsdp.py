@@ -78,8 +78,12 @@ def reference_curve():
 
 
 def test_two_ranks_match_one_rank(reference_curve):
+    """... and so does varlen attention over the packed records (its CPU reference; with the
+    held-out loss and the generated answers run through it every 3 steps)."""
+    varlen = ["model.attn_implementation=varlen", "eval.every_steps=3", "eval.task_prompts=4"]
     res = run_ranks(_curves, 2, {"full": _spec(2, "full"), "no_shard": _spec(2, "no_shard"),
-                                 "grad_op": _spec(2, "grad_op")})[0]
+                                 "grad_op": _spec(2, "grad_op"),
+                                 "full-varlen": _spec(2, "full", varlen)})[0]
     for name, per_rank in res.items():
         assert per_rank[0] == per_rank[1], f"{name}: ranks disagree on the loss"
         torch.testing.assert_close(per_rank[0], reference_curve, rtol=2e-5, atol=2e-5,

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import plan_seed_table
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_classic_budget_table_file_is_current():
+    from llama_fsdp.plan import _varlen_repeats_kv
+
+    if _varlen_repeats_kv():
+        pytest.skip("the table is of a torch whose varlen_attn takes grouped-query k/v (>= 2.12)")
     table = plan_seed_table.seed_table_markdown()
     assert (BENCHMARKS / "plan_seed_table.md").read_text() == table
     assert "| 8.03 | 16.06 |" in table  # Llama 3.1 8B: 8.03B parameters, 16.06 GB in bf16

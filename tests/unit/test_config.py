@@ -97,11 +97,26 @@ def test_wrong_type_fails_with_the_key():
     (["model.num_kv_heads=3"], "not divisible by model.num_kv_heads=3"),
     (["train.seq_len=4096"], "exceeds model.max_position_embeddings=2048"),
     (["resume=/nonexistent/ckpt"], "resume='/nonexistent/ckpt' does not exist"),
+    (["model.attn_implementation=sdpaa"], "model.attn_implementation='sdpaa' is not one of auto"),
+    (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto", "model.attn_implementation=varlen",
+      "precision=fp32"], "model.attn_implementation=varlen needs 16-bit compute on CUDA"),
 ])
 def test_bad_values_are_refused_before_launch_with_the_fix(overrides, needle):
     with pytest.raises(ConfigError) as e:
         make_spec(overrides)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,attn", [
+    ([], "sdpa"),  # CPU
+    (["model.attn_implementation=varlen"], "varlen"),  # CPU: the reference, as asked
+    (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto"], "varlen"),  # CUDA, mixed, packed rows
+    (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto", "data.packing=false"], "sdpa"),
+    (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto", "model.attn_implementation=eager"], "eager"),
+])
+def test_attention_auto_resolves_per_run(overrides, attn):
+    spec = make_spec(overrides)
+    assert spec.model.attn_implementation == attn
 
 
 def test_all_problems_are_reported_at_once():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from llama_fsdp.attention import document_kwargs, model_inputs, standard_attention
 from llama_fsdp.config import DataConfig, ModelConfig
 from llama_fsdp.data import IGNORE_INDEX, build_data, pack
 from llama_fsdp.model import llama_config
@@ -137,11 +138,15 @@ def test_padding_mode_one_record_per_row(tmp_path, cache):
     assert packed.stats["packing_efficiency"] > 0.9
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
-    """transformers builds a block-causal mask from restarting position_ids: no attention across
-    records, so each record's logits are what it gets alone."""
-    dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
+def _logits(model, ids, pos=None):
+    """The model's logits through the worker's input path (varlen gets the records' bounds)."""
+    if pos is None:
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    return model(**model_inputs(model, {"input_ids": ids, "position_ids": pos},
+                                torch.device("cpu"))).logits
+
+
+def _tiny_llama(attn):
     m = ModelConfig(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=128, vocab_size=512, max_position_embeddings=256,
                     attn_implementation=attn)
@@ -149,20 +154,63 @@ def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
     config = llama_config(m)
     # a KV cache would switch off transformers' packed-sequence detection
     assert config.use_cache is False
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "varlen"])
+def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
+    """Packed records do not attend to each other, so each record's logits are what it gets
+    alone: transformers' block-causal mask from restarting position_ids (sdpa, eager), or the
+    records' cumulative lengths (varlen; its CPU reference here, flash on CUDA)."""
+    dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
+    model = _tiny_llama(attn).eval()
+    assert model.config._attn_implementation == attn
     batch = next(dm.train_batches())
-    batch.pop("labels")
     with torch.no_grad():
-        packed = model(**batch).logits
-        plain = model(input_ids=batch["input_ids"]).logits  # no positions: attends across records
+        packed = _logits(model, batch["input_ids"], batch["position_ids"])
+        plain = _logits(model, batch["input_ids"])  # no restarts: attends across records
         checked = 0
         for r in range(batch["input_ids"].shape[0]):
             pos = batch["position_ids"][r].numpy()
             starts = list(np.flatnonzero(pos == 0)) + [len(pos)]
             assert len(starts) > 2  # the row holds several records
             for a, b in zip(starts, starts[1:]):
-                alone = model(input_ids=batch["input_ids"][r:r + 1, a:b]).logits[0]
+                alone = _logits(model, batch["input_ids"][r:r + 1, a:b])[0]
                 torch.testing.assert_close(packed[r, a:b], alone, atol=2e-5, rtol=1e-4)
                 checked += 1
         assert checked > 8
         assert not torch.allclose(packed, plain, atol=1e-3)
+
+
+def test_varlen_bounds_are_transformers_segments(tmp_path, cache):
+    """document_kwargs splits rows where transformers' find_packed_sequence_indices does (the
+    padding tail joins the last record), and varlen's gradients equal SDPA's with its mask."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
+    batch = next(dm.train_batches())
+    pos = batch["position_ids"]
+    bounds = document_kwargs(pos)
+    cu = bounds["cu_seq_lens_q"].numpy()
+    seg = find_packed_sequence_indices(pos).numpy()  # segment index per token, per row
+    starts = np.flatnonzero(np.diff(seg, axis=1, prepend=-1).ravel() != 0)
+    assert cu.dtype == np.int32 and cu.tolist() == [*starts.tolist(), pos.numel()]
+    assert bounds["max_length_q"] == int(np.diff(cu).max()) and bounds["cu_seq_lens_k"] is bounds[
+        "cu_seq_lens_q"]
+    grads = {}
+    for attn in ("sdpa", "varlen"):
+        model = _tiny_llama(attn)
+        loss = _logits(model, batch["input_ids"], pos).float().logsumexp(-1).mean()
+        loss.backward()
+        grads[attn] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads["sdpa"], grads["varlen"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_varlen_without_bounds_says_how_to_call_it():
+    model = _tiny_llama("varlen").eval()
+    with pytest.raises(RuntimeError, match="model_inputs"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    with standard_attention(model):  # what generation uses: SDPA for its duration
+        assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 512)
+    assert model.config._attn_implementation == "varlen"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -68,17 +69,22 @@ def test_text_data_has_no_task_metric(tmp_path, cache):
     assert exact_match(Oracle(dm), dm, device=torch.device("cpu")) == {}
 
 
-def test_cached_batched_generation_equals_transformers_generate(dm):
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_cached_batched_generation_equals_transformers_generate(dm, attn):
     """Left-padded, batched, KV-cached greedy decoding gives what transformers' own generate
-    gives for each prompt alone (no padding, its own cache handling)."""
+    gives for each prompt alone (no padding, its own cache handling); a varlen model (packed
+    training attention) generates through SDPA and is varlen again afterwards."""
     m = ModelConfig(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=128, vocab_size=512, max_position_embeddings=256)
+                    intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                    attn_implementation=attn)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(m)).eval()
     tok, store = dm.tokenizer, dm.eval.store
     prompts = [store.record(i)[0][: int(store.prompt_len[i])] for i in range(6)]
     assert len({len(p) for p in prompts}) > 1  # the batch needs padding
     batched = greedy_generate(model, prompts, tok, device=torch.device("cpu"), steps=5)
+    assert model.config._attn_implementation == attn
+    model.config._attn_implementation = "sdpa"  # transformers' generate, for the reference
     for p, got in zip(prompts, batched):
         ids = torch.from_numpy(p.astype("int64"))[None]
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,

@@ -115,7 +115,8 @@ def test_sharded_numel_pads_dim0_like_fsdp2():
 
 def test_activation_checkpointing_lowers_activations():
     acts = {mode: P.make_plan(make_spec("model=8b", *GPUS, f"checkpointing={mode}",
-                                        "train.seq_len=4096")).memory.activations
+                                        "train.seq_len=4096", "model.attn_implementation=sdpa")
+                              ).memory.activations
             for mode in ("none", "selective", "full")}
     assert acts["none"] > acts["selective"] > acts["full"]
     m, c = model_preset("8b"), 2  # precision=auto on GPUs: mixed, bf16 compute
@@ -130,9 +131,11 @@ def test_activation_checkpointing_lowers_activations():
 
 
 def test_packed_sequences_add_the_4d_mask_term():
-    """layers x b x s x (2c(h - g) + c s), only with data.packing=true (AC none here)."""
+    """layers x b x s x (2c(h - g) + c s), only with data.packing=true and a masked kernel
+    (sdpa; AC none here)."""
     m = model_preset("8b")
-    common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2", "train.seq_len=8192")
+    common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2", "train.seq_len=8192",
+              "model.attn_implementation=sdpa")
     packed = P.make_plan(make_spec(*common, "data.packing=true"))
     plain = P.make_plan(make_spec(*common, "data.packing=false"))
     term = 32 * 2 * 8192 * (2 * 2 * (4096 - 1024) + 2 * 8192)
@@ -142,6 +145,26 @@ def test_packed_sequences_add_the_4d_mask_term():
     for phase in ("forward", "loss", "layers"):
         assert packed.phases[phase] - plain.phases[phase] == term
     assert packed.phases["optimizer"] == plain.phases["optimizer"]
+
+
+def test_varlen_attention_drops_the_mask_term():
+    """attn_implementation=auto on GPUs with packed rows in bf16 is varlen: no s-wide mask per
+    token; only k/v repeated to every head, where torch's varlen_attn has no enable_gqa."""
+    common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2", "train.seq_len=8192")
+    spec = make_spec(*common, "data.packing=true")
+    assert spec.model.attn_implementation == "varlen"
+    varlen = P.make_plan(spec)
+    plain = P.make_plan(make_spec(*common, "data.packing=false"))
+    sdpa = P.make_plan(make_spec(*common, "data.packing=true", "model.attn_implementation=sdpa"))
+    assert make_spec(*common, "data.packing=false").model.attn_implementation == "sdpa"
+    tokens_layers, kv = 32 * 2 * 8192, 2 * 2 * (4096 - 1024)
+    repeated = kv if P._varlen_repeats_kv() else 0
+    assert varlen.memory.activations - plain.memory.activations == tokens_layers * repeated
+    # the mask, 2·8192 bytes per token per layer: 8.6 GB saved over the 32 layers at s=8192
+    assert (sdpa.memory.activations - varlen.memory.activations
+            == tokens_layers * (2 * 8192 + kv - repeated))
+    # precision=fp32 on a GPU: flash varlen needs 16-bit, auto stays on SDPA
+    assert make_spec("model=8b", *GPUS, "precision=fp32").model.attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

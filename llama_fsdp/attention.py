@@ -1,0 +1,216 @@
+"""Attention over packed rows: the records' boundaries as cumulative lengths, not a dense mask.
+
+``model.attn_implementation`` picks the kernel:
+
+- ``sdpa``: transformers' SDPA. Packed rows (position_ids restarting at every record) make
+  transformers build a dense b x 1 x s x s block-causal mask every forward: SDPA then cannot use
+  its flash kernel on CUDA, the mask (and k/v repeated to every head) is saved for backward
+  (memory in b·s², see plan.packed_mask_bytes), and transformers checks the packed mask with a
+  host sync every forward (``masking_utils.find_packed_sequence_indices``).
+- ``varlen`` (this module): ``torch.nn.attention.varlen.varlen_attn`` (flash attention, CUDA,
+  16-bit compute) over the flattened tokens, with each record as its own sequence. The
+  boundaries are computed on the host from the CPU position_ids before the batch moves to the
+  device (``document_kwargs``): no mask, no host sync, no k/v repetition where the kernel takes
+  grouped-query heads. On other devices the same function runs a reference (SDPA with the block
+  mask rebuilt from the boundaries): exact, and as slow as ``sdpa``; it exists so the wiring is
+  tested without a GPU.
+- ``auto`` (the default): ``varlen`` on CUDA with packed rows, a 16-bit compute dtype and a
+  torch that has ``varlen_attn``; ``sdpa`` otherwise (``resolve``).
+- any other name transformers knows (``eager``, ``flex_attention``, ``flash_attention_2``) is
+  passed to it unchanged.
+
+Generation with a KV cache and a padding mask (llama_fsdp/eval.py) runs under
+``standard_attention``, which switches a varlen model to SDPA for its duration.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+VARLEN = "varlen"
+AUTO = "auto"
+FALLBACK = "sdpa"
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_VARLEN_ATTN = _varlen_fn()
+
+
+def varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (2.10 and later)."""
+    return _VARLEN_ATTN is not None
+
+
+def resolve(name: str, *, device: str, compute_dtype: str, packing: bool) -> tuple[str, str]:
+    """(implementation, why) for ``model.attn_implementation`` on this run."""
+    if name != AUTO:
+        return name, "set by model.attn_implementation"
+    if device != "cuda":
+        return FALLBACK, "auto: not CUDA"
+    if not packing:
+        return FALLBACK, "auto: rows are not packed (SDPA takes its causal flash path)"
+    if compute_dtype not in SIXTEEN_BIT:
+        return FALLBACK, f"auto: compute dtype {compute_dtype} (flash varlen needs 16-bit)"
+    if not varlen_available():
+        return FALLBACK, f"auto: torch {torch.__version__} has no varlen_attn"
+    return VARLEN, "auto: packed rows on CUDA in 16-bit"
+
+
+def problems(name: str, *, device: str, compute_dtype: str) -> list[str]:
+    """What is wrong with an explicit ``model.attn_implementation=varlen`` on this run."""
+    if name != VARLEN or device != "cuda":
+        return []
+    out = []
+    if compute_dtype not in SIXTEEN_BIT:
+        out.append(f"model.attn_implementation=varlen needs 16-bit compute on CUDA (flash), but "
+                   f"the compute dtype is {compute_dtype}: use precision=mixed or precision=bf16, "
+                   "or model.attn_implementation=sdpa")
+    if not varlen_available():
+        out.append(f"model.attn_implementation=varlen needs torch.nn.attention.varlen (torch >= "
+                   f"2.10); this torch is {torch.__version__}: use model.attn_implementation=sdpa")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundaries, on the host
+
+
+def document_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The records of a CPU ``position_ids`` batch [b, s] as cumulative lengths over the b·s
+    flattened tokens, in the keys transformers passes through to the attention function.
+
+    A record starts at every row start and wherever the position does not follow the one before
+    it (transformers' own rule, so the logits equal SDPA's with its block mask); padding
+    continues the last record's positions, so it joins that record, as it does there.
+    """
+    pos = position_ids.numpy() if isinstance(position_ids, torch.Tensor) else position_ids
+    b, s = pos.shape
+    start = np.ones((b, s), dtype=bool)
+    start[:, 1:] = np.diff(pos, axis=1) != 1
+    cu = np.append(np.flatnonzero(start.ravel()), b * s).astype(np.int32)
+    longest = int(np.diff(cu).max())
+    cu_t = torch.from_numpy(cu)
+    return {"cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
+            "max_length_q": longest, "max_length_k": longest}
+
+
+def uses_varlen(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == VARLEN
+
+
+def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
+                 device: torch.device) -> dict[str, Any]:
+    """A host batch on ``device``, with the records' boundaries added for a varlen model (from
+    the CPU position_ids, before they move: no sync)."""
+    out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if uses_varlen(model) and "position_ids" in batch:
+        for k, v in document_kwargs(batch["position_ids"]).items():
+            out[k] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+def _signature() -> tuple[dict[str, Any], bool]:
+    """varlen_attn's causal switch, and whether it takes grouped-query k/v (read once, outside
+    any compiled region)."""
+    fn = _VARLEN_ATTN
+    params = inspect.signature(fn).parameters if fn is not None else {}
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return causal, "enable_gqa" in params  # window_size: torch >= 2.11; is_causal: 2.10
+
+
+_CAUSAL, VARLEN_GQA = _signature()
+
+
+def _flash_varlen(q, k, v, cu, longest, scale):
+    kwargs = dict(_CAUSAL)
+    if q.shape[1] != k.shape[1]:
+        if VARLEN_GQA:
+            kwargs["enable_gqa"] = True
+        else:  # repeat_kv's order: kv head j serves query heads j*rep .. (j+1)*rep - 1
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _VARLEN_ATTN(q, k, v, cu, cu, longest, longest, scale=scale, **kwargs)
+
+
+def _reference_varlen(q, k, v, cu, scale, batch: int, seq: int):
+    """SDPA with the block-causal mask rebuilt from ``cu``: the definition varlen computes."""
+    seg = torch.searchsorted(cu[1:-1].long(), torch.arange(batch * seq, device=q.device),
+                             right=True).view(batch, seq)
+    idx = torch.arange(seq, device=q.device)
+    mask = (seg[:, :, None] == seg[:, None, :]) & (idx[:, None] >= idx[None, :])
+    to_heads = lambda t: t.view(batch, seq, *t.shape[1:]).transpose(1, 2)  # noqa: E731
+    out = torch.nn.functional.scaled_dot_product_attention(
+        to_heads(q), to_heads(k), to_heads(v), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(batch * seq, *q.shape[1:])
+
+
+def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                             dropout: float = 0.0, scaling: Optional[float] = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [b, heads, s, d], key / value [b, kv_heads, s,
+    d]; returns [b, s, heads, d]."""
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None:
+        raise RuntimeError(
+            "model.attn_implementation=varlen got no record boundaries: call the model with "
+            "llama_fsdp.attention.model_inputs(...) (training) or under standard_attention(model) "
+            "(generation with a padding mask or a KV cache)")
+    if dropout:
+        raise ValueError(f"varlen attention has no dropout (got {dropout})")
+    b, heads, s, d = query.shape
+    flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)  # noqa: E731
+    q, k, v = flat(query), flat(key), flat(value)
+    if q.is_cuda and _VARLEN_ATTN is not None:
+        out = _flash_varlen(q, k, v, cu, int(longest), scaling)
+    else:
+        out = _reference_varlen(q, k, v, cu, scaling, b, s)
+    return out.view(b, s, heads, d), None
+
+
+def register() -> None:
+    """Make ``varlen`` a name transformers accepts for ``_attn_implementation``. It has no mask
+    function on purpose: transformers then builds no mask and runs no packed-sequence check."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+@contextlib.contextmanager
+def standard_attention(model: nn.Module) -> Iterator[None]:
+    """SDPA for the duration (generation: a padding mask and a KV cache, which varlen does not
+    take); every module of a transformers model shares its config, so one switch covers all."""
+    config = getattr(model, "config", None)
+    if not uses_varlen(model):
+        yield
+        return
+    config._attn_implementation = FALLBACK
+    try:
+        yield
+    finally:
+        config._attn_implementation = VARLEN
+
+
+register()
