@@ -46,7 +46,9 @@ log = logging.getLogger("throughput")
 
 RUNNERS_CPU = ("llama_fsdp", "bare_fsdp2", "hf_trainer", "torchtitan", "llama_fsdp_no_shard",
                "bare_fsdp2_packed", "llama_fsdp_unpacked")
-RUNNERS_CUDA = RUNNERS_CPU + ("hf_trainer_ddp",)
+# llama_fsdp_sdpa: packed rows through SDPA's dense block mask, against auto's flash varlen
+# (on CPU auto is SDPA already, so the row would repeat llama_fsdp's)
+RUNNERS_CUDA = RUNNERS_CPU + ("hf_trainer_ddp", "llama_fsdp_sdpa")
 ALL_RUNNERS = RUNNERS_CUDA
 
 
@@ -116,6 +118,8 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
                                                        packing=False),
         "hf_trainer_ddp": lambda: peer("hf_trainer_ddp", "HF Trainer, DDP requested",
                                        "hf_trainer", "--sharding", "no_shard"),
+        "llama_fsdp_sdpa": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
+                                                   attention="sdpa"),
     }
     return [factories[k]() for k in keys]
 

@@ -18,7 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from step_clock import CLOCK_ENV, read_stamps
 
@@ -127,14 +127,20 @@ class FrameworkRunner(Runner):
     metric history (ms resolution, taken right after each step).
     """
 
-    def __init__(self, bench: Bench, *, sharding: str, clock: bool, packing: bool = True):
+    def __init__(self, bench: Bench, *, sharding: str, clock: bool, packing: bool = True,
+                 attention: Optional[str] = None):
         super().__init__(bench)
         self.sharding, self.clock, self.packing = sharding, clock, packing
+        self.attention = attention  # None: model.attn_implementation=auto
         self.key = "llama_fsdp" if sharding == "full" else f"llama_fsdp_{sharding}"
         self.label = f"llama_fsdp (sharding={sharding})"
         if not packing:
             self.key += "_unpacked"
             self.label = f"llama_fsdp (sharding={sharding}, data.packing=false)"
+            self.diagnostic = True
+        if attention is not None:
+            self.key += f"_{attention}"
+            self.label = f"llama_fsdp (sharding={sharding}, model.attn_implementation={attention})"
             self.diagnostic = True
         if not clock:
             self.timing = "FALLBACK: MLflow `step_time_s` history timestamps (no train.callbacks)"
@@ -149,6 +155,8 @@ class FrameworkRunner(Runner):
                f"hydra.run.dir={run_dir / 'run'}"]
         if not self.packing:
             out.append("data.packing=false")
+        if self.attention is not None:
+            out.append(f"model.attn_implementation={self.attention}")
         if self.clock:
             out += ["tracking.enabled=false", f'train.callbacks=["{CLOCK_HOOK}"]']
         else:
@@ -167,7 +175,11 @@ class FrameworkRunner(Runner):
         """What the framework ran: its own sharding; in fallback mode, its inner step time."""
         data = "packed rows" if self.packing else "one record per row, right-padded"
         how = "DDP (composable replicate)" if self.sharding == "no_shard" else "FSDP2"
-        info = {"ran": f"{how}, sharding={self.sharding} (framework CLI; {data})"}
+        # the attention the run resolved, from its printed summary ("attention   varlen")
+        printed = re.search(r"^\S*\s*attention\s+(\S+)$", (run_dir / LOG_FILE).read_text()
+                            if (run_dir / LOG_FILE).exists() else "", re.M)
+        attn = f", attention {printed.group(1)}" if printed else ""
+        info = {"ran": f"{how}, sharding={self.sharding} (framework CLI; {data}{attn})"}
         if not self.clock:
             inner = [s for step, (_, s) in mlflow_step_times(run_dir).items()
                      if step > self.bench.warmup]

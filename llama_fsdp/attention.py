@@ -130,27 +130,37 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
 # The attention function
 
 
-def _signature() -> tuple[dict[str, Any], bool]:
-    """varlen_attn's causal switch, and whether it takes grouped-query k/v (read once, outside
-    any compiled region)."""
+def _signature() -> tuple[dict[str, Any], bool, bool]:
+    """varlen_attn's causal switch, whether it takes grouped-query k/v, and whether it takes a
+    scale (read once, outside any compiled region)."""
     fn = _VARLEN_ATTN
     params = inspect.signature(fn).parameters if fn is not None else {}
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    return causal, "enable_gqa" in params  # window_size: torch >= 2.11; is_causal: 2.10
+    # window_size: torch >= 2.11; is_causal: 2.10
+    return causal, "enable_gqa" in params, "scale" in params
 
 
-_CAUSAL, VARLEN_GQA = _signature()
+_CAUSAL, VARLEN_GQA, _TAKES_SCALE = _signature()
 
 
 def _flash_varlen(q, k, v, cu, longest, scale):
     kwargs = dict(_CAUSAL)
+    if _TAKES_SCALE:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+        raise ValueError(f"this torch's varlen_attn has no scale argument; attention scale "
+                         f"{scale} is not its 1/sqrt(head_dim): use model.attn_implementation=sdpa")
     if q.shape[1] != k.shape[1]:
         if VARLEN_GQA:
             kwargs["enable_gqa"] = True
         else:  # repeat_kv's order: kv head j serves query heads j*rep .. (j+1)*rep - 1
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _VARLEN_ATTN(q, k, v, cu, cu, longest, longest, scale=scale, **kwargs)
+    return _VARLEN_ATTN(q, k, v, cu, cu, longest, longest, **kwargs)
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.is_cuda and _VARLEN_ATTN is not None
 
 
 def _reference_varlen(q, k, v, cu, scale, batch: int, seq: int):
@@ -183,7 +193,7 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     b, heads, s, d = query.shape
     flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
-    if q.is_cuda and _VARLEN_ATTN is not None:
+    if _use_flash(q):
         out = _flash_varlen(q, k, v, cu, int(longest), scaling)
     else:
         out = _reference_varlen(q, k, v, cu, scaling, b, s)

@@ -214,3 +214,58 @@ def test_varlen_without_bounds_says_how_to_call_it():
     with standard_attention(model):  # what generation uses: SDPA for its duration
         assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 512)
     assert model.config._attn_implementation == "varlen"
+
+
+def _fake_varlen(kind):
+    """torch's CUDA-only varlen_attn, as its three signatures document it ((T, H, D) tokens,
+    cumulative lengths, causal by window_size or is_causal, GQA only with enable_gqa), computed
+    here per record with SDPA: the stand-in for the kernel a CPU cannot run."""
+    def compute(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=None, enable_gqa=False):
+        assert causal and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        if k.shape[1] != q.shape[1]:
+            assert enable_gqa, "k/v have fewer heads than q without enable_gqa"
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q.tolist(), cu_q[1:].tolist()):
+            h = lambda t: t[a:b].transpose(0, 1)  # noqa: E731
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                h(q), h(k), h(v), is_causal=True, scale=scale,
+                enable_gqa=enable_gqa).transpose(0, 1)
+        return out
+
+    if kind == "2.13":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                        scale=None, window_size=(-1, -1), enable_gqa=False):
+            return compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                           window_size == (-1, 0), scale, enable_gqa)
+    elif kind == "2.11":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                        scale=None, window_size=(-1, -1)):
+            return compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                           window_size == (-1, 0), scale)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                        return_aux=None):
+            return compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("kind", ["2.13", "2.11", "2.10"])
+def test_flash_path_adapts_to_each_varlen_signature(tmp_path, cache, monkeypatch, kind):
+    """The CUDA branch (flattening, GQA by enable_gqa or by repeating k/v in repeat_kv's
+    order, the causal switch, the scale) gives SDPA's logits with every varlen_attn signature
+    torch has had; the kernel itself is a CPU stand-in (the GPU suite runs the real one)."""
+    from llama_fsdp import attention
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", _fake_varlen(kind))
+    causal, gqa, scale = attention._signature()
+    assert gqa == (kind == "2.13") and scale == (kind != "2.10")
+    monkeypatch.setattr(attention, "_CAUSAL", causal)
+    monkeypatch.setattr(attention, "VARLEN_GQA", gqa)
+    monkeypatch.setattr(attention, "_TAKES_SCALE", scale)
+    monkeypatch.setattr(attention, "_use_flash", lambda q: True)
+    dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
+    batch = next(dm.train_batches())
+    with torch.no_grad():
+        want = _logits(_tiny_llama("sdpa").eval(), batch["input_ids"], batch["position_ids"])
+        got = _logits(_tiny_llama("varlen").eval(), batch["input_ids"], batch["position_ids"])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
