@@ -91,9 +91,15 @@ def problems(name: str, *, device: str, compute_dtype: str) -> list[str]:
 # Boundaries, on the host
 
 
-def document_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+# The keyword arguments the model passes through to the attention function: the records'
+# cumulative lengths (int32, on the device) and the longest record (a 0-d CPU tensor, so a
+# compiled layer sees a tensor input rather than a new constant to specialize on per batch).
+BOUNDS, LONGEST = "record_bounds", "record_max_len"
+
+
+def document_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The records of a CPU ``position_ids`` batch [b, s] as cumulative lengths over the b·s
-    flattened tokens, in the keys transformers passes through to the attention function.
+    flattened tokens (``BOUNDS``) and the longest record (``LONGEST``), on the host.
 
     A record starts at every row start and wherever the position does not follow the one before
     it (transformers' own rule, so the logits equal SDPA's with its block mask); padding
@@ -104,10 +110,7 @@ def document_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     start = np.ones((b, s), dtype=bool)
     start[:, 1:] = np.diff(pos, axis=1) != 1
     cu = np.append(np.flatnonzero(start.ravel()), b * s).astype(np.int32)
-    longest = int(np.diff(cu).max())
-    cu_t = torch.from_numpy(cu)
-    return {"cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
-            "max_length_q": longest, "max_length_k": longest}
+    return {BOUNDS: torch.from_numpy(cu), LONGEST: torch.tensor(int(np.diff(cu).max()))}
 
 
 def uses_varlen(model: nn.Module) -> bool:
@@ -118,11 +121,15 @@ def uses_varlen(model: nn.Module) -> bool:
 def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
                  device: torch.device) -> dict[str, Any]:
     """A host batch on ``device``, with the records' boundaries added for a varlen model (from
-    the CPU position_ids, before they move: no sync)."""
+    the CPU position_ids, before they move: no sync). The number of records changes every
+    batch: under train.compile (static shapes) the bounds' length is marked dynamic, so a
+    compiled layer is not recompiled for each new count."""
     out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if uses_varlen(model) and "position_ids" in batch:
-        for k, v in document_kwargs(batch["position_ids"]).items():
-            out[k] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        bounds = document_kwargs(batch["position_ids"])
+        out[BOUNDS] = bounds[BOUNDS].to(device, non_blocking=True)
+        torch._dynamo.mark_dynamic(out[BOUNDS], 0)
+        out[LONGEST] = bounds[LONGEST]  # stays on the host: the kernel takes it as an int
     return out
 
 
@@ -182,7 +189,7 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [b, heads, s, d], key / value [b, kv_heads, s,
     d]; returns [b, s, heads, d]."""
-    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    cu, longest = kwargs.get(BOUNDS), kwargs.get(LONGEST)
     if cu is None:
         raise RuntimeError(
             "model.attn_implementation=varlen got no record boundaries: call the model with "
@@ -190,14 +197,29 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             "(generation with a padding mask or a KV cache)")
     if dropout:
         raise ValueError(f"varlen attention has no dropout (got {dropout})")
+    return _records_attention(query, key, value, cu, longest, scaling), None
+
+
+# Outside torch.compile (train.compile compiles each layer with static shapes): the number of
+# records and the longest one change every batch, and each new value would be a recompile (8
+# and the layer falls back to eager). The kernel is opaque to the compiler anyway; the graph
+# breaks around it, and the rest of the layer stays compiled with its fixed shapes.
+@torch.compiler.disable
+def _records_attention(query, key, value, cu, longest, scaling):
     b, heads, s, d = query.shape
     flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
     if _use_flash(q):
+        if torch.is_autocast_enabled(q.device.type):
+            # sharding=no_shard with precision=mixed runs DDP under autocast over fp32 weights:
+            # RoPE leaves q and k in fp32 beside a bf16 v. SDPA has an autocast rule that casts
+            # them; the varlen op has none, and flash takes one 16-bit dtype.
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         out = _flash_varlen(q, k, v, cu, int(longest), scaling)
     else:
         out = _reference_varlen(q, k, v, cu, scaling, b, s)
-    return out.view(b, s, heads, d), None
+    return out.view(b, s, heads, d)
 
 
 def register() -> None:

@@ -255,7 +255,7 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
 
 # model.attn_implementation: ours (auto, varlen: llama_fsdp/attention.py), then transformers'
 ATTENTION_KERNELS = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2",
-                     "flash_attention_3")
+                     "flash_attention_3", "flash_attention_4")
 
 
 def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:

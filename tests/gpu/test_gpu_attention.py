@@ -26,7 +26,7 @@ def _packed_batch(b=4, s=512, vocab=512, seed=0):
     return {"input_ids": ids, "position_ids": pos}
 
 
-def _model(attn):
+def _model(attn, dtype=torch.bfloat16):
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.config import ModelConfig
@@ -36,23 +36,32 @@ def _model(attn):
                     intermediate_size=1024, vocab_size=512, max_position_embeddings=1024,
                     attn_implementation=attn)
     torch.manual_seed(0)
-    return LlamaForCausalLM(llama_config(m)).to("cuda", torch.bfloat16)
+    return LlamaForCausalLM(llama_config(m)).to("cuda", dtype)
 
 
-def test_flash_varlen_equals_sdpa_with_the_block_mask():
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32-autocast"])
+def test_flash_varlen_equals_sdpa_with_the_block_mask(autocast):
+    """bf16 weights (FSDP2's cast), and fp32 weights under bf16 autocast (no_shard's DDP with
+    precision=mixed, where RoPE leaves q, k in fp32 beside a bf16 v)."""
     from llama_fsdp.attention import model_inputs, varlen_available
 
     assert varlen_available(), f"torch {torch.__version__} has no varlen_attn"
     batch, dev = _packed_batch(), torch.device("cuda")
     out = {}
     for attn in ("sdpa", "varlen"):
-        model = _model(attn)
-        logits = model(**model_inputs(model, batch, dev)).logits
+        model = _model(attn, torch.float32 if autocast else torch.bfloat16)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            logits = model(**model_inputs(model, batch, dev)).logits
         logits.float().logsumexp(-1).mean().backward()
         out[attn] = logits.float(), [p.grad.float() for p in model.parameters()]
     torch.testing.assert_close(out["varlen"][0], out["sdpa"][0], atol=3e-2, rtol=3e-2)
-    for a, b in zip(out["varlen"][1], out["sdpa"][1]):
-        torch.testing.assert_close(a, b, atol=3e-2, rtol=5e-2)
+    # elementwise bf16 tolerances would pass gradients that ignore the record bounds: compare
+    # each parameter's gradient by its relative error norm. On CPU, this model and batch: bf16
+    # against fp32 is 0.003-0.013 per parameter, with the bounds ignored 0.70-2.06 (SDPA, CPU)
+    for (name, _), a, b in zip(_model("sdpa").named_parameters(), out["varlen"][1],
+                               out["sdpa"][1]):
+        rel = float((a - b).norm() / b.norm().clamp(min=1e-12))
+        assert rel < 0.1, f"{name}: relative gradient error {rel:.3g}"
 
 
 def test_varlen_step_makes_no_host_sync():
