@@ -10,7 +10,7 @@
 - ``varlen`` (this module): ``torch.nn.attention.varlen.varlen_attn`` (flash attention, CUDA,
   16-bit compute) over the flattened tokens, with each record as its own sequence. The
   boundaries are computed on the host from the CPU position_ids before the batch moves to the
-  device (``document_kwargs``): no mask, no host sync, no k/v repetition where the kernel takes
+  device (``model_inputs``): no mask, no host sync, no k/v repetition where the kernel takes
   grouped-query heads. On other devices the same function runs a reference (SDPA with the block
   mask rebuilt from the boundaries): exact, and as slow as ``sdpa``; it exists so the wiring is
   tested without a GPU.
@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -91,15 +93,28 @@ def problems(name: str, *, device: str, compute_dtype: str) -> list[str]:
 # Boundaries, on the host
 
 
-# The keyword arguments the model passes through to the attention function: the records'
-# cumulative lengths (int32, on the device) and the longest record (a 0-d CPU tensor, so a
-# compiled layer sees a tensor input rather than a new constant to specialize on per batch).
-BOUNDS, LONGEST = "record_bounds", "record_max_len"
+@dataclass
+class Bounds:
+    """The records of one batch: cumulative lengths over its b·s flattened tokens (int32, on
+    the batch's device), the longest record and b·s (host ints)."""
+
+    cu: torch.Tensor
+    longest: int
+    tokens: int
 
 
-def document_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The records of a CPU ``position_ids`` batch [b, s] as cumulative lengths over the b·s
-    flattened tokens (``BOUNDS``) and the longest record (``LONGEST``), on the host.
+# The batch a varlen model is running, by id of its config (every module of a transformers
+# model shares it), with a weak reference that tells a live config from a reused id. Not a
+# keyword argument of the forward, on purpose: FSDP2's root moves every tensor argument to the
+# device (the longest record would come back with a host sync per layer), and a compiled layer
+# guards on its arguments (a new record count or length every batch, a recompile each). Set by
+# model_inputs before the forward; the backward's recomputation (activation checkpointing)
+# reads it again, before the next batch replaces it.
+_RUNNING: dict[int, tuple[weakref.ref, Bounds]] = {}
+
+
+def document_bounds(position_ids: torch.Tensor) -> Bounds:
+    """The records of a CPU ``position_ids`` batch [b, s], on the host.
 
     A record starts at every row start and wherever the position does not follow the one before
     it (transformers' own rule, so the logits equal SDPA's with its block mask); padding
@@ -110,7 +125,7 @@ def document_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     start = np.ones((b, s), dtype=bool)
     start[:, 1:] = np.diff(pos, axis=1) != 1
     cu = np.append(np.flatnonzero(start.ravel()), b * s).astype(np.int32)
-    return {BOUNDS: torch.from_numpy(cu), LONGEST: torch.tensor(int(np.diff(cu).max()))}
+    return Bounds(torch.from_numpy(cu), int(np.diff(cu).max()), b * s)
 
 
 def uses_varlen(model: nn.Module) -> bool:
@@ -120,17 +135,25 @@ def uses_varlen(model: nn.Module) -> bool:
 
 def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
                  device: torch.device) -> dict[str, Any]:
-    """A host batch on ``device``, with the records' boundaries added for a varlen model (from
-    the CPU position_ids, before they move: no sync). The number of records changes every
-    batch: under train.compile (static shapes) the bounds' length is marked dynamic, so a
-    compiled layer is not recompiled for each new count."""
+    """A host batch on ``device``; for a varlen model, the batch's records become the ones its
+    attention runs (computed from the CPU position_ids before they move: no sync; a batch
+    without position_ids is one record per row)."""
     out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if uses_varlen(model) and "position_ids" in batch:
-        bounds = document_kwargs(batch["position_ids"])
-        out[BOUNDS] = bounds[BOUNDS].to(device, non_blocking=True)
-        torch._dynamo.mark_dynamic(out[BOUNDS], 0)
-        out[LONGEST] = bounds[LONGEST]  # stays on the host: the kernel takes it as an int
+    if uses_varlen(model):
+        ids = batch["input_ids"]
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        bounds = document_bounds(pos)
+        bounds.cu = bounds.cu.to(device, non_blocking=True)
+        _RUNNING[id(model.config)] = (weakref.ref(model.config), bounds)
     return out
+
+
+def running_bounds(config: Any) -> Optional[Bounds]:
+    """The bounds model_inputs set for the model of this config, if any."""
+    entry = _RUNNING.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,24 +212,26 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [b, heads, s, d], key / value [b, kv_heads, s,
     d]; returns [b, s, heads, d]."""
-    cu, longest = kwargs.get(BOUNDS), kwargs.get(LONGEST)
-    if cu is None:
-        raise RuntimeError(
-            "model.attn_implementation=varlen got no record boundaries: call the model with "
-            "llama_fsdp.attention.model_inputs(...) (training) or under standard_attention(model) "
-            "(generation with a padding mask or a KV cache)")
     if dropout:
         raise ValueError(f"varlen attention has no dropout (got {dropout})")
-    return _records_attention(query, key, value, cu, longest, scaling), None
+    return _records_attention(module.config, query, key, value, scaling), None
 
 
-# Outside torch.compile (train.compile compiles each layer with static shapes): the number of
-# records and the longest one change every batch, and each new value would be a recompile (8
-# and the layer falls back to eager). The kernel is opaque to the compiler anyway; the graph
-# breaks around it, and the rest of the layer stays compiled with its fixed shapes.
+# Outside torch.compile (train.compile compiles each layer with static shapes): the bounds are
+# read here, unseen by the compiler, so a new record count or length is no recompile. The
+# kernel is opaque to the compiler anyway; the graph breaks around it, and the rest of the
+# layer stays compiled with its fixed shapes.
 @torch.compiler.disable
-def _records_attention(query, key, value, cu, longest, scaling):
+def _records_attention(config, query, key, value, scaling):
     b, heads, s, d = query.shape
+    bounds = running_bounds(config)
+    if bounds is None or bounds.tokens != b * s:
+        raise RuntimeError(
+            "model.attn_implementation=varlen has no record bounds for this batch "
+            f"({b} x {s} tokens): call the model with llama_fsdp.attention.model_inputs(model, "
+            "batch, device) (training, evaluation) or under standard_attention(model) "
+            "(generation with a padding mask or a KV cache)")
+    cu, longest = bounds.cu, bounds.longest
     flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
     if _use_flash(q):
@@ -216,7 +241,7 @@ def _records_attention(query, key, value, cu, longest, scaling):
             # them; the varlen op has none, and flash takes one 16-bit dtype.
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        out = _flash_varlen(q, k, v, cu, int(longest), scaling)
+        out = _flash_varlen(q, k, v, cu, longest, scaling)
     else:
         out = _reference_varlen(q, k, v, cu, scaling, b, s)
     return out.view(b, s, heads, d)

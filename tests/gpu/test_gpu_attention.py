@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from tests.gpu.test_gpu_memory import one_rank_group  # noqa: E402,F401  (a fixture)
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,10 +66,23 @@ def test_flash_varlen_equals_sdpa_with_the_block_mask(autocast):
         assert rel < 0.1, f"{name}: relative gradient error {rel:.3g}"
 
 
-def test_varlen_step_makes_no_host_sync():
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_varlen_step_makes_no_host_sync(fsdp, request):
+    """Forward and backward over packed rows without a host sync; under FSDP2 too, whose root
+    moves every tensor argument to the device (why the bounds do not travel as one)."""
     from llama_fsdp.attention import model_inputs
 
     model = _model("varlen")
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        request.getfixturevalue("one_rank_group")
+        mesh = init_device_mesh("cuda", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(**model_inputs(model, _packed_batch(), torch.device("cuda"))).logits.sum().backward()
     inputs = model_inputs(model, _packed_batch(), torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llama_fsdp.attention import document_kwargs, model_inputs, standard_attention
+from llama_fsdp.attention import document_bounds, model_inputs, standard_attention
 from llama_fsdp.config import DataConfig, ModelConfig
 from llama_fsdp.data import IGNORE_INDEX, build_data, pack
 from llama_fsdp.model import llama_config
@@ -183,20 +183,19 @@ def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
 
 
 def test_varlen_bounds_are_transformers_segments(tmp_path, cache):
-    """document_kwargs splits rows where transformers' find_packed_sequence_indices does (the
+    """document_bounds splits rows where transformers' find_packed_sequence_indices does (the
     padding tail joins the last record), and varlen's gradients equal SDPA's with its mask."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
     batch = next(dm.train_batches())
     pos = batch["position_ids"]
-    bounds = document_kwargs(pos)
-    cu = bounds["record_bounds"].numpy()
+    bounds = document_bounds(pos)
+    cu = bounds.cu.numpy()
     seg = find_packed_sequence_indices(pos).numpy()  # segment index per token, per row
     starts = np.flatnonzero(np.diff(seg, axis=1, prepend=-1).ravel() != 0)
     assert cu.dtype == np.int32 and cu.tolist() == [*starts.tolist(), pos.numel()]
-    longest = bounds["record_max_len"]
-    assert longest.device.type == "cpu" and int(longest) == int(np.diff(cu).max())
+    assert bounds.longest == int(np.diff(cu).max()) and bounds.tokens == pos.numel()
     grads = {}
     for attn in ("sdpa", "varlen"):
         model = _tiny_llama(attn)
@@ -214,6 +213,13 @@ def test_varlen_without_bounds_says_how_to_call_it():
     with standard_attention(model):  # what generation uses: SDPA for its duration
         assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 512)
     assert model.config._attn_implementation == "varlen"
+    # the bounds travel beside the forward, not in it: FSDP2's root would move a tensor
+    # argument to the device (a host sync per layer to read the longest record back)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    assert model_inputs(model, batch, torch.device("cpu")).keys() == batch.keys()
+    assert model(**batch).logits.shape == (2, 16, 512)  # one record per row, from model_inputs
+    with pytest.raises(RuntimeError, match="no record bounds for this batch"):  # not 2 x 16
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
 
 
 def _fake_varlen(kind):
@@ -285,7 +291,7 @@ def test_compiled_layers_are_not_recompiled_per_batch(tmp_path, cache):
 
     dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
     batches = [b for b, _ in zip(dm.train_batches(), range(3))]
-    counts = {len(document_kwargs(b["position_ids"])["record_bounds"]) for b in batches}
+    counts = {len(document_bounds(b["position_ids"]).cu) for b in batches}
     assert len(counts) == 3  # three different numbers of records
     model = _tiny_llama("varlen").eval()
     want = [_logits(model, b["input_ids"], b["position_ids"]) for b in batches]
