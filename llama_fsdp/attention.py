@@ -101,6 +101,10 @@ class Bounds:
     cu: torch.Tensor
     longest: int
     tokens: int
+    # the device position_ids these bounds were made for: the forward must pass that very
+    # tensor (a batch run without model_inputs, or a backward recomputing another batch, would
+    # otherwise use the wrong records in silence; every micro-batch has the same shape)
+    positions: Optional[weakref.ref] = None
 
 
 # The batch a varlen model is running, by id of its config (every module of a transformers
@@ -137,16 +141,25 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
                  device: torch.device) -> dict[str, Any]:
     """A host batch on ``device``; for a varlen model, the batch's records become the ones its
     attention runs (computed from the CPU position_ids before they move: no sync; a batch
-    without position_ids is one record per row)."""
+    without position_ids is one record per row, and gets them)."""
     out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if uses_varlen(model):
+        if batch.get("attention_mask") is not None:
+            raise ValueError("model.attn_implementation=varlen takes records by position_ids, "
+                             "not a padding attention_mask: pass position_ids (restarting per "
+                             "record), or run the model under standard_attention(model)")
         ids = batch["input_ids"]
         pos = batch.get("position_ids")
         if pos is None:
             pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            out["position_ids"] = pos.to(device, non_blocking=True)
         bounds = document_bounds(pos)
         bounds.cu = bounds.cu.to(device, non_blocking=True)
-        _RUNNING[id(model.config)] = (weakref.ref(model.config), bounds)
+        bounds.positions = weakref.ref(out["position_ids"])
+        key = id(model.config)
+        # the entry goes with the model (its config): no device tensor outlives it
+        _RUNNING[key] = (weakref.ref(model.config, lambda _, k=key: _RUNNING.pop(k, None)),
+                         bounds)
     return out
 
 
@@ -214,7 +227,8 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     d]; returns [b, s, heads, d]."""
     if dropout:
         raise ValueError(f"varlen attention has no dropout (got {dropout})")
-    return _records_attention(module.config, query, key, value, scaling), None
+    return _records_attention(module.config, kwargs.get("position_ids"), query, key, value,
+                              scaling), None
 
 
 # Outside torch.compile (train.compile compiles each layer with static shapes): the bounds are
@@ -222,10 +236,11 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 # kernel is opaque to the compiler anyway; the graph breaks around it, and the rest of the
 # layer stays compiled with its fixed shapes.
 @torch.compiler.disable
-def _records_attention(config, query, key, value, scaling):
+def _records_attention(config, position_ids, query, key, value, scaling):
     b, heads, s, d = query.shape
     bounds = running_bounds(config)
-    if bounds is None or bounds.tokens != b * s:
+    if (bounds is None or bounds.tokens != b * s or position_ids is None
+            or bounds.positions is None or bounds.positions() is not position_ids):
         raise RuntimeError(
             "model.attn_implementation=varlen has no record bounds for this batch "
             f"({b} x {s} tokens): call the model with llama_fsdp.attention.model_inputs(model, "

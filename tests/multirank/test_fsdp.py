@@ -79,8 +79,10 @@ def reference_curve():
 
 def test_two_ranks_match_one_rank(reference_curve):
     """... and so does varlen attention over the packed records (its CPU reference; with the
-    held-out loss and the generated answers run through it every 3 steps)."""
-    varlen = ["model.attn_implementation=varlen", "eval.every_steps=3", "eval.task_prompts=4"]
+    held-out loss and the generated answers run through it every 3 steps, and every layer
+    recomputed in backward from the same batch's records)."""
+    varlen = ["model.attn_implementation=varlen", "eval.every_steps=3", "eval.task_prompts=4",
+              "checkpointing=full"]
     res = run_ranks(_curves, 2, {"full": _spec(2, "full"), "no_shard": _spec(2, "no_shard"),
                                  "grad_op": _spec(2, "grad_op"),
                                  "full-varlen": _spec(2, "full", varlen)})[0]

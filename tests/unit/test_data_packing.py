@@ -216,10 +216,18 @@ def test_varlen_without_bounds_says_how_to_call_it():
     # the bounds travel beside the forward, not in it: FSDP2's root would move a tensor
     # argument to the device (a host sync per layer to read the longest record back)
     batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
-    assert model_inputs(model, batch, torch.device("cpu")).keys() == batch.keys()
-    assert model(**batch).logits.shape == (2, 16, 512)  # one record per row, from model_inputs
+    inputs = model_inputs(model, batch, torch.device("cpu"))
+    assert inputs.keys() == {"input_ids", "position_ids"}  # one record per row, from arange
+    assert model(**inputs).logits.shape == (2, 16, 512)
     with pytest.raises(RuntimeError, match="no record bounds for this batch"):  # not 2 x 16
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    # same shape, but not the batch the bounds were made for: refused, not run on its records
+    other = {"input_ids": torch.ones(2, 16, dtype=torch.long),
+             "position_ids": torch.arange(16).expand(2, -1)}
+    with pytest.raises(RuntimeError, match="no record bounds for this batch"):
+        model(**other)
+    with pytest.raises(ValueError, match="not a padding attention_mask"):
+        model_inputs(model, {**batch, "attention_mask": torch.ones(2, 16)}, torch.device("cpu"))
 
 
 def _fake_varlen(kind):
