@@ -15,7 +15,7 @@
   mask rebuilt from the boundaries): exact, and as slow as ``sdpa``; it exists so the wiring is
   tested without a GPU.
 - ``auto`` (the default): ``varlen`` on CUDA with packed rows, a 16-bit compute dtype and a
-  torch that has ``varlen_attn``; ``sdpa`` otherwise (``resolve``).
+  torch that has ``varlen_attn``; ``sdpa`` otherwise (``resolve_cuda``; spec.py off CUDA).
 - any other name transformers knows (``eager``, ``flex_attention``, ``flash_attention_2``) is
   passed to it unchanged.
 
@@ -59,24 +59,18 @@ def varlen_available() -> bool:
     return _VARLEN_ATTN is not None
 
 
-def resolve(name: str, *, device: str, compute_dtype: str, packing: bool) -> tuple[str, str]:
-    """(implementation, why) for ``model.attn_implementation`` on this run."""
+def resolve_cuda(name: str, *, compute_dtype: str, packing: bool) -> str:
+    """``model.attn_implementation`` on a CUDA run: ``auto`` is varlen for packed rows (unpacked,
+    SDPA takes its causal flash path) in 16-bit (flash) where torch has varlen_attn."""
     if name != AUTO:
-        return name, "set by model.attn_implementation"
-    if device != "cuda":
-        return FALLBACK, "auto: not CUDA"
-    if not packing:
-        return FALLBACK, "auto: rows are not packed (SDPA takes its causal flash path)"
-    if compute_dtype not in SIXTEEN_BIT:
-        return FALLBACK, f"auto: compute dtype {compute_dtype} (flash varlen needs 16-bit)"
-    if not varlen_available():
-        return FALLBACK, f"auto: torch {torch.__version__} has no varlen_attn"
-    return VARLEN, "auto: packed rows on CUDA in 16-bit"
+        return name
+    fits = packing and compute_dtype in SIXTEEN_BIT and varlen_available()
+    return VARLEN if fits else FALLBACK
 
 
-def problems(name: str, *, device: str, compute_dtype: str) -> list[str]:
-    """What is wrong with an explicit ``model.attn_implementation=varlen`` on this run."""
-    if name != VARLEN or device != "cuda":
+def problems(name: str, *, compute_dtype: str) -> list[str]:
+    """What is wrong with an explicit ``model.attn_implementation=varlen`` on a CUDA run."""
+    if name != VARLEN:
         return []
     out = []
     if compute_dtype not in SIXTEEN_BIT:

@@ -354,19 +354,18 @@ def resolve_precision(name: str, device: str) -> str:
 
 
 def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packing: bool,
-                      problems: list[str]) -> tuple[ModelConfig, str]:
-    """model.attn_implementation=auto made concrete, and an explicit varlen checked
-    (llama_fsdp/attention.py; torch is imported only for CUDA runs)."""
+                      problems: list[str]) -> ModelConfig:
+    """model.attn_implementation=auto made concrete (SDPA off CUDA), and an explicit varlen
+    checked (llama_fsdp/attention.py; torch is imported only for CUDA runs)."""
     name = m.attn_implementation
     if device != "cuda" or name not in ("auto", "varlen"):
-        impl, why = ("sdpa", "auto: not CUDA") if name == "auto" else (name, "set")
+        impl = "sdpa" if name == "auto" else name
     else:
         from . import attention
 
-        problems.extend(attention.problems(name, device=device, compute_dtype=compute_dtype))
-        impl, why = attention.resolve(name, device=device, compute_dtype=compute_dtype,
-                                      packing=packing)
-    return dataclasses.replace(m, attn_implementation=impl), why
+        problems.extend(attention.problems(name, compute_dtype=compute_dtype))
+        impl = attention.resolve_cuda(name, compute_dtype=compute_dtype, packing=packing)
+    return dataclasses.replace(m, attn_implementation=impl)
 
 
 def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
@@ -494,9 +493,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     policy = PRECISION_POLICIES.get(precision.name)
     model = obj.model
     if policy is not None:
-        model, _ = resolve_attention(obj.model, device=device,
-                                     compute_dtype=policy.compute_dtype,
-                                     packing=obj.data.packing, problems=problems)
+        model = resolve_attention(obj.model, device=device, compute_dtype=policy.compute_dtype,
+                                  packing=obj.data.packing, problems=problems)
     if problems:
         raise ConfigError(problems)
 
