@@ -79,7 +79,9 @@ def seed_table_markdown() -> str:
         "full activation checkpointing",
         "",
         "Usable = 80 GB less a 10% margin = 72 GB. Transient = all-gather / reduce-scatter "
-        "buffers and the root's unsharded embedding and head with their grads. The columns are "
+        "buffers of 2 layers and of the largest FSDP unit (these models are untied: [norm, head], "
+        "gathered from its forward to its backward; the embedding is never gathered in "
+        "backward), with their grads. The columns are "
         "component sizes, never all live at once; peak GB is the plan's prediction, the largest "
         "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Packed rows "
         "(data.packing=true, the default) run varlen attention (model.attn_implementation=auto "

@@ -1,8 +1,9 @@
 """Parallelism applied to a model built elsewhere: mesh, activation checkpointing, compile, FSDP2
 or DDP.
 
-Order matters and follows torchtitan: activation checkpointing -> compile -> fully_shard on each
-decoder layer -> fully_shard on the root. sharding=no_shard replicates with composable DDP
+Order matters and follows torchtitan: activation checkpointing -> compile -> fully_shard on the
+embedding, each decoder layer, [final norm, head], then the root (``apply_fsdp`` has the groups
+and why; a tied embedding stays in the root). sharding=no_shard replicates with composable DDP
 instead (``apply_ddp``). No model definitions here (see model.py).
 """
 from __future__ import annotations
@@ -63,22 +64,57 @@ def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
                reshard_after_forward: bool, policy: PrecisionPolicy, cpu_offload: bool) -> int:
-    """fully_shard every decoder layer, then the root (embeddings, final norm, head).
+    """fully_shard in torchtitan's groups: the embedding alone, every decoder layer, the final
+    norm with the head, then the root (which then holds no parameters of its own).
 
-    The last layer is not resharded after forward: backward needs it again at once.
-    Returns the number of FSDP units; raises if nothing was sharded.
+    - The embedding's backward needs only the token ids, never the weight
+      (``set_unshard_in_backward(False)``): it is all-gathered once per step, in forward, and
+      its gradient is reduce-scattered at the end of backward.
+    - The last layer and [norm, head] are not resharded after forward: backward needs them at
+      once. The head is resharded after its own backward, its reduce-scatter overlaps the
+      layers' backward, and nothing vocabulary-sized is held through the whole step. The price:
+      the head stays gathered through the loss (one vocab x hidden tensor in the compute dtype
+      more at the loss-phase peak: +2-6% at micro-batch 4 on CPU, where micro-batch 1 peaks
+      are 2-22% lower; benchmarks/plan_vs_measured_cpu.md), instead of an all-gather that
+      nothing overlaps when backward starts. plan.phase_peaks models both groupings.
+    - A tied embedding (``tie_word_embeddings``, the 1B/3B shapes) is one parameter used at both
+      ends: it cannot sit in two groups, so the embedding, norm and head stay in the root, as
+      before (all-gathered for forward, resharded after it, gathered again when the logits'
+      grad arrives).
+
+    Returns the number of FSDP units (parameter groups); raises if the grouping is not what
+    was asked.
     """
     common = {"mesh": mesh, "mp_policy": mixed_precision(policy)}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embed.weight
+    expected = len(layers) + 1
+    if not tied:
+        fully_shard(embed, reshard_after_forward=reshard_after_forward, **common)
+        embed.set_unshard_in_backward(False)
+        expected += 2
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         fully_shard(layer, reshard_after_forward=reshard_after_forward and not last, **common)
+    if not tied:
+        fully_shard([model.model.norm, head], reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
-    units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    if units != len(layers) + 1:
-        raise RuntimeError(f"expected {len(layers) + 1} FSDP units, found {units}")
+    units = len(fsdp_units(model))
+    if units != expected:
+        raise RuntimeError(f"expected {expected} FSDP units, found {units}")
     return units
+
+
+def fsdp_units(model: nn.Module) -> list[list[str]]:
+    """The FSDP units under ``model``, in module order, each as the names of the modules it was
+    applied to (one unit for a group like [norm, lm_head]; "" is ``model`` itself)."""
+    units: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), []).append(name)
+    return list(units.values())
 
 
 def apply_ddp(model: nn.Module, *, policy: PrecisionPolicy, device_type: str) -> None:
@@ -127,7 +163,11 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
         units = apply_fsdp(model, layers, mesh=mesh,
                            reshard_after_forward=mesh_spec.reshard_after_forward, policy=policy,
                            cpu_offload=cpu_offload)
-        how = f"{units} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))}"
+        groups = ("the root with the tied embedding, norm and head"
+                  if len(fsdp_units(model)) == len(layers) + 1
+                  else "the embedding, [norm, head], an empty root")
+        how = (f"{units} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))} "
+               f"({len(layers)} layers, {groups})")
     log.info("parallelized: %s, %d layer(s) checkpointed, compile=%s", how, wrapped, compile)
     return model
 

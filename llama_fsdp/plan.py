@@ -222,7 +222,7 @@ class Memory:
     grads: int  # sharded gradients (param dtype)
     optimizer: int  # AdamW exp_avg + exp_avg_sq (param dtype)
     unsharded_params: int  # reshard_after_forward=False: all params in compute dtype
-    comm_buffers: int  # all-gather / reduce-scatter in flight; root's unsharded params + grads
+    comm_buffers: int  # all-gather / reduce-scatter in flight; the largest unit's too
     activations: int
     logits_loss: int
     host: int = 0  # cpu_offload: sharded params, grads, optimizer state in host RAM
@@ -247,15 +247,22 @@ def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
 
 def _comm_bytes(spec: RunSpec) -> int:
     """Two layers in flight (current + prefetched): unsharded params (unless kept anyway) and
-    grads in compute dtype, one reduce-scatter input in reduce dtype, and the root's unsharded
-    embedding / norm / head with their grads (the root is not resharded after forward)."""
+    grads in compute dtype, and the largest unit's unsharded params, grads and reduce-scatter
+    input. Untied (parallel.py's groups) that unit is [norm, head], gathered from its forward
+    to its backward (the embedding, as large, is never gathered in backward); tied, the root
+    (embedding, norm, head), gathered again for backward."""
     m, p = spec.model, spec.policy
     c, r = DTYPE_BYTES[p.compute_dtype], DTYPE_BYTES[p.reduce_dtype]
-    layer, root = _numel(layer_shapes(m)), _numel(root_shapes(m))
+    layer = _numel(layer_shapes(m))
     if spec.mesh.ddp:  # one gradient bucket being all-reduced
         return _ddp_bucket_bytes(spec)
-    params = 0 if not spec.mesh.reshard_after_forward else (2 * layer + root) * c
-    return params + (2 * layer + root) * c + layer * r
+    if m.tie_word_embeddings:
+        largest, largest_rs = _numel(root_shapes(m)), layer
+    else:
+        largest = m.vocab_size * m.hidden_size + m.hidden_size
+        largest_rs = max(largest, layer)
+    params = 0 if not spec.mesh.reshard_after_forward else (2 * layer + largest) * c
+    return params + (2 * layer + largest) * c + largest_rs * r
 
 
 def _ddp_bucket_bytes(spec: RunSpec) -> int:
@@ -313,8 +320,9 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     are live before the backward only with gradient accumulation).
 
     ``gloo`` adds the copy of its input that gloo's reduce-scatter makes (NCCL reduces in
-    place); make_plan passes it for CPU runs. Per phase, what is live besides params +
-    optimizer state:
+    place); make_plan passes it for CPU runs. An untied model is sharded in torchtitan's groups
+    (parallel.apply_fsdp) and has its own model: ``_grouped_phase_peaks``. A tied embedding
+    stays in the root unit; per phase, what is live besides params + optimizer state:
 
     forward   (at the head) saved activations, unsharded params kept (all of them without
               resharding, else the last layer, which parallel.py never reshards), the root's
@@ -361,9 +369,13 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     if mesh.ddp:
         return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
                                 saved=saved, gloo=gloo)
-    root_unsharded = root * c if resharded else 0
     in_flight = 2 * layer * c if resharded else 0
     rs_copies = 2 if gloo else 1
+    if not m.tie_word_embeddings:
+        return _grouped_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
+                                    saved=saved, kept=kept, in_flight=in_flight,
+                                    rs_copies=rs_copies)
+    root_unsharded = root * c if resharded else 0
     layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
                    * DTYPE_BYTES[pol.param_dtype])
     grad_logits_fp32 = _grad_logits_bytes(c, tokens, vocab)
@@ -386,6 +398,65 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
             + rs_copies * layer * r),
         "root": state + grads + max(2 * root * c + tied_grad,
                                     root * c + rs_copies * root * r + new_root_shard),
+        "optimizer": state + grads + params,
+    }
+
+
+def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts: int,
+                         saved: int, kept: int, in_flight: int, rs_copies: int) -> dict[str, int]:
+    """phase_peaks for an untied model in parallel.py's groups: the embedding alone (never
+    gathered in backward), the layers, [norm, head] kept gathered from its forward to its
+    backward, a root without parameters. Per phase, besides params + optimizer state:
+
+    forward   (at the head) saved activations, the unsharded params kept (the last layer, or
+              all of them under grad_op), the head's unsharded params and its all-gather
+              output (held until the root's post-forward), the logits;
+    loss      the same less the all-gather output, with the logits + loss buffers;
+    layers    the head's backward (its unsharded params and grad beside the logits' and the
+              hidden's grads), its reduce-scatter once resharded (grad, input, gloo's copy,
+              the new shard), or a layer's backward as in phase_peaks (no root held);
+    root      all sharded grads, the embedding's unsharded grad and its reduce-scatter (no
+              all-gather: the embedding's backward needs only the token ids);
+    optimizer params, grads, both moments and foreach AdamW's temporary.
+
+    Fitted to the 40 untied FSDP configs of benchmarks/plan_vs_measured_cpu.md: every phase
+    within a few % of the measured one, the peak at 0.975-1.000 of the prediction."""
+    m, pol, t, mesh = spec.model, spec.policy, spec.train, spec.mesh
+    c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
+    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
+    layer = _numel(layer_shapes(m))
+    embed, head = vocab * hidden, vocab * hidden + hidden
+    # the head's unsharded params: from its all-gather in forward to its backward (under
+    # grad_op ``kept`` holds every unit already)
+    head_kept = head * c if mesh.reshard_after_forward else 0
+    # what stays unsharded once the head is resharded after its backward
+    after_head = kept - (0 if mesh.reshard_after_forward else head * c)
+    accumulated = grads if t.grad_accum > 1 else 0
+    layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
+                   * DTYPE_BYTES[pol.param_dtype])
+    head_shard = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard) * r
+    embed_shard = sharded_numel([(vocab, hidden)], mesh.shard) * r
+    state = params + optim
+    return {
+        # at the head: its all-gather output is held beside the copied-out params until the
+        # root's post-forward
+        "forward": state + accumulated + saved + kept + head_kept + head * c + c * tokens * vocab,
+        "loss": state + accumulated + saved + kept + head_kept
+        + logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c),
+        "layers": state + max(
+            # the head's backward: its unsharded grad beside the logits' and the hidden's
+            kept + saved + accumulated + head_kept + head * c + c * tokens * (vocab + hidden),
+            # its reduce-scatter (the grad is still referenced beside the input, gloo's copy
+            # and the new shard)
+            after_head + saved + accumulated + c * tokens * hidden + head * c
+            + rs_copies * head * r + head_shard,
+            # a layer's backward
+            after_head + acts + (accumulated or layer_grads + head_shard) + in_flight + layer * c
+            + rs_copies * layer * r),
+        # the embedding's grad (no all-gather: its backward needs only the ids), then its
+        # reduce-scatter; with accumulation the new shard is added to the old one
+        "root": state + grads + embed * c + rs_copies * embed * r
+        + embed_shard * (2 if accumulated else 1),
         "optimizer": state + grads + params,
     }
 

@@ -101,6 +101,63 @@ def test_four_ranks_match_one_rank_full_hybrid_no_shard(reference_curve):
                                    msg=f"{name} with 4 ranks diverged from 1 rank")
 
 
+def _grouping(rank, world, specs):
+    """The FSDP units, and which vocabulary-sized weights are sharded (DTensor) right after
+    the forward and when the embedding's backward is about to run."""
+    from torch.distributed.tensor import DTensor
+
+    from llama_fsdp.parallel import fsdp_units
+    from llama_fsdp.train import loss_sum
+    from llama_fsdp.worker import build_model
+
+    out = {}
+    for name, spec in specs.items():
+        model = build_model(spec, torch.device("cpu"))
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        seen = {}
+
+        def sharded():
+            return {"embed": isinstance(embed.weight, DTensor),
+                    "head": isinstance(head.weight, DTensor)}
+
+        def on_embed_output(module, args, output):  # runs after FSDP's own forward hooks
+            output.register_hook(lambda grad: seen.__setitem__("embedding backward", sharded()))
+
+        hook = embed.register_forward_hook(on_embed_output)
+        tokens = torch.randint(0, spec.model.vocab_size, (2, 17),
+                               generator=torch.Generator().manual_seed(rank))
+        loss = loss_sum(model, {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+        seen["after forward"] = sharded()
+        loss.backward()
+        hook.remove()
+        seen["after backward"] = sharded()
+        out[name] = {"units": fsdp_units(model), "sharded": seen,
+                     "embed grad": embed.weight.grad is not None}
+    return out
+
+
+def test_fsdp_units_are_torchtitans_grouping():
+    """Untied: the embedding alone, each layer, [norm, lm_head] together, the root holding
+    nothing. The embedding is resharded after forward and never all-gathered for its backward
+    (it needs only the token ids); the head stays gathered from its forward to its backward.
+    A tied embedding (one parameter at both ends) stays in the root. grad_op keeps every
+    unit gathered until its backward."""
+    tied = ["model.tie_word_embeddings=true"]
+    res = run_ranks(_grouping, 2, {"full": _spec(2, "full"), "grad_op": _spec(2, "grad_op"),
+                                   "tied": _spec(2, "full", tied)})[0]
+    layers = [[f"model.layers.{i}"] for i in range(4)]
+    assert res["full"]["units"] == [[""], ["model.embed_tokens"], *layers,
+                                    ["model.norm", "lm_head"]]
+    assert res["tied"]["units"] == [[""], *layers]
+    assert res["full"]["sharded"] == {
+        "after forward": {"embed": True, "head": False},
+        "embedding backward": {"embed": True, "head": True},
+        "after backward": {"embed": True, "head": True}}
+    assert res["grad_op"]["sharded"]["after forward"] == {"embed": False, "head": False}
+    assert res["grad_op"]["sharded"]["after backward"] == {"embed": True, "head": True}
+    assert all(r["embed grad"] for r in res.values())
+
+
 def _ddp_and_curves(rank, world, specs):
     from llama_fsdp.parallel import uses_ddp
     from llama_fsdp.worker import build_model

@@ -9,18 +9,20 @@ whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another
 already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
 behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
-Tolerances, from the 58-config sweep in benchmarks/plan_vs_measured_cpu.md:
+Tolerances, from the 61-config sweep in benchmarks/plan_vs_measured_cpu.md:
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
   forward / loss / layers / root / optimizer of what is live in each, with gloo's reduce-scatter
-  copy on CPU). It tracks the measured peak within 10% (0.903 to 1.000 in the sweep): measured
+  copy on CPU; an untied model in torchtitan's FSDP groups, parallel.apply_fsdp, has its own
+  terms). It tracks the measured peak within 10% (0.921 to 1.006 in the sweep): measured
   within [0.88, 1.02] x predicted; 2% above for allocator rounding, 12% below because the model
   counts in full what gloo frees at a varying moment on its worker thread (its reduce-scatter
   scratch, the root's all-gather output): run to run, those move single configs by up to 5%.
 - plan.memory.total, the sum of the components (never all live together: grads, all-gather /
-  reduce-scatter buffers of 2 layers + the root, the recomputed layer beside the loss buffers),
-  stays an upper bound: measured <= sum (the sweep's worst is 0.906), and not absurdly loose:
-  measured >= 0.6 x sum (worst 0.634, full sharding with AC on, where those transients weigh
-  most).
+  reduce-scatter buffers of 2 layers + the largest unit, the recomputed layer beside the loss
+  buffers), stays an upper bound: measured <= sum (the sweep's worst is 0.934), and not
+  absurdly loose: measured >= 0.55 x sum (worst 0.599, full sharding with AC on at
+  micro-batch 1, where those transients weigh most and the grouping keeps the head and the
+  embedding from being gathered together).
 - At the start of the second step the heap holds exactly the sharded params and both AdamW
   moments the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets.
 """
@@ -36,7 +38,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 MB = 10**6
 MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
-PLAN_LOOSEST = 0.60
+PLAN_LOOSEST = 0.55
 PREDICTED_BAND = (0.88, 1.02)
 # (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum]):
 # every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks in the
