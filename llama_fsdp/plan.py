@@ -250,7 +250,8 @@ def _comm_bytes(spec: RunSpec) -> int:
     grads in compute dtype, and the largest unit's unsharded params, grads and reduce-scatter
     input. Untied (parallel.py's groups) that unit is [norm, head], gathered from its forward
     to its backward (the embedding, as large, is never gathered in backward); tied, the root
-    (embedding, norm, head), gathered again for backward."""
+    (embedding, norm, head), gathered again for backward, with one reduce-scatter input counted
+    layer-sized as before (the phase model has the root's in full)."""
     m, p = spec.model, spec.policy
     c, r = DTYPE_BYTES[p.compute_dtype], DTYPE_BYTES[p.reduce_dtype]
     layer = _numel(layer_shapes(m))
@@ -376,7 +377,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
                                     saved=saved, kept=kept, in_flight=in_flight,
                                     rs_copies=rs_copies)
     root_unsharded = root * c if resharded else 0
-    layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
+    layer_grads = (0 if spec.sharding.cpu_offload else
+                   sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
                    * DTYPE_BYTES[pol.param_dtype])
     grad_logits_fp32 = _grad_logits_bytes(c, tokens, vocab)
     # tied embedding: the embedding's grad is made beside the head's and added out of place
@@ -432,8 +434,11 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
     # what stays unsharded once the head is resharded after its backward
     after_head = kept - (0 if mesh.reshard_after_forward else head * c)
     accumulated = grads if t.grad_accum > 1 else 0
-    layer_grads = (sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
-                   * DTYPE_BYTES[pol.param_dtype])
+    # the sharded grads made so far (param dtype; in host RAM with cpu_offload)
+    stored = 0 if spec.sharding.cpu_offload else DTYPE_BYTES[pol.param_dtype]
+    layer_grads = sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard) * stored
+    head_grad = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard) * stored
+    # a reduce-scatter's output shard (reduce dtype)
     head_shard = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard) * r
     embed_shard = sharded_numel([(vocab, hidden)], mesh.shard) * r
     state = params + optim
@@ -451,10 +456,13 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
             after_head + saved + accumulated + c * tokens * hidden + head * c
             + rs_copies * head * r + head_shard,
             # a layer's backward
-            after_head + acts + (accumulated or layer_grads + head_shard) + in_flight + layer * c
+            after_head + acts + (accumulated or layer_grads + head_grad) + in_flight + layer * c
             + rs_copies * layer * r),
         # the embedding's grad (no all-gather: its backward needs only the ids), then its
-        # reduce-scatter; with accumulation the new shard is added to the old one
+        # reduce-scatter input and gloo's copy, beside the sharded grads. ``grads`` holds the
+        # new shard already; one shard more covers what is measured beside them (2.1 of its
+        # 4.2 MB at 2 ranks fp32, 1.2 of 2.1 at 4; not identified), and with
+        # accumulation the new shard is added to the old one out of place
         "root": state + grads + embed * c + rs_copies * embed * r
         + embed_shard * (2 if accumulated else 1),
         "optimizer": state + grads + params,

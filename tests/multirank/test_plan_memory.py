@@ -47,7 +47,8 @@ PREDICTED_BAND = (0.88, 1.02)
 CASES = {
     2: [("full", "fp32", "none", 4), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),
-        ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4)],
+        ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4),
+        ("full", "fp32", "none", 2, False, 2)],
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
         ("full", "fp32", "full", 1)],
 }
