@@ -437,6 +437,15 @@ class SystemSampler(threading.Thread):
         self.join(timeout=5)
 
 
+def _system_sampler(tracker: "Tracker", interval_s: float) -> Optional[SystemSampler]:
+    try:
+        return SystemSampler(tracker, interval_s)
+    except Exception as e:  # noqa: BLE001 - tracking never stops training
+        log.warning("system metrics are off for this run: MLflow's monitors did not start "
+                    "(%s: %s)", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        return None
+
+
 class Tracker:
     """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
 
@@ -445,9 +454,14 @@ class Tracker:
         self.output_dir, self.uri = output_dir, uri
         self.spool = Spool(output_dir)
         self.flush_timeout_s = flush_timeout_s
+        # The sampler's MLflow monitors are imported here, before the shipper thread starts and
+        # imports MLflow for its client: two threads importing the mlflow package at once can
+        # get it partially initialized (a CI run's rank 0 died of "cannot import name
+        # '_get_store' from partially initialized module 'mlflow.tracking'"). And system
+        # metrics that cannot start are a warning, never a stopped run.
+        self.sampler = _system_sampler(self, system_metrics_s) if system_metrics_s else None
         self.shipper = Shipper(self.spool, uri)
         self.shipper.start()
-        self.sampler = SystemSampler(self, system_metrics_s) if system_metrics_s else None
         if self.sampler is not None:
             self.sampler.start()
 

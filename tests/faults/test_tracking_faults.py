@@ -108,3 +108,34 @@ def test_eight_parallel_jobs_sharing_a_sqlite_store_lose_no_metric(tmp_path):
         assert r.info.status == "FINISHED"
         assert _loss_steps(uri, r.info.run_id) == list(range(1, 201))
         assert len(client.get_metric_history(r.info.run_id, "tokens_per_sec")) == 200
+
+
+def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeypatch, caplog):
+    """MLflow's monitors failing to import (as a partially initialized mlflow package once did
+    on a CI run's rank 0) turn system metrics off with a warning; every metric still lands."""
+    import dataclasses
+    import logging
+
+    from llama_fsdp import tracking
+    from llama_fsdp.prepare import start_run
+    from tests.conftest import make_spec
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise ImportError("cannot import name '_get_store' from partially initialized "
+                              "module 'mlflow.tracking'")
+
+    monkeypatch.setattr(tracking, "SystemSampler", Broken)
+    out, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path}/mlflow.db"
+    spec = dataclasses.replace(make_spec([f"tracking.uri={uri}"], output_dir=out))
+    start_run(spec, command="job")
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.tracking"):
+        tracker = tracking.Tracker(out, uri, system_metrics_s=0.5)
+    assert tracker.sampler is None
+    assert "system metrics are off for this run" in caplog.text and "_get_store" in caplog.text
+    for step in range(1, 11):
+        tracker.log_metrics({"loss": 1.0 / step}, step=step)
+    tracker.finish("FINISHED")
+    run_id = read_run_file(out)["run_id"]
+    assert _loss_steps(uri, run_id) == list(range(1, 11))
+
