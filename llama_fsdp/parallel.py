@@ -63,7 +63,8 @@ def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
-               reshard_after_forward: bool, policy: PrecisionPolicy, cpu_offload: bool) -> int:
+               reshard_after_forward: bool, policy: PrecisionPolicy,
+               cpu_offload: bool) -> list[list[str]]:
     """fully_shard in torchtitan's groups: the embedding alone, every decoder layer, the final
     norm with the head, then the root (which then holds no parameters of its own).
 
@@ -82,8 +83,7 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
       before (all-gathered for forward, resharded after it, gathered again when the logits'
       grad arrives).
 
-    Returns the number of FSDP units (parameter groups); raises if the grouping is not what
-    was asked.
+    Returns the FSDP units (``fsdp_units``); raises if the grouping is not what was asked.
     """
     common = {"mesh": mesh, "mp_policy": mixed_precision(policy)}
     if cpu_offload:
@@ -101,9 +101,9 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
     if not tied:
         fully_shard([model.model.norm, head], reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
-    units = len(fsdp_units(model))
-    if units != expected:
-        raise RuntimeError(f"expected {expected} FSDP units, found {units}")
+    units = fsdp_units(model)
+    if len(units) != expected:
+        raise RuntimeError(f"expected {expected} FSDP units, found {len(units)}: {units}")
     return units
 
 
@@ -164,9 +164,9 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
                            reshard_after_forward=mesh_spec.reshard_after_forward, policy=policy,
                            cpu_offload=cpu_offload)
         groups = ("the root with the tied embedding, norm and head"
-                  if len(fsdp_units(model)) == len(layers) + 1
+                  if len(units) == len(layers) + 1
                   else "the embedding, [norm, head], an empty root")
-        how = (f"{units} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))} "
+        how = (f"{len(units)} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))} "
                f"({len(layers)} layers, {groups})")
     log.info("parallelized: %s, %d layer(s) checkpointed, compile=%s", how, wrapped, compile)
     return model

@@ -437,9 +437,10 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
     # the sharded grads made so far (param dtype; in host RAM with cpu_offload)
     stored = 0 if spec.sharding.cpu_offload else DTYPE_BYTES[pol.param_dtype]
     layer_grads = sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard) * stored
-    head_grad = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard) * stored
+    head_local = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard)
+    head_grad = head_local * stored
     # a reduce-scatter's output shard (reduce dtype)
-    head_shard = sharded_numel([(vocab, hidden), (hidden,)], mesh.shard) * r
+    head_shard = head_local * r
     embed_shard = sharded_numel([(vocab, hidden)], mesh.shard) * r
     state = params + optim
     return {
