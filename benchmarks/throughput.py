@@ -9,8 +9,9 @@
 Every runner trains the same Llama shape (the framework's composed ``model`` node, read with
 ``python -m llama_fsdp model=NAME --cfg job``) on the same per-rank batch, sequence length and
 step count: llama_fsdp through its real CLI (its synthetic packed data, eval off), the peers
-on fixed-seed random tokens. Runs are interleaved (round 1: A B C ..., round 2: A B C ...)
-so that a busy machine slows every runner alike; each run's per-step wall time comes from
+on fixed-seed random tokens. Runs are interleaved, the order rotated by one each round
+(round 1: A B C, round 2: B C A, ...), so that a busy machine slows every runner alike and no
+runner always goes first (after the previous round's last run has just exited) or last; each run's per-step wall time comes from
 rank-0 step-end stamps (benchmarks/step_clock.py), its warm-up steps left out.
 """
 from __future__ import annotations
@@ -124,18 +125,25 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
     return [factories[k]() for k in keys]
 
 
+def rotated(items: list[Any], k: int) -> list[Any]:
+    """``items`` starting at index ``k`` (mod its length), wrapping around."""
+    k %= max(len(items), 1)
+    return items[k:] + items[:k]
+
+
 def run_rounds(runners: list[Runner], rounds: int, work_dir: Path,
                timeout_s: float) -> tuple[dict[str, list[RunResult]], list[Round]]:
-    """Round r runs every runner once, in the same order. A runner that has only failed so far
-    (it cannot run here) is not tried again; one that ran before is (a failure can be passing)."""
+    """Round r runs every runner once, the order rotated by r - 1, so that every runner takes
+    every place in the order equally often (over a multiple of that many rounds). A runner that
+    has only failed so far (it cannot run here) is not tried again and leaves the rotation; one
+    that ran before is (a failure can be passing)."""
     results: dict[str, list[RunResult]] = {r.key: [] for r in runners}
     done = []
     for round_no in range(1, rounds + 1):
         start, load = time.monotonic(), os.getloadavg()[0]
-        for runner in runners:
-            past = results[runner.key]
-            if past and not any(r.ok for r in past):
-                continue
+        alive = [r for r in runners
+                 if not results[r.key] or any(res.ok for res in results[r.key])]
+        for runner in rotated(alive, round_no - 1):
             log.info("round %d/%d: %s", round_no, rounds, runner.label)
             res = execute(runner, work_dir / f"round{round_no}" / runner.key,
                           round_no=round_no, timeout_s=timeout_s)

@@ -146,7 +146,7 @@ def _setup(bench: Bench, meta: Meta, base: Summary | None) -> list[str]:
         f"- model: `{bench.model}` ({_shape_text(meta.shape)}){params}",
         (f"- per-rank batch {bench.batch_size} x seq {bench.seq_len} = {bench.tokens_per_step:,} "
          f"tokens per optimizer step (global), precision `{bench.precision}`"),
-        (f"- {len(meta.rounds)} interleaved round(s) (every runner once per round, same order), "
+        (f"- {len(meta.rounds)} interleaved round(s) (every runner once per round, the order rotated by one each round), "
          f"{bench.steps} steps per run; the first {bench.warmup} steps of each run are warm-up "
          "and left out"),
         ("- per-step wall = difference of consecutive rank-0 step-end stamps (`time.time()`, "

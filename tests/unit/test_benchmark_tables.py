@@ -38,3 +38,38 @@ def test_peers_build_the_framework_model_shape(attn):
     assert model.config._attn_implementation == ("sdpa" if attn in ("auto", "varlen") else attn)
     assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape[-1] == shape[
         "vocab_size"]
+
+
+def test_throughput_rounds_rotate_the_runner_order(monkeypatch, tmp_path):
+    """Every runner takes every place in the round order equally often (a place can be slow:
+    first, right after the previous round's last run has exited), and a runner that has only
+    failed is not tried again, while one that ran once is."""
+    import types
+    from collections import Counter
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its siblings by name
+    import throughput
+    from throughput_runners import RunResult
+
+    runners = [types.SimpleNamespace(key=k, label=k) for k in ("full", "bare", "hf", "titan")]
+    calls: list[tuple[int, str]] = []
+
+    def fake_execute(runner, run_dir, *, round_no, timeout_s):
+        calls.append((round_no, runner.key))
+        # titan never runs; hf fails in round 2 only (a passing failure)
+        failed = runner.key == "titan" or (runner.key == "hf" and round_no == 2)
+        return RunResult(runner=runner.key, round=round_no, elapsed_s=1.0,
+                         error="cannot run" if failed else None)
+
+    monkeypatch.setattr(throughput, "execute", fake_execute)
+    results, rounds = throughput.run_rounds(runners, 6, tmp_path, timeout_s=60)
+    assert len(rounds) == 6
+    order = {r: [k for n, k in calls if n == r] for r in range(1, 7)}
+    assert order[1] == ["full", "bare", "hf", "titan"]
+    assert order[2] == ["bare", "hf", "full"]  # titan only failed: dropped
+    assert order[3] == ["hf", "full", "bare"]  # hf failed once but ran before: kept
+    places = Counter((k, ks.index(k)) for r, ks in order.items() if 2 <= r <= 4 for k in ks)
+    # rounds 2-4: three orders of the three runners left, each runner once in each place
+    assert all(places[(k, i)] == 1 for k in ("full", "bare", "hf") for i in range(3)), places
+    assert [r.ok for r in results["hf"]] == [True, False, True, True, True, True]
+    assert len(results["titan"]) == 1
