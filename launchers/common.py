@@ -7,6 +7,7 @@ training.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -16,7 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from .rank import LAUNCH_DIR, RankEntry, format_report, read_reports
 
@@ -67,13 +68,44 @@ def failure_message(job_id: str, reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def worker_env(output_dir: str) -> dict[str, str]:
+# glibc malloc for CPU ranks, whose activations, gradients and collective buffers all live in
+# the process heap. By default glibc gives the free top of the heap back to the kernel as soon as
+# it passes a small, dynamically raised threshold; a step's tensors, freed and allocated again
+# every step among long-lived allocations, then come back as fresh pages, each a page fault.
+# Measured on 2 CPU ranks, tiny model, batch 8 x 128, rank 0, steps 10-35 (ru_minflt/ru_stime
+# per step, 3 runs each): 3,100-4,200 minor faults and 33-38 ms of system time by default,
+# 280-460 faults and 24-31 ms with these two settings (the wall-time gain, ~1.5%, is below this
+# VM's run-to-run noise); peak RSS unchanged (0.77-0.79 GB). Keeping up to 256 MiB of free heap
+# for reuse, and mmap only for buffers over 32 MiB (glibc's largest threshold), is glibc's way to
+# what PyTorch's CPU launcher (torch.backends.xeon.run_cpu) gets by preloading tcmalloc or
+# jemalloc, without a library the machine may lack. One setting without the other is worse than
+# neither: a fixed trim threshold also fixes the mmap threshold at 128 KiB (120,000 faults per
+# step). Not set when the user chose an allocator or glibc malloc settings (see _user_malloc).
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+_PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def _user_malloc(environ: Mapping[str, str]) -> bool:
+    """Whether the environment already configures the allocator (a preloaded one, glibc malloc
+    variables or tunables): then it is the user's, and left alone."""
+    return (any(k.startswith("MALLOC_") for k in environ)
+            or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+            or any(a in environ.get("LD_PRELOAD", "") for a in _PRELOADED_ALLOCATORS))
+
+
+def worker_env(output_dir: str, device: str,
+               environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """Environment every rank gets: quiet tokenizers, no hub access (the driver fetched what
-    the ranks need), and NCCL's flight recorder dumping the last collectives of a hung rank."""
+    the ranks need), NCCL's flight recorder dumping the last collectives of a hung rank, and on
+    CPU the malloc settings above (unless ``environ``, the launching one by default, has its
+    own)."""
     trace = str(Path(output_dir) / "hang" / "nccl_trace_rank_")
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": trace}
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_FR_DUMP_TEMP_FILE": trace}
+    if device == "cpu" and not _user_malloc(os.environ if environ is None else environ):
+        env.update(CPU_MALLOC_ENV)
+    return env
 
 
 def free_port() -> int:

@@ -78,7 +78,8 @@ def launch_local(spec: Any, entry: Entry, *, stream: bool = True) -> list[Any]:
     its newest complete checkpoint, in the same MLflow run.
     """
     executor = _executor(spec)
-    os.environ.update(worker_env(spec.output_dir))  # the controller passes its env to the ranks
+    # the controller passes its environment to the ranks
+    os.environ.update(worker_env(spec.output_dir, spec.device))
     restarts = spec.cluster.max_restarts
     with SignalGuard(saving=spec.save.every_steps > 0) as guard:
         for attempt in range(restarts + 1):

@@ -87,9 +87,80 @@ def test_restart_loop_wraps_only_the_srun_line():
 
 
 def test_ranks_never_reach_a_hub():
-    env = worker_env("/runs/x")
+    env = worker_env("/runs/x", "cuda")
     assert env["HF_HUB_OFFLINE"] == "1" and env["HF_DATASETS_OFFLINE"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join("/runs/x", "hang", "nccl_trace_rank_")
+
+
+@pytest.mark.parametrize("user", [
+    {}, {"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"},
+    {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+    {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}])
+def test_cpu_ranks_keep_their_heap_unless_the_user_set_the_allocator(user):
+    """CPU ranks get both malloc settings (one without the other is worse than neither); a
+    user's own allocator or glibc malloc setting is left as it is; GPU ranks get neither."""
+    from llama_fsdp.launchers.common import CPU_MALLOC_ENV
+
+    ours = set(CPU_MALLOC_ENV)
+    assert ours == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
+    users_own = any("malloc" in v.lower() or k.startswith("MALLOC_") for k, v in user.items())
+    cpu = set(worker_env("/runs/x", "cpu", environ=user))
+    assert ours.isdisjoint(cpu) if users_own else ours <= cpu
+    assert ours.isdisjoint(worker_env("/runs/x", "cuda", environ=user))
+
+
+def test_a_cpu_slurm_job_exports_the_malloc_settings(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    setup = executor_parameters(make_spec(["cluster=slurm", "cluster.device=cpu"]))["setup"]
+    assert "export MALLOC_TRIM_THRESHOLD_=268435456" in setup
+    assert "export MALLOC_MMAP_THRESHOLD_=33554432" in setup
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps") or os.uname().sysname != "Linux",
+                    reason="glibc malloc settings")
+def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
+    """The variables are spelled as this glibc reads them: a 24 MiB buffer is mmapped (and
+    unmapped on free) by default, and with the settings comes from the heap and stays there
+    after it is freed, for the next step's tensors."""
+    import platform
+    import subprocess
+    import sys
+
+    from llama_fsdp.launchers.common import CPU_MALLOC_ENV
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    script = tmp_path / "heap.py"
+    script.write_text(
+        "import ctypes, json\n"
+        "class MI(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks',\n"
+        "                'hblkhd', 'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.mallinfo2.restype = MI\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "n = 24 << 20\n"
+        "before = libc.mallinfo2()\n"
+        "p = libc.malloc(n)\n"
+        "ctypes.memset(p, 1, n)\n"
+        "held = libc.mallinfo2()\n"
+        "libc.free(ctypes.c_void_p(p))\n"
+        "after = libc.mallinfo2()\n"
+        "print(json.dumps({'mmapped': held.hblks - before.hblks,\n"
+        "                  'heap_after_free': after.arena}))\n")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+
+    def heap(env):
+        out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)
+
+    default, tuned = heap(clean), heap({**clean, **CPU_MALLOC_ENV})
+    assert default["mmapped"] == 1 and default["heap_after_free"] < 24 << 20, default
+    assert tuned["mmapped"] == 0 and tuned["heap_after_free"] >= 24 << 20, tuned
 
 
 def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
