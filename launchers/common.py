@@ -82,15 +82,16 @@ def failure_message(job_id: str, reports: list[dict[str, Any]]) -> str:
 # neither: a fixed trim threshold also fixes the mmap threshold at 128 KiB (120,000 faults per
 # step). Not set when the user chose an allocator or glibc malloc settings (see _user_malloc).
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-_PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+_PRELOADED_ALLOCATORS = ("malloc", "hoard")  # jemalloc, tcmalloc, mimalloc, snmalloc, ...
 
 
 def _user_malloc(environ: Mapping[str, str]) -> bool:
     """Whether the environment already configures the allocator (a preloaded one, glibc malloc
     variables or tunables): then it is the user's, and left alone."""
+    preload = environ.get("LD_PRELOAD", "").lower()
     return (any(k.startswith("MALLOC_") for k in environ)
             or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
-            or any(a in environ.get("LD_PRELOAD", "") for a in _PRELOADED_ALLOCATORS))
+            or any(a in preload for a in _PRELOADED_ALLOCATORS))
 
 
 def worker_env(output_dir: str, device: str,
@@ -103,9 +104,30 @@ def worker_env(output_dir: str, device: str,
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
            "TORCH_FR_DUMP_TEMP_FILE": trace}
-    if device == "cpu" and not _user_malloc(os.environ if environ is None else environ):
-        env.update(CPU_MALLOC_ENV)
+    if device == "cpu":
+        if _user_malloc(os.environ if environ is None else environ):
+            log.info("CPU ranks keep the allocator settings of this environment (LD_PRELOAD, "
+                     "MALLOC_*, GLIBC_TUNABLES) instead of llama_fsdp's %s", CPU_MALLOC_ENV)
+        else:
+            env.update(CPU_MALLOC_ENV)
     return env
+
+
+@contextmanager
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ while the block runs (processes started in it inherit them),
+    the launching process's own values back after it: a CPU run's settings must not reach a
+    later run's ranks, nor look like the user's own to it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

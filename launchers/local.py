@@ -15,6 +15,7 @@ from .common import (
     SignalGuard,
     free_port,
     rank_entry,
+    scoped_environ,
     streaming,
     watch,
     worker_env,
@@ -78,10 +79,11 @@ def launch_local(spec: Any, entry: Entry, *, stream: bool = True) -> list[Any]:
     its newest complete checkpoint, in the same MLflow run.
     """
     executor = _executor(spec)
-    # the controller passes its environment to the ranks
-    os.environ.update(worker_env(spec.output_dir, spec.device))
     restarts = spec.cluster.max_restarts
-    with SignalGuard(saving=spec.save.every_steps > 0) as guard:
+    # the controller passes its environment to the ranks; this process's is restored after
+    env = worker_env(spec.output_dir, spec.device)
+    with scoped_environ({**env, ATTEMPT_ENV: "0"}), \
+            SignalGuard(saving=spec.save.every_steps > 0) as guard:
         for attempt in range(restarts + 1):
             os.environ[ATTEMPT_ENV] = str(attempt)
             job = executor.submit(rank_entry(spec, entry, master_addr="127.0.0.1",

@@ -32,8 +32,9 @@ def executor_parameters(spec: Any) -> dict[str, Any]:
         # One failing rank ends the job step at once instead of leaving its peers in a
         # collective; appending keeps the logs of earlier restarts.
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", *c.srun_args],
-        "setup": [*c.setup, *(f"export {k}={v}"
-                              for k, v in worker_env(spec.output_dir, spec.device).items())],
+        # ours first, so that the user's own setup lines (an allocator, say) have the last word
+        "setup": [*(f"export {k}={v}" for k, v in worker_env(spec.output_dir, spec.device).items()),
+                  *c.setup],
     }
     optional = {"partition": c.partition, "account": c.account, "qos": c.qos,
                 "constraint": c.constraint, "cpus_per_task": c.cpus_per_task,

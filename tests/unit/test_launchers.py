@@ -109,13 +109,30 @@ def test_cpu_ranks_keep_their_heap_unless_the_user_set_the_allocator(user):
     assert ours.isdisjoint(worker_env("/runs/x", "cuda", environ=user))
 
 
-def test_a_cpu_slurm_job_exports_the_malloc_settings(monkeypatch):
+def test_a_cpu_slurm_job_exports_the_malloc_settings_before_the_users_setup(monkeypatch):
     for k in [k for k in os.environ if k.startswith("MALLOC_")]:
         monkeypatch.delenv(k)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    setup = executor_parameters(make_spec(["cluster=slurm", "cluster.device=cpu"]))["setup"]
-    assert "export MALLOC_TRIM_THRESHOLD_=268435456" in setup
+    spec = make_spec(["cluster=slurm", "cluster.device=cpu",
+                      "cluster.setup=['export MALLOC_TRIM_THRESHOLD_=1']"])
+    setup = executor_parameters(spec)["setup"]
+    ours = setup.index("export MALLOC_TRIM_THRESHOLD_=268435456")
     assert "export MALLOC_MMAP_THRESHOLD_=33554432" in setup
+    assert setup.index("export MALLOC_TRIM_THRESHOLD_=1") > ours  # the user's line wins
+
+
+def test_the_ranks_environment_does_not_stay_in_the_launching_process(monkeypatch):
+    """A CPU run's malloc settings must not reach a later (GPU) run's ranks from a sweep in
+    the same process, nor look like the user's own to it."""
+    from llama_fsdp.launchers.common import scoped_environ
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    with scoped_environ({"HF_HUB_OFFLINE": "1", "MALLOC_TRIM_THRESHOLD_": "268435456"}):
+        assert os.environ["HF_HUB_OFFLINE"] == "1"
+        assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "268435456"
+        os.environ["HF_HUB_OFFLINE"] = "2"  # changed inside (the attempt number is): restored
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "MALLOC_TRIM_THRESHOLD_" not in os.environ
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps") or os.uname().sysname != "Linux",
@@ -130,8 +147,9 @@ def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
 
     from llama_fsdp.launchers.common import CPU_MALLOC_ENV
 
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("not glibc")
+    libc, version = platform.libc_ver()
+    if libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 33):
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
     script = tmp_path / "heap.py"
     script.write_text(
         "import ctypes, json\n"
