@@ -11,8 +11,9 @@ Every runner trains the same Llama shape (the framework's composed ``model`` nod
 step count: llama_fsdp through its real CLI (its synthetic packed data, eval off), the peers
 on fixed-seed random tokens. Runs are interleaved, the order rotated by one each round
 (round 1: A B C, round 2: B C A, ...), so that a busy machine slows every runner alike and no
-runner always goes first (after the previous round's last run has just exited) or last; each run's per-step wall time comes from
-rank-0 step-end stamps (benchmarks/step_clock.py), its warm-up steps left out.
+runner always goes first (after the previous round's last run has just exited) or last; each
+run's per-step wall time comes from rank-0 step-end stamps (benchmarks/step_clock.py), its
+warm-up steps left out.
 """
 from __future__ import annotations
 

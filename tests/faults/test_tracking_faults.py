@@ -113,7 +113,6 @@ def test_eight_parallel_jobs_sharing_a_sqlite_store_lose_no_metric(tmp_path):
 def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeypatch, caplog):
     """MLflow's monitors failing to import (as a partially initialized mlflow package once did
     on a CI run's rank 0) turn system metrics off with a warning; every metric still lands."""
-    import dataclasses
     import logging
 
     from llama_fsdp import tracking
@@ -127,7 +126,7 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
 
     monkeypatch.setattr(tracking, "SystemSampler", Broken)
     out, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path}/mlflow.db"
-    spec = dataclasses.replace(make_spec([f"tracking.uri={uri}"], output_dir=out))
+    spec = make_spec([f"tracking.uri={uri}"], output_dir=out)
     start_run(spec, command="job")
     with caplog.at_level(logging.WARNING, logger="llama_fsdp.tracking"):
         tracker = tracking.Tracker(out, uri, system_metrics_s=0.5)
@@ -138,4 +137,3 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
     tracker.finish("FINISHED")
     run_id = read_run_file(out)["run_id"]
     assert _loss_steps(uri, run_id) == list(range(1, 11))
-

@@ -160,16 +160,10 @@ class SlurmCluster:
     def activate(self):
         """Apply ``env`` to os.environ for the block (restored after): sbatch / sacct and
         submitit in this process then talk to this cluster."""
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        from llama_fsdp.launchers.common import scoped_environ
+
+        with scoped_environ(self.env):
             yield self
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     # ---- submitit helpers -------------------------------------------------------------------
     def submitit_folder(self, tmp: os.PathLike | str) -> Path:
