@@ -33,4 +33,8 @@ def main(inp: str, out: str, tb_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    from llama_fsdp.launchers.common import skip_final_collection
+
+    code = main(*sys.argv[1:4])
+    skip_final_collection()
+    sys.exit(code)

@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .config import register_configs
+from .launchers.common import skip_final_collection
 from .spec import ConfigError, RunSpec, build_spec
 
 log = logging.getLogger("llama_fsdp")
@@ -207,7 +208,10 @@ def main() -> None:
     check_versions()
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     register_configs()
-    _hydra_main()
+    try:
+        _hydra_main()
+    finally:
+        skip_final_collection()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.common import free_port, skip_final_collection
 
 
 def _entry(fn, rank, world_size, port, args, queue) -> None:
@@ -31,6 +31,7 @@ def _entry(fn, rank, world_size, port, args, queue) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        skip_final_collection()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
