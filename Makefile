@@ -15,7 +15,7 @@ run: install
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not integration"
