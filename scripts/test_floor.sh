@@ -20,4 +20,4 @@ PY
 fi
 export PYTHONPATH="$PWD/$DIR"
 $PY -c 'import transformers; print("transformers", transformers.__version__, "from", transformers.__file__)'
-$PY -m pytest -q -p no:cacheprovider tests/unit tests/multirank/test_fsdp.py
+$PY -m pytest -q -p no:cacheprovider -n 2 --dist loadscope tests/unit tests/multirank/test_fsdp.py
