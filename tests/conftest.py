@@ -105,6 +105,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_scope_rank)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist still runs the suite
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs `-n 2 --dist loadscope`: a module's tests stay on one worker (its
     session-scoped shared runs then run once), and the SLURM modules share one worker.
