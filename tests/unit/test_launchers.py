@@ -1,10 +1,15 @@
-"""Launcher pieces that need no processes: what each executor is given, failure reports."""
+"""Launcher pieces: what each executor and rank is given (parameters, environment), failure
+reports, and how a rank process ends."""
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import platform
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -135,16 +140,10 @@ def test_the_ranks_environment_does_not_stay_in_the_launching_process(monkeypatc
     assert os.environ["HF_HUB_OFFLINE"] == "0" and "MALLOC_TRIM_THRESHOLD_" not in os.environ
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps") or os.uname().sysname != "Linux",
-                    reason="glibc malloc settings")
 def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
     """The variables are spelled as this glibc reads them: a 24 MiB buffer is mmapped (and
     unmapped on free) by default, and with the settings comes from the heap and stays there
     after it is freed, for the next step's tensors."""
-    import platform
-    import subprocess
-    import sys
-
     from llama_fsdp.launchers.common import CPU_MALLOC_ENV
 
     libc, version = platform.libc_ver()
@@ -240,10 +239,6 @@ def test_a_rank_process_skips_the_exit_collection_but_not_its_exit_work(tmp_path
     """A rank's process hands its result over, then freezes its objects, so the interpreter's
     collections at exit skip what torch and transformers left (1.3-1.6 s per process); atexit
     handlers still run after that."""
-    import pickle
-    import subprocess
-    import sys
-
     (tmp_path / "rank_entry.py").write_text(
         "import atexit, gc, pathlib\n"
         "def entry(spec):\n"
