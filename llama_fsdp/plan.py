@@ -792,8 +792,10 @@ def _fixes(spec: RunSpec) -> list[str]:
     if not any(p.fits for _, p in singles):
         text, combo = _combined(spec)
         p = make_plan(combo)
-        lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
-                     + (" (fits)" if p.fits else " (not enough)"))
+        # all of them together, unless that is one change already listed (or none at all)
+        if text and text not in {t.split(" (")[0] for t, _ in singles}:
+            lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
+                         + (" (fits)" if p.fits else " (not enough)"))
         if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
             peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
             lines.append(f"{text} cluster=slurm cluster.nodes={n} "
@@ -808,7 +810,9 @@ def fixes_text(spec: RunSpec, plan: Plan) -> str:
             f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
             f"GB is usable ({plan.capacity_bytes / GB:.1f} GB from {plan.capacity_source}, less "
             f"a {plan.margin:.0%} margin).")
-    fixes = "\n".join(f"  - {f}" for f in _fixes(spec))
+    fixes = "\n".join(f"  - {f}" for f in _fixes(spec)) or (
+        "  - none left in this config: every memory-saving setting is on; it needs devices "
+        "with more memory, or more of them")
     return f"{head}\nCheapest fixes (predicted peak per device):\n{fixes}"
 
 

@@ -232,6 +232,24 @@ def test_check_fits_refuses_70b_on_one_gpu_and_names_fixes():
         assert fix in msg
 
 
+def test_fixes_list_each_change_once():
+    """8b already fully sharded, checkpointed and at micro-batch 1 on 2 CPU ranks: bf16 is the
+    one change left, so "all of them together" is that change again and is not listed twice."""
+    spec = make_spec("model=8b", "cluster.device=cpu", "sharding=full", "checkpointing=full",
+                     "train.batch_size=1", "precision=fp32")
+    with pytest.raises(P.PlanError) as err:
+        P.check_fits(spec)
+    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
+    assert len(fixes) == 1 and fixes[0].startswith("  - precision=bf16 (bf16 params"), fixes
+    assert fixes[0].endswith("(not enough alone)")
+    with pytest.raises(P.PlanError) as err:  # and in bf16, nothing is left to change
+        P.check_fits(make_spec("model=8b", "cluster.device=cpu", "sharding=full",
+                               "checkpointing=full", "train.batch_size=1", "precision=bf16"))
+    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
+    assert fixes == ["  - none left in this config: every memory-saving setting is on; it needs "
+                     "devices with more memory, or more of them"]
+
+
 def test_check_fits_suggests_full_instead_of_grad_op():
     spec = make_spec("model=70b", *GPUS, "cluster.nodes=4", "precision=mixed",
                      "sharding=grad_op", "checkpointing=full", "train.batch_size=1",
