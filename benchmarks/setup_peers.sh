@@ -4,17 +4,27 @@
 # torch and transformers are pinned to the exact versions of the project's venv, so every
 # runner uses the same kernels and the same LlamaForCausalLM; pip never swaps torch for
 # another build (a CUDA wheel on a CPU machine, or the reverse).
-#   bash benchmarks/setup_peers.sh            # VENV=.venv-bench MAIN_VENV=.venv TORCHTITAN=0.3.0
+# torchtitan's generation follows the torch and the device (benchmarks/peers/titan.py runs both):
+# 0.3.0 on CUDA torch >= 2.12 (the newest; it imports DataParallelMeshDims from 2.12 and has no
+# CPU path: flex attention has no CPU backward); 0.2.2 otherwise (torch 2.11, or a CPU build:
+# its SDPA model runs on gloo). TORCHTITAN=x.y.z overrides.
+#   bash benchmarks/setup_peers.sh            # VENV=.venv-bench MAIN_VENV=.venv TORCHTITAN=auto
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-bench}
 MAIN_VENV=${MAIN_VENV:-.venv}
-TORCHTITAN=${TORCHTITAN:-0.3.0}
 PY=${PYTHON:-python3}
 
 version() { "$MAIN_VENV/bin/python" -c "import $1; print($1.__version__)"; }
 TORCH_VERSION=$(version torch)
 TRANSFORMERS_VERSION=$(version transformers)
+if [ "${TORCHTITAN:-auto}" = auto ]; then
+  TORCHTITAN=$("$MAIN_VENV/bin/python" -c '
+import torch
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+print("0.3.0" if torch.version.cuda and (major, minor) >= (2, 12) else "0.2.2")')
+fi
+echo "torchtitan $TORCHTITAN for torch $TORCH_VERSION"
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }

@@ -177,6 +177,33 @@ def device_text(device: str, ranks: int) -> str:
     return f"CPU: {model}, {os.cpu_count()} cores (gloo)"
 
 
+def titan_generation(bench: Bench) -> str | None:
+    """The torchtitan generation in the bench venv (``"0.2"``, ``"0.3"``), or None."""
+    version = versions(bench.bench_python).get("torchtitan", "not installed")
+    return None if version == "not installed" else ".".join(version.split(".")[:2])
+
+
+def titan_note(bench: Bench) -> str:
+    gen = titan_generation(bench)
+    if gen == "0.3":
+        return ("torchtitan 0.3 has no SDPA for language models, so it runs flex attention, "
+                "with its spmd_types backend and, on NVIDIA GPUs, CUDA-graph capture of "
+                "forward+backward.")
+    if gen == "0.2":
+        text = ("torchtitan 0.2 runs SDPA with a causal mask, the transformers runners' kernel; "
+                "its llama3 has no weight tying, so a tied shape trains a separate output "
+                "matrix (vocab x hidden more parameters, the same FLOPs).")
+        if bench.device == "cpu":
+            text += (" torchtitan picks `cuda` when no accelerator is present; on CPU the "
+                     "runner points that choice at the CPU (gloo, a memory monitor that reports "
+                     "nothing) and has its FSDP units reduce gradients with SUM instead of "
+                     "PREMUL_SUM(1.0), which gloo lacks (the same sum: torchtitan divides by "
+                     "the global token count itself); its loop is otherwise unchanged "
+                     "(benchmarks/peers/titan.py).")
+        return text
+    return "torchtitan is not installed in the bench venv."
+
+
 def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
     out = [
         ("llama_fsdp runs on its own synthetic instruction data with packing (several records "
@@ -198,9 +225,7 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
          "`fsdp=\"full_shard auto_wrap\"`); the `what it ran` column is read from the trained "
          "model (FSDPModule units / DistributedDataParallel), not assumed."),
         ("torchtitan: the shape is registered as a llama3 flavor (its model, its "
-         "parallelize_llama FSDP2, its loop, its other defaults: the spmd_types backend and, "
-         "on NVIDIA GPUs, CUDA-graph capture of forward+backward); torchtitan 0.3.0 has no SDPA "
-         "for language models, so it runs flex attention."),
+         "parallelize_llama FSDP2, its loop, its other defaults). " + titan_note(bench)),
     ]
     if not clock:
         out.append("FALLBACK in force: this llama_fsdp has no `train.callbacks` yet, so its "
@@ -215,15 +240,15 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
                    "faults from 3,100-4,200 to 280-460 per step and its system time from 33-38 "
                    "to 24-31 ms per step, about 1.5% of a step.")
     titan = next((s for s in summaries if s.runner.key == "torchtitan"), None)
-    if titan and titan.error and bench.device == "cpu":
-        out.append("torchtitan picks its device as `torch._utils._get_available_device_type() "
+    if titan and titan.error and bench.device == "cpu" and titan_generation(bench) == "0.3":
+        out.append("torchtitan 0.3 picks its device as `torch._utils._get_available_device_type() "
                    "or \"cuda\"` (torchtitan/tools/utils.py), so on a CPU-only machine it calls "
-                   "`torch.cuda.set_device` and stops: it has no CPU/gloo path. It also imports "
-                   "`triton` unconditionally (setup_peers.sh installs it so that the failure "
-                   "shown is the device one). Forced onto CPU by hand (device patched, "
+                   "`torch.cuda.set_device` and stops. Forced onto CPU by hand (device patched, "
                    "`spmd_backend=partial_dtensor`), it builds this flavor with exactly the "
                    "transformers model's parameter count and then stops at the first backward: "
-                   "`NotImplementedError: FlexAttention does not support backward on CPU`.")
+                   "`NotImplementedError: FlexAttention does not support backward on CPU` (it "
+                   "has no SDPA). torchtitan 0.2.2 runs here: `TORCHTITAN=0.2.2 bash "
+                   "benchmarks/setup_peers.sh`.")
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from step_clock import step_walls
@@ -23,6 +23,8 @@ class Summary:
     round_medians: list[float]
     info: dict[str, Any]
     failures: list[tuple[int, str]]  # (round, reason) of every failed run
+    # (round, reason) of every run that stamped all its steps and then exited abnormally
+    exit_failures: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def error(self) -> str | None:
@@ -45,8 +47,9 @@ def summarize(runner: Runner, results: list[RunResult], warmup: int) -> Summary:
     cpu = [c for r in ok for c in step_walls(r.cpu_stamps, warmup=warmup)]
     failures = [(r.round, r.error or "") for r in results if not r.ok]
     info = ok[-1].info if ok else {}
+    exits = [(r.round, r.exit_error) for r in ok if r.exit_error]
     return Summary(runner, walls, cpu, [statistics.median(ws) for ws in per_round if ws], info,
-                   failures)
+                   failures, exits)
 
 
 @dataclass
@@ -208,6 +211,12 @@ def _failures(summaries: list[Summary]) -> list[str]:
     if flaky:
         out += ["## Failed runs (left out of the medians)", "",
                 *[f"- {s.runner.label}, round {n}: `{why}`" for s, (n, why) in flaky], ""]
+    exits = [(s, failure) for s in summaries for failure in s.exit_failures]
+    if exits:
+        out += ["## Runs that failed after their last step (kept in the medians)", "",
+                "Every step was stamped before the process ended abnormally (teardown), so "
+                "the steps are timed as in any other run.", "",
+                *[f"- {s.runner.label}, round {n}: `{why}`" for s, (n, why) in exits], ""]
     return out
 
 

@@ -70,6 +70,9 @@ class RunResult:
     cpu_stamps: dict[int, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # a run that stamped every step and then exited abnormally (a crash in interpreter or
+    # process-group teardown): its steps count, and the report lists the exit
+    exit_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -237,14 +240,25 @@ def execute(runner: Runner, run_dir: Path, *, round_no: int, timeout_s: float) -
     result = RunResult(runner.key, round_no, time.monotonic() - start)
     if rc != 0:
         reason = "timed out" if rc is None else f"exit code {rc}"
-        result.error = f"{reason}: {first_root_cause(runner.logs(run_dir))}"
-        return result
+        cause = f"{reason}: {first_root_cause(runner.logs(run_dir))}"
+        if rc is None or len(_stamps_or_none(runner, run_dir)) < runner.bench.steps:
+            result.error = cause
+            return result
+        result.exit_error = cause
     result.stamps, result.info = runner.stamps(run_dir), runner.info(run_dir)
     result.cpu_stamps = runner.cpu_stamps(run_dir)
     if len(result.stamps) < runner.bench.steps:
         result.error = (f"only {len(result.stamps)} of {runner.bench.steps} step stamps "
                         f"(see {log_path})")
     return result
+
+
+def _stamps_or_none(runner: Runner, run_dir: Path) -> dict[int, float]:
+    """The run's step stamps, or none where a failed run left nothing readable."""
+    try:
+        return runner.stamps(run_dir)
+    except Exception:  # noqa: BLE001 - a failed run may leave no or partial stamp files
+        return {}
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:

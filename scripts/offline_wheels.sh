@@ -17,14 +17,16 @@
 # datasets 5.2 needs the machine's pyarrow >= 24.
 #
 # BENCH_DIR (third argument or env var; empty = skip) also gets a small second wheelhouse for
-# benchmarks/throughput.py's torchtitan runner (benchmarks/peers/titan.py): torchtitan 0.3.0
-# (as benchmarks/setup_peers.sh) and only what its import path needs beyond the machine and
-# DIR. Left out on purpose: wandb (imported only with metrics.enable_wandb), torch_checkpointing
+# benchmarks/throughput.py's torchtitan runner (benchmarks/peers/titan.py), with only what its
+# import path needs beyond the machine and DIR. TORCHTITAN (env var) picks the generation:
+# 0.2.2 (the default; the GPU image's torch 2.11 cannot import 0.3, which needs
+# torch.distributed.fsdp.DataParallelMeshDims from torch >= 2.12) or 0.3.0 (adds spmd-types).
+# Left out on purpose: wandb (imported only with metrics.enable_wandb), torch_checkpointing
 # (only torchtitan's optional torch_checkpointing checkpointer imports it), typeguard (tyro
-# imports it only for CLI parsing; the runner builds Trainer.Config directly). torchtitan pins
-# datasets<4.8, but its import path works with DIR's datasets 5.2 (the runner never loads a
-# dataset). xxhash is an import-time dependency of datasets itself. torchtitan 0.3.0 imports
-# torch.distributed.fsdp.DataParallelMeshDims, so it needs torch >= 2.12.
+# imports it only for CLI parsing; the runner builds its config directly), tensorboard,
+# einops and pillow (in the GPU image). torchtitan pins datasets<4.8, but its import path works
+# with DIR's datasets 5.2 (the runner never loads a dataset). xxhash is an import-time
+# dependency of datasets itself.
 # Install next to DIR on the offline machine, and point --bench-venv at a directory whose
 # bin/python is the machine's python3:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-bench BENCH_DIR/*.whl
@@ -83,14 +85,20 @@ PINS=(
 )
 
 # benchmarks/throughput.py's torchtitan runner (BENCH_DIR, see above)
+TORCHTITAN=${TORCHTITAN:-0.2.2}
 BENCH_PINS=(
-    torchtitan==0.3.0
-    spmd-types==0.2.3
+    torchtitan==$TORCHTITAN
     torchdata==0.11.0
     tyro==1.0.17
     docstring-parser==0.18.0
     xxhash==4.1.0
 )
+case "$TORCHTITAN" in
+    0.2.*) ;;
+    0.3.*) BENCH_PINS+=(spmd-types==0.2.3) ;;
+    *) echo "TORCHTITAN=$TORCHTITAN: this script knows the import paths of 0.2.x and 0.3.x" >&2
+       exit 2 ;;
+esac
 
 download() {  # download DEST PIN...
     local dest=$1; shift

@@ -73,3 +73,66 @@ def test_throughput_rounds_rotate_the_runner_order(monkeypatch, tmp_path):
     assert all(places[(k, i)] == 1 for k in ("full", "bare", "hf") for i in range(3)), places
     assert [r.ok for r in results["hf"]] == [True, False, True, True, True, True]
     assert len(results["titan"]) == 1
+
+
+@pytest.mark.parametrize("layout,expected", [("trainer.py", "0.3"), ("trainer/__init__.py", "0.3"),
+                                             ("train.py", "0.2")])
+def test_titan_runner_reads_the_generation_without_importing_torchtitan(
+        monkeypatch, tmp_path, layout, expected):
+    """The torchtitan runner picks its API (0.3's Trainer.Config, 0.2's JobConfig) from the
+    installed files. Importing torchtitan would run its device probe (cuda when no accelerator
+    is present) before the runner can point it at the CPU, so the probe must not import it."""
+    import sys
+
+    from benchmarks.peers.titan import generation
+
+    pkg = tmp_path / "torchtitan"
+    (pkg / layout).parent.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("raise ImportError('the generation probe imported me')\n")
+    (pkg / layout).write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchtitan", raising=False)
+    assert generation() == expected
+    assert "torchtitan" not in sys.modules
+
+
+@pytest.mark.parametrize("stamped,expect_ok", [(5, True), (3, False)])
+def test_a_run_that_crashes_after_its_last_step_keeps_its_steps(
+        monkeypatch, tmp_path, stamped, expect_ok):
+    """torch 2.13 on gloo sometimes aborts a rank in teardown ("terminate called without an
+    active exception") after training finished. A run that stamped every step and then died
+    keeps its timings, with the exit reported; one that died before its last step is a failure
+    and contributes nothing."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from throughput_report import _failures, summarize
+    from throughput_runners import Bench, Runner, execute
+
+    script = ("import json, os, time\n"
+              f"with open(os.environ['BENCH_STEP_CLOCK'], 'w') as f:\n"
+              f"    for s in range(1, {stamped} + 1):\n"
+              "        f.write(json.dumps({'step': s, 't': time.time() + s, 'cpu': s}) + '\\n')\n"
+              "print('Traceback (most recent call last):\\nRuntimeError: teardown', flush=True)\n"
+              "os.abort()\n")
+
+    class Crashing(Runner):
+        key = label = "crashing"
+
+        def command(self, run_dir):
+            return [sys.executable, "-c", script]
+
+    bench = Bench(device="cpu", ranks=1, model="tiny", batch_size=1, seq_len=8, steps=5,
+                  warmup=1, precision="fp32", main_python=Path(sys.executable),
+                  bench_python=Path(sys.executable), shape_file=tmp_path / "shape.json")
+    result = execute(Crashing(bench), tmp_path / "run", round_no=1, timeout_s=60)
+    summary = summarize(Crashing(bench), [result], warmup=1)
+    report = "\n".join(_failures([summary]))
+    assert result.ok is expect_ok
+    if expect_ok:
+        assert len(summary.walls) == 4  # steps 2..5 (step 1 is the warm-up), one wall each
+        assert result.exit_error.startswith("exit code -6") and "RuntimeError" in result.exit_error
+        assert "failed after their last step (kept in the medians)" in report
+    else:
+        assert summary.walls == [] and "RuntimeError: teardown" in summary.error
+        assert "Cannot run here" in report
