@@ -250,8 +250,8 @@ def _comm_bytes(spec: RunSpec) -> int:
     grads in compute dtype, and the largest unit's unsharded params, grads and reduce-scatter
     input. Untied (parallel.py's groups) that unit is [norm, head], gathered from its forward
     to its backward (the embedding, as large, is never gathered in backward); tied, the root
-    (embedding, norm, head), gathered again for backward, with one reduce-scatter input counted
-    layer-sized as before (the phase model has the root's in full)."""
+    (embedding, norm, head), gathered once for forward and kept through backward, with one
+    reduce-scatter input counted layer-sized (the phase model has the root's in full)."""
     m, p = spec.model, spec.policy
     c, r = DTYPE_BYTES[p.compute_dtype], DTYPE_BYTES[p.reduce_dtype]
     layer = _numel(layer_shapes(m))
@@ -327,14 +327,13 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
 
     forward   (at the head) saved activations, unsharded params kept (all of them without
               resharding, else the last layer, which parallel.py never reshards), the root's
-              unsharded params (resharded only after forward), 2 layers being all-gathered
-              (output buffer + copy-out), the logits in compute dtype;
-    loss      the plan's logits + loss buffers, or, when the root's pre-backward all-gather
-              fires on the logits' grad, that all-gather (2 x root) beside the fp32 grad of the
-              logits and its compute-dtype cast;
+              unsharded params (never resharded after forward: FSDP2's default for the root),
+              2 layers being all-gathered (output buffer + copy-out), the logits in compute
+              dtype;
+    loss      the root still unsharded, and the plan's logits + loss buffers or the fp32 grad
+              of the logits and its compute-dtype cast;
     layers    the head's grad, then either the lm_head backward (saved activations, grad of
-              logits and of hidden; the root's all-gather output may still be held beside its
-              unsharded params until the next all-gather) or a layer's backward (all
+              logits and of hidden, the root unsharded) or a layer's backward (all
               activations, a checkpointed layer recomputed; the root still unsharded, sharded
               layer grads so far, 2 layers in flight, one layer's unsharded grads, its
               reduce-scatter input, gloo's copy of it);
@@ -391,11 +390,11 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     return {
         "forward": state + accumulated + saved + kept + root_unsharded + in_flight
         + c * tokens * vocab,
-        "loss": state + accumulated + saved + kept + max(
+        "loss": state + accumulated + saved + kept + root_unsharded + max(
             logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c),
-            2 * root_unsharded + grad_logits_fp32),
+            grad_logits_fp32),
         "layers": state + kept + vocab * hidden * c + max(
-            saved + accumulated + 2 * root_unsharded + c * tokens * (vocab + hidden),
+            saved + accumulated + root_unsharded + c * tokens * (vocab + hidden),
             acts + root_unsharded + (accumulated or layer_grads) + in_flight + layer * c
             + rs_copies * layer * r),
         "root": state + grads + max(2 * root * c + tied_grad,
