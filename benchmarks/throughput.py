@@ -177,14 +177,12 @@ def device_text(device: str, ranks: int) -> str:
     return f"CPU: {model}, {os.cpu_count()} cores (gloo)"
 
 
-def titan_generation(bench: Bench) -> str | None:
-    """The torchtitan generation in the bench venv (``"0.2"``, ``"0.3"``), or None."""
-    version = versions(bench.bench_python).get("torchtitan", "not installed")
+def titan_generation(version: str) -> str | None:
+    """The torchtitan generation (``"0.2"``, ``"0.3"``) of an installed version, or None."""
     return None if version == "not installed" else ".".join(version.split(".")[:2])
 
 
-def titan_note(bench: Bench) -> str:
-    gen = titan_generation(bench)
+def titan_note(bench: Bench, gen: str | None) -> str:
     if gen == "0.3":
         return ("torchtitan 0.3 has no SDPA for language models, so it runs flex attention, "
                 "with its spmd_types backend and, on NVIDIA GPUs, CUDA-graph capture of "
@@ -204,7 +202,8 @@ def titan_note(bench: Bench) -> str:
     return "torchtitan is not installed in the bench venv."
 
 
-def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
+def notes(bench: Bench, summaries: list[Summary], clock: bool, titan_version: str) -> list[str]:
+    gen = titan_generation(titan_version)
     out = [
         ("llama_fsdp runs on its own synthetic instruction data with packing (several records "
          "per row, position_ids restarting per record, so transformers builds a block-causal "
@@ -225,7 +224,7 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
          "`fsdp=\"full_shard auto_wrap\"`); the `what it ran` column is read from the trained "
          "model (FSDPModule units / DistributedDataParallel), not assumed."),
         ("torchtitan: the shape is registered as a llama3 flavor (its model, its "
-         "parallelize_llama FSDP2, its loop, its other defaults). " + titan_note(bench)),
+         "parallelize_llama FSDP2, its loop, its other defaults). " + titan_note(bench, gen)),
     ]
     if not clock:
         out.append("FALLBACK in force: this llama_fsdp has no `train.callbacks` yet, so its "
@@ -240,7 +239,7 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool) -> list[str]:
                    "faults from 3,100-4,200 to 280-460 per step and its system time from 33-38 "
                    "to 24-31 ms per step, about 1.5% of a step.")
     titan = next((s for s in summaries if s.runner.key == "torchtitan"), None)
-    if titan and titan.error and bench.device == "cpu" and titan_generation(bench) == "0.3":
+    if titan and titan.error and bench.device == "cpu" and gen == "0.3":
         out.append("torchtitan 0.3 picks its device as `torch._utils._get_available_device_type() "
                    "or \"cuda\"` (torchtitan/tools/utils.py), so on a CPU-only machine it calls "
                    "`torch.cuda.set_device` and stops. Forced onto CPU by hand (device patched, "
@@ -275,13 +274,14 @@ def _repo_relative(path: str | Path) -> str:
 
 def meta_for(args: argparse.Namespace, bench: Bench, summaries: list[Summary], shape: dict,
              rounds: list[Round], clock: bool, work_dir: Path) -> Meta:
+    peers = versions(bench.bench_python)
+    titan = peers.get("torchtitan", "not installed")
     return Meta(device=device_text(args.device, args.ranks),
-                versions={".venv": versions(bench.main_python),
-                          args.bench_venv.name: versions(bench.bench_python)},
+                versions={".venv": versions(bench.main_python), args.bench_venv.name: peers},
                 shape=shape, rounds=rounds, date=f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
                 argv=shlex.join([_repo_relative(bench.main_python),
                                  *map(_repo_relative, sys.argv)]),
-                work_dir=_repo_relative(work_dir), notes=notes(bench, summaries, clock))
+                work_dir=_repo_relative(work_dir), notes=notes(bench, summaries, clock, titan))
 
 
 def main() -> None:

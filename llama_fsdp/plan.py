@@ -797,7 +797,7 @@ def _fixes(spec: RunSpec) -> list[str]:
                          + (" (fits)" if p.fits else " (not enough)"))
         if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
             peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
-            lines.append(f"{text} cluster=slurm cluster.nodes={n} "
+            lines.append(f"{text + ' ' if text else ''}cluster=slurm cluster.nodes={n} "
                          f"({n * spec.nproc_per_node} ranks): {peak:.1f} GB (fits)")
     return lines
 

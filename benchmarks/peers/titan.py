@@ -23,13 +23,20 @@ Two torchtitan generations, as installed (benchmarks/setup_peers.sh picks by tor
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from benchmarks.peers.common import load_shape, parse_args, threads_per_rank, write_info
+from benchmarks.peers.common import (
+    load_shape,
+    parse_args,
+    random_tokens,
+    threads_per_rank,
+    write_info,
+)
 from benchmarks.step_clock import StepClock
 
 FLAVOR = "benchmark"
@@ -90,6 +97,17 @@ def register_flavor(shape: dict[str, Any]) -> Any:
     return llama3.model_registry(FLAVOR, attn_backend=ATTENTION)
 
 
+def random_batches(*, vocab: int, seed: int, dp_rank: int, batch: int, seq_len: int,
+                   positions: bool) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """torchtitan's (inputs, targets) pairs, forever: four fixed-seed random batches per
+    data-parallel rank, cycled, one document per row (0.3 also takes the positions)."""
+    rows = random_tokens(4, batch=batch, seq_len=seq_len, vocab=vocab, seed=seed + dp_rank,
+                         device=torch.device("cpu"))
+    extra = {"positions": torch.arange(seq_len).expand(batch, seq_len)} if positions else {}
+    for r in itertools.cycle(rows):
+        yield {"input": r[:, :-1], **extra}, r[:, 1:]
+
+
 def components(vocab: int, seed: int) -> tuple[type, type]:
     """A tokenizer-free random-token data loader, as torchtitan Configurables."""
     from torchtitan.components.dataloader import BaseDataLoader
@@ -123,17 +141,10 @@ def components(vocab: int, seed: int) -> tuple[type, type]:
 
         def __init__(self, config: Config, *, dp_rank: int, local_batch_size: int, seq_len: int,
                      **_: Any):
-            gen = torch.Generator().manual_seed(seed + dp_rank)
-            self.rows = [torch.randint(vocab, (local_batch_size, seq_len + 1), generator=gen)
-                         for _ in range(4)]
-            self.positions = torch.arange(seq_len).expand(local_batch_size, seq_len)
+            self.shape = {"dp_rank": dp_rank, "batch": local_batch_size, "seq_len": seq_len}
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            i = 0
-            while True:
-                rows = self.rows[i % len(self.rows)]
-                i += 1
-                yield {"input": rows[:, :-1], "positions": self.positions}, rows[:, 1:]
+            return random_batches(vocab=vocab, seed=seed, positions=True, **self.shape)
 
         def state_dict(self) -> dict[str, Any]:
             return {}
@@ -252,7 +263,7 @@ def job_config_v02(args: Any, shape: dict[str, Any]) -> Any:
     from torchtitan.models.llama3 import get_train_spec
     from torchtitan.protocols.train_spec import register_train_spec
 
-    _, loader = components_v02(shape["vocab_size"], args.seed)
+    loader = loader_v02(shape["vocab_size"], args.seed)
 
     def build_loader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any,
                      **_: Any) -> Any:
@@ -293,22 +304,16 @@ def job_config_v02(args: Any, shape: dict[str, Any]) -> Any:
     return jc
 
 
-def components_v02(vocab: int, seed: int) -> tuple[None, type]:
+def loader_v02(vocab: int, seed: int) -> type:
     """The random-token loader for torchtitan 0.2 (a Stateful iterable; no Config class)."""
     from torchtitan.components.dataloader import BaseDataLoader
 
     class RandomTokens(BaseDataLoader):
         def __init__(self, *, dp_rank: int, local_batch_size: int, seq_len: int) -> None:
-            gen = torch.Generator().manual_seed(seed + dp_rank)
-            self.rows = [torch.randint(vocab, (local_batch_size, seq_len + 1), generator=gen)
-                         for _ in range(4)]
+            self.shape = {"dp_rank": dp_rank, "batch": local_batch_size, "seq_len": seq_len}
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            i = 0
-            while True:
-                rows = self.rows[i % len(self.rows)]
-                i += 1
-                yield {"input": rows[:, :-1]}, rows[:, 1:]
+            return random_batches(vocab=vocab, seed=seed, positions=False, **self.shape)
 
         def state_dict(self) -> dict[str, Any]:
             return {}
@@ -316,7 +321,7 @@ def components_v02(vocab: int, seed: int) -> tuple[None, type]:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             pass
 
-    return None, RandomTokens
+    return RandomTokens
 
 
 def main() -> None:
