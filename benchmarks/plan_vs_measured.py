@@ -19,8 +19,9 @@ scatter outputs), so the profiler's running sum drifts by tens of MB within a st
 ``phase_peaks`` (llama_fsdp.plan) is the per-phase model the plan now predicts with:
 ``Plan.predicted_peak_bytes`` is its maximum over the phases, which matches the measured peak to
 within 10% (never below it) where the old summed plan (``Plan.memory.total``) is 10-37% above it.
-The batches measured here are input_ids only (no packed documents), so the cases set
-data.packing=false, as the plan's packed-sequence mask term would otherwise count.
+Most cases' batches are input_ids only (no packed documents) and set data.packing=false; the
+packed cases (the last field of a case: the attention, ``varlen`` or ``sdpa``) add position_ids
+that restart at records of 8-40 tokens, as the plan's packed-sequence terms count them.
 
     .venv/bin/python benchmarks/plan_vs_measured.py --out benchmarks/plan_vs_measured_cpu.md
     .venv/bin/python benchmarks/plan_vs_measured.py --quick
@@ -164,21 +165,26 @@ class Heap:
 
 
 def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1) -> list[str]:
+              tied: bool = False, grad_accum: int = 1, packed: str = "") -> list[str]:
+    """``packed``: "" for unpacked input_ids, else the attention over packed records."""
     o = ["tracking.enabled=false", "cluster.device=cpu", f"cluster.nproc_per_node={world}",
          f"sharding={strategy}", f"precision={precision}", f"checkpointing={ac}",
          f"train.batch_size={batch}", f"train.grad_accum={grad_accum}", "train.seq_len=256",
-         "data.packing=false",  # _batches makes unpacked input_ids: no 4-D document mask
          *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}"]
+    if packed:  # _batches adds position_ids restarting per record
+        o += ["data.packing=true", f"model.attn_implementation={packed}"]
+    else:  # _batches makes unpacked input_ids: no document mask
+        o.append("data.packing=false")
     if strategy in ("hybrid", "hybrid_grad_op") and world == 4:
         o.append("sharding.shard_size=2")
     return o
 
 
 def case_name(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1) -> str:
+              tied: bool = False, grad_accum: int = 1, packed: str = "") -> str:
     return (f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
-            + (f" x {grad_accum}" if grad_accum > 1 else "") + (", tied" if tied else ""))
+            + (f" x {grad_accum}" if grad_accum > 1 else "") + (", tied" if tied else "")
+            + (f", packed ({packed})" if packed else ""))
 
 
 # --- on each rank -----------------------------------------------------------------------------
@@ -189,9 +195,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+PACKED_RECORDS = (8, 40)  # record lengths of the packed cases' rows (tokens)
+
+
 def _batches(spec, rank: int, steps: int) -> list[list[dict]]:
-    """Random tokens: per step, train.grad_accum micro-batches."""
+    """Random tokens: per step, train.grad_accum micro-batches (with packed records'
+    position_ids when data.packing is on)."""
     import torch
+
+    from benchmarks.peers.common import packed_positions
 
     t = spec.train
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -202,6 +214,9 @@ def _batches(spec, rank: int, steps: int) -> list[list[dict]]:
             ids = torch.randint(0, spec.model.vocab_size, (t.batch_size, t.seq_len),
                                 generator=gen)
             micro.append({"input_ids": ids, "labels": ids.clone()})
+            if spec.data.packing:
+                micro[-1]["position_ids"] = packed_positions(t.batch_size, t.seq_len,
+                                                             PACKED_RECORDS, gen)
         out.append(micro)
     return out
 
@@ -338,6 +353,11 @@ FULL_CASES = (
     # no_shard is DDP: its buckets with accumulation and a tied embedding, autocast with AC
     + [(2, "no_shard", "fp32", "none", 2, False, 2), (2, "no_shard", "fp32", "none", 4, True),
        (2, "no_shard", "mixed", "full", 1, True, 2)]
+    # packed records: varlen (the CPU default, block-sparse SDPA) and SDPA's dense mask
+    + [(2, "full", "fp32", "none", 4, False, 1, a) for a in ("varlen", "sdpa")]
+    + [(2, "full", "bf16", "full", 4, False, 1, "varlen"), (2, "no_shard", "fp32", "none", 4,
+                                                             False, 1, "varlen"),
+       (2, "grad_op", "mixed", "none", 1, True, 2, "varlen")]
 )
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),
@@ -430,8 +450,10 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "deleted: MKL / oneDNN / gloo buffers, 0-10 MB).",
         "- *predicted*: `make_plan(spec).predicted_peak_bytes`, i.e. "
         "`max(phase_peaks(spec, gloo=True).values())`, the plan's per-phase model "
-        "(docstring of `llama_fsdp.plan.phase_peaks`). The cases set data.packing=false: "
-        "the batches are unpacked input_ids.",
+        "(docstring of `llama_fsdp.plan.phase_peaks`). The cases set data.packing=false "
+        "(the batches are unpacked input_ids), except the *packed* ones: position_ids restart "
+        f"at records of {PACKED_RECORDS[0]}-{PACKED_RECORDS[1]} tokens, run by the attention "
+        "named (varlen, the CPU default: block-sparse SDPA; sdpa: transformers' dense mask).",
         "- *peak phase*: where the measured peak is / where the phase model puts it.",
         "",
         "| config | sum GB | measured GB | measured / sum | predicted GB "
@@ -494,9 +516,12 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "+ layers x b x s x (2c(h - g) + c s) bytes, measured +8.7 MB (fp32, b=4, s=256), "
         "+12.7 MB (fp32, b=2, s=512) and +6.4 MB (bf16, b=2, s=512) with AC none. The plan "
         "counts it (`packed_mask_bytes`, in the activations of every saved layer and of the "
-        "recomputed one) when data.packing is true, the default; at s=8192 it is GBs per layer "
-        "stack. The cases here set data.packing=false to match their batches.",
-        "- `tests/multirank/test_plan_memory.py` checks 8 of these configs on every run: measured "
+        "recomputed one) when data.packing is true with model.attn_implementation=sdpa; at "
+        "s=8192 it is GBs per layer stack. varlen, the default for packed rows on CPU and on "
+        "CUDA in 16-bit, keeps no such mask (on CPU its chunks' masks, made once per "
+        "micro-batch, are counted at their bound of s bools per token): the *packed* rows above "
+        "measure both.",
+        "- `tests/multirank/test_plan_memory.py` checks 11 of these configs on every run: measured "
         "within [0.88, 1.02] x `predicted_peak_bytes` (the phase model), measured <= the sum "
         "and >= 0.55 x the sum, and the heap at the start of step 2 equal to params + AdamW "
         "moments (1 MB + 1%).",

@@ -46,11 +46,11 @@ from throughput_runners import (
 
 log = logging.getLogger("throughput")
 
+# llama_fsdp_sdpa: packed rows through SDPA's dense block mask, against auto's varlen (flash
+# varlen_attn on CUDA, block-sparse SDPA on CPU)
 RUNNERS_CPU = ("llama_fsdp", "bare_fsdp2", "hf_trainer", "torchtitan", "llama_fsdp_no_shard",
-               "bare_fsdp2_packed", "llama_fsdp_unpacked")
-# llama_fsdp_sdpa: packed rows through SDPA's dense block mask, against auto's flash varlen
-# (on CPU auto is SDPA already, so the row would repeat llama_fsdp's)
-RUNNERS_CUDA = RUNNERS_CPU + ("hf_trainer_ddp", "llama_fsdp_sdpa")
+               "bare_fsdp2_packed", "llama_fsdp_unpacked", "llama_fsdp_sdpa")
+RUNNERS_CUDA = RUNNERS_CPU + ("hf_trainer_ddp",)
 ALL_RUNNERS = RUNNERS_CUDA
 
 

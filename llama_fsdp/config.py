@@ -47,9 +47,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     # A Hugging Face directory or hub name to start from; its config.json must match the shape.
     path: Optional[str] = None
-    # Attention kernel: "auto" (varlen for packed rows on CUDA in 16-bit, else sdpa), "varlen"
-    # (flash over the packed records, no mask: llama_fsdp/attention.py), or a name transformers
-    # knows ("sdpa", "eager", "flex_attention", "flash_attention_2"), passed to it unchanged.
+    # Attention kernel: "auto" (varlen for packed rows on CPU and on CUDA in 16-bit, else
+    # sdpa), "varlen" (the records' bounds from the host, no dense mask: flash varlen_attn on
+    # CUDA, block-sparse SDPA on CPU; llama_fsdp/attention.py), or a name transformers knows
+    # ("sdpa", "eager", "flex_attention", "flash_attention_2"), passed to it unchanged.
     attn_implementation: str = "auto"
     init_std: float = 0.02
 

@@ -146,9 +146,20 @@ def sharded_numel(shapes: list[tuple[int, ...]], shard: int) -> int:
 # sequence: at s=8192 it is GBs over a layer stack.
 
 
-# model.attn_implementation=varlen (llama_fsdp/attention.py) takes packed rows with no mask: no
-# c·s term. Where torch's varlen_attn has no enable_gqa (before 2.12) k and v are repeated to
-# every head before the kernel, which saves them: the 2c(h - g) term stays.
+# model.attn_implementation=varlen (llama_fsdp/attention.py) takes packed rows with no b x s x s
+# mask: no c·s term. On CUDA, where torch's varlen_attn has no enable_gqa (before 2.12), k and v
+# are repeated to every head before the kernel, which saves them: the 2c(h - g) term stays. On
+# CPU (block-sparse SDPA) nothing is repeated (SDPA takes grouped-query heads and saves views of
+# k and v), but the chunks' outputs (saved by each chunk's SDPA) and their concatenation (o_proj's
+# input) are two tensors where SDPA's one output serves both: c·h per token and saved layer
+# (measured +4.4 MB = 4 layers x 1,024 tokens x 4 bytes x h=256, fp32, b=4, s=256; the packed
+# rows of benchmarks/plan_vs_measured_cpu.md). The chunks' masks are made once per micro-batch,
+# as additive masks in the compute dtype, and every layer's SDPA saves those same tensors (a
+# bool mask would be converted, and the copy saved, in every layer): b x (sum of chunk x
+# window) x c bytes, at most c·(s/2 + min(s, 2048)/2) per token (attention.chunk_plan; one
+# record per row comes near it, short records far below), counted once at that bound
+# (``varlen_mask_bytes``). An explicit varlen on unpacked rows runs the same way (one record per
+# row): these terms count whenever the kernel is varlen, packed or not.
 
 
 def _varlen_repeats_kv() -> bool:
@@ -157,12 +168,23 @@ def _varlen_repeats_kv() -> bool:
     return not VARLEN_GQA
 
 
-def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sdpa") -> int:
+def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sdpa",
+                      device: str = "cuda") -> int:
     """Extra saved-for-backward bytes per token of one layer when sequences are packed."""
     h, g = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
     if attention == "varlen":
+        if device != "cuda":
+            return c * h  # block-sparse SDPA: the chunks' outputs beside their concatenation
         return 2 * c * (h - g) if _varlen_repeats_kv() else 0
     return 2 * c * (h - g) + c * seq_len
+
+
+def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
+    """Per token, once per micro-batch: the block-sparse chunks' additive masks (varlen off
+    CUDA), at their bound."""
+    if m.attn_implementation != "varlen" or device == "cuda":
+        return 0
+    return c * (seq_len // 2 + min(seq_len, 2048) // 2 + 1)
 
 
 def layer_activation_bytes(m: ModelConfig, c: int) -> int:
@@ -171,23 +193,28 @@ def layer_activation_bytes(m: ModelConfig, c: int) -> int:
     return (8 + 6 * c) * h + 2 * c * g + 4 * c * i + 4 * (m.num_heads + 2)
 
 
-def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False) -> int:
+def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False,
+                      device: str = "cuda") -> int:
     """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
-    sequences' term when ``packing`` (that of ``m.attn_implementation``)."""
-    extra = packed_mask_bytes(m, seq_len, c, m.attn_implementation) if packing else 0
+    sequences' term when ``packing`` (that of ``m.attn_implementation`` on ``device``)."""
+    varlen = m.attn_implementation == "varlen"  # its bounds are made for unpacked rows too
+    extra = (packed_mask_bytes(m, seq_len, c, m.attn_implementation, device)
+             if packing or varlen else 0)
     return layer_activation_bytes(m, c) + extra
 
 
 def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,
-                     ac: Optional[CheckpointingConfig] = None, packing: bool = False) -> int:
+                     ac: Optional[CheckpointingConfig] = None, packing: bool = False,
+                     device: str = "cuda") -> int:
     """Activations kept for backward by one micro-batch, loss buffers excluded (``packing``:
-    data.packing, which adds the 4-D mask term above)."""
-    per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing)
+    data.packing, which adds the packed attention's terms above)."""
+    per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing, device=device)
     wrapped = len((ac or CheckpointingConfig()).wrapped_layers(m.num_layers))
     layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
     if wrapped:
         layers += per_layer  # the layer being recomputed in backward
     outside = 4 * m.hidden_size + 2 * c * m.hidden_size + 4 + 8
+    outside += varlen_mask_bytes(m, seq_len, c, device)
     rope = 2 * seq_len * (m.hidden_size // m.num_heads) * c
     return micro_batch * seq_len * (layers + outside) + rope
 
@@ -297,7 +324,8 @@ def memory_breakdown(spec: RunSpec) -> Memory:
         params=params, grads=grads, optimizer=optim, unsharded_params=kept,
         comm_buffers=_comm_bytes(spec),
         activations=activation_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
-                                     c=c, ac=ac, packing=spec.data.packing),
+                                     c=c, ac=ac, packing=spec.data.packing,
+                                     device=spec.device),
         logits_loss=logits_loss_bytes(spec.model, micro_batch=t.batch_size, seq_len=t.seq_len,
                                       c=c),
         host=host,
@@ -309,7 +337,7 @@ def memory_breakdown(spec: RunSpec) -> Memory:
 #
 # The predicted peak is the largest of what is live in each phase of a step, from the second
 # step on (with optimizer state). Measured against real CPU gloo ranks in
-# benchmarks/plan_vs_measured_cpu.md (61 configs: measured / max over phases 0.92 to 1.01);
+# benchmarks/plan_vs_measured_cpu.md (66 configs: measured / max over phases 0.92 to 1.01);
 # tests/multirank/test_plan_memory.py checks it on every run.
 
 PHASES = ("forward", "loss", "layers", "root", "optimizer")
@@ -361,10 +389,11 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     kept = layer * c if resharded else count_params(m) * c
     packing = spec.data.packing
     acts = activation_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c, ac=ac,
-                            packing=packing)
+                            packing=packing, device=spec.device)
     wrapped = len(ac.wrapped_layers(m.num_layers))
     # the layer recomputed in backward is not live before it
-    recomputed = tokens * saved_layer_bytes(m, seq_len=t.seq_len, c=c, packing=packing)
+    recomputed = tokens * saved_layer_bytes(m, seq_len=t.seq_len, c=c, packing=packing,
+                                            device=spec.device)
     saved = acts - (recomputed if wrapped else 0)
     if mesh.ddp:
         return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,

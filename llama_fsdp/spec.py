@@ -355,16 +355,20 @@ def resolve_precision(name: str, device: str) -> str:
 
 def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packing: bool,
                       problems: list[str]) -> ModelConfig:
-    """model.attn_implementation=auto made concrete (SDPA off CUDA), and an explicit varlen
-    checked (llama_fsdp/attention.py; torch is imported only for CUDA runs)."""
+    """model.attn_implementation=auto made concrete, and an explicit varlen checked
+    (llama_fsdp/attention.py; torch is imported only for CUDA runs). auto is varlen for packed
+    rows: flash varlen_attn on CUDA (in 16-bit, where torch has it), block-sparse SDPA on CPU;
+    SDPA otherwise (unpacked rows take its causal path)."""
     name = m.attn_implementation
-    if device != "cuda" or name not in ("auto", "varlen"):
-        impl = "sdpa" if name == "auto" else name
-    else:
+    if device == "cuda" and name in ("auto", "varlen"):
         from . import attention
 
         problems.extend(attention.problems(name, compute_dtype=compute_dtype))
         impl = attention.resolve_cuda(name, compute_dtype=compute_dtype, packing=packing)
+    elif name == "auto":
+        impl = "varlen" if packing and device == "cpu" else "sdpa"
+    else:
+        impl = name
     return dataclasses.replace(m, attn_implementation=impl)
 
 

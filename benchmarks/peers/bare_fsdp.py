@@ -24,6 +24,7 @@ from benchmarks.peers.common import (
     init_distributed,
     llama_config,
     load_shape,
+    packed_positions,
     parse_args,
     random_tokens,
     threads_per_rank,
@@ -43,20 +44,6 @@ DISTINCT_BATCHES = 4  # cycled, so the loop never waits on data
 # --packed: record lengths drawn uniformly from this range, like llama_fsdp's synthetic records
 # (median 8 tokens, p95 12: 12-21 records in a 128-token row)
 RECORD_LENGTHS = (4, 12)
-
-
-def packed_positions(batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
-    """position_ids that restart at every record boundary, records of random length."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batch):
-        parts, filled = [], 0
-        while filled < seq_len:
-            n = int(torch.randint(RECORD_LENGTHS[0], RECORD_LENGTHS[1] + 1, (), generator=gen))
-            parts.append(torch.arange(min(n, seq_len - filled)))
-            filled += len(parts[-1])
-        rows.append(torch.cat(parts))
-    return torch.stack(rows).to(device)
 
 
 def build_model(shape: dict, precision: str, device: torch.device, seed: int) -> LlamaForCausalLM:
@@ -81,8 +68,9 @@ def main() -> None:
     batches = random_tokens(DISTINCT_BATCHES, batch=args.batch_size, seq_len=args.seq_len,
                             vocab=shape["vocab_size"], seed=args.seed + d.rank, device=d.device)
     targets = args.batch_size * args.seq_len * d.world
-    extra = ({"position_ids": packed_positions(args.batch_size, args.seq_len, args.seed + d.rank,
-                                               d.device)} if args.packed else {})
+    extra = ({"position_ids": packed_positions(
+        args.batch_size, args.seq_len, RECORD_LENGTHS,
+        torch.Generator().manual_seed(args.seed + d.rank)).to(d.device)} if args.packed else {})
     write_info(args.info, d.rank, {
         "ran": f"FSDP2 fully_shard x {len(model.model.layers)} layers + root",
         "parameters": sum(p.numel() for p in model.parameters()),

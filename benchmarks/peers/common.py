@@ -101,6 +101,21 @@ def random_tokens(n: int, *, batch: int, seq_len: int, vocab: int, seed: int,
     return [torch.randint(vocab, (batch, seq_len + 1), generator=gen).to(device) for _ in range(n)]
 
 
+def packed_positions(batch: int, seq_len: int, lengths: tuple[int, int],
+                     gen: torch.Generator) -> torch.Tensor:
+    """position_ids [batch, seq_len] that restart at every record boundary, as packed rows'
+    do; record lengths drawn uniformly from ``lengths`` (inclusive)."""
+    rows = []
+    for _ in range(batch):
+        parts, filled = [], 0
+        while filled < seq_len:
+            n = int(torch.randint(lengths[0], lengths[1] + 1, (), generator=gen))
+            parts.append(torch.arange(min(n, seq_len - filled)))
+            filled += len(parts[-1])
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
 def write_info(path: Path, rank: int, info: dict[str, Any]) -> None:
     """Rank 0 records what actually ran (wrapping, dtypes, parameter count) for the report."""
     if rank == 0:

@@ -71,8 +71,9 @@ def test_default_run_mlflow_record(default_run):
     assert run.data.params["model.name"] == "tiny"
     assert run.data.params["sharding.strategy"] == "full"
     assert run.data.tags["git_commit"]
-    # the auto choices, as this run resolved them (CPU: fp32 and SDPA)
-    assert (run.data.tags["precision"], run.data.tags["attention"]) == ("fp32", "sdpa")
+    # the auto choices, as this run resolved them (CPU: fp32, and varlen's block-sparse SDPA
+    # over the packed records)
+    assert (run.data.tags["precision"], run.data.tags["attention"]) == ("fp32", "varlen")
     assert Path(run.data.tags["output_dir"]).is_relative_to(cwd / "outputs" / "runs")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert "config.yaml" in artifacts

@@ -49,8 +49,11 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 def _logits(model):
     """Logits of the probe batch, as numpy (passes between processes by value)."""
+    from llama_fsdp.attention import model_inputs
+
     with torch.no_grad():
-        return model(input_ids=PROBE).logits.float().numpy().copy()
+        inputs = model_inputs(model, {"input_ids": PROBE}, torch.device("cpu"))
+        return model(**inputs).logits.float().numpy().copy()
 
 
 def _close(x, y, **kw) -> None:

@@ -74,13 +74,17 @@ def _curves(rank, world, specs):
 
 @pytest.fixture(scope="session")
 def reference_curve():
-    return run_ranks(_curves, 1, {"full": _spec(1, "full")})[0]["full"][0]
+    """One rank, with transformers' dense block-causal mask over the packed records (SDPA)."""
+    sdpa = ["model.attn_implementation=sdpa"]
+    return run_ranks(_curves, 1, {"full": _spec(1, "full", sdpa)})[0]["full"][0]
 
 
 def test_two_ranks_match_one_rank(reference_curve):
-    """... and so does varlen attention over the packed records (its CPU reference; with the
-    held-out loss and the generated answers run through it every 3 steps, and every layer
-    recomputed in backward from the same batch's records)."""
+    """N ranks give the 1-rank curve, with the CPU default attention over the packed records
+    (varlen's block-sparse SDPA) against the dense mask: also with the held-out loss and the
+    generated answers run through it every 3 steps, and every layer recomputed in backward
+    from the same batch's records."""
+    assert _spec(2, "full").model.attn_implementation == "varlen"  # auto, CPU, packed rows
     varlen = ["model.attn_implementation=varlen", "eval.every_steps=3", "eval.task_prompts=4",
               "checkpointing=full"]
     res = run_ranks(_curves, 2, {"full": _spec(2, "full"), "no_shard": _spec(2, "no_shard"),
@@ -107,6 +111,7 @@ def _grouping(rank, world, specs):
     from torch.distributed.tensor import DTensor
 
     from llama_fsdp.parallel import fsdp_units
+    from llama_fsdp.attention import model_inputs
     from llama_fsdp.train import loss_sum
     from llama_fsdp.worker import build_model
 
@@ -126,7 +131,8 @@ def _grouping(rank, world, specs):
         hook = embed.register_forward_hook(on_embed_output)
         tokens = torch.randint(0, spec.model.vocab_size, (2, 17),
                                generator=torch.Generator().manual_seed(rank))
-        loss = loss_sum(model, {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        loss = loss_sum(model, model_inputs(model, batch, torch.device("cpu")))
         seen["after forward"] = sharded()
         loss.backward()
         hook.remove()
@@ -187,6 +193,7 @@ def test_no_shard_is_ddp_and_accumulates_like_fsdp():
 def _clip_against_full_gradient(rank, world, specs):
     """clip_grad_norm on the local shards vs the norm of the gathered full gradient."""
     from llama_fsdp.parallel import clip_grad_norm
+    from llama_fsdp.attention import model_inputs
     from llama_fsdp.train import loss_sum
     from llama_fsdp.worker import build_model
 
@@ -198,7 +205,8 @@ def _clip_against_full_gradient(rank, world, specs):
         model = build_model(spec, torch.device("cpu"))
         tokens = torch.randint(0, spec.model.vocab_size, (2, 33),
                                generator=torch.Generator().manual_seed(rank))
-        loss_sum(model, {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}).backward()
+        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        loss_sum(model, model_inputs(model, batch, torch.device("cpu"))).backward()
         params = list(model.parameters())
         before = [full(p.grad).double() for p in params]
         reference = float(torch.stack([g.pow(2).sum() for g in before]).sum().sqrt())

@@ -30,6 +30,7 @@ def _state_bytes(rank, world, specs):
     """(params, grads, optimizer) bytes this rank holds after one step, per case."""
     import torch
 
+    from llama_fsdp.attention import model_inputs
     from llama_fsdp.train import build_optimizer, loss_sum
     from llama_fsdp.worker import build_model
 
@@ -39,7 +40,8 @@ def _state_bytes(rank, world, specs):
         opt = build_optimizer(model, spec.train)
         gen = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, spec.model.vocab_size, (2, 16), generator=gen)
-        loss_sum(model, {"input_ids": ids, "labels": ids}).backward()
+        loss_sum(model, model_inputs(model, {"input_ids": ids, "labels": ids},
+                                     torch.device("cpu"))).backward()
         opt.step()
         params = list(model.parameters())
         moments = [v for p in params for k, v in opt.state[p].items() if k != "step"]

@@ -9,7 +9,7 @@ whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another
 already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
 behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
-Tolerances, from the 61-config sweep in benchmarks/plan_vs_measured_cpu.md:
+Tolerances, from the 66-config sweep in benchmarks/plan_vs_measured_cpu.md:
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
   forward / loss / layers / root / optimizer of what is live in each, with gloo's reduce-scatter
   copy on CPU; an untied model in torchtitan's FSDP groups, parallel.apply_fsdp, has its own
@@ -40,15 +40,16 @@ MB = 10**6
 MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
 PLAN_LOOSEST = 0.55
 PREDICTED_BAND = (0.88, 1.02)
-# (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum]):
-# every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks in the
-# loss phase and in the root's reduce-scatter at the end of backward; no_shard (DDP) in fp32 and
-# under autocast (mixed).
+# (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum,
+# packed]): every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks
+# in the loss phase and in the root's reduce-scatter at the end of backward; no_shard (DDP) in
+# fp32 and under autocast (mixed); packed records through the CPU default attention (varlen's
+# block-sparse SDPA: its chunks' outputs beside their concatenation, and the chunks' masks).
 CASES = {
     2: [("full", "fp32", "none", 4), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),
         ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4),
-        ("full", "fp32", "none", 2, False, 2)],
+        ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen")],
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
         ("full", "fp32", "full", 1)],
 }

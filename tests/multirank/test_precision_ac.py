@@ -27,8 +27,12 @@ def _saved_activation_bytes(model, batch) -> int:
         total += t.numel() * t.element_size()
         return t
 
+    from llama_fsdp.attention import model_inputs
+
+    inputs = model_inputs(model, {k: v for k, v in batch.items() if k != "labels"},
+                          torch.device("cpu"))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        logits = model(**inputs).logits
     logits.float().sum().backward()
     return total
 

@@ -108,8 +108,9 @@ def test_bad_values_are_refused_before_launch_with_the_fix(overrides, needle):
 
 
 @pytest.mark.parametrize("overrides,attn", [
-    ([], "sdpa"),  # CPU
-    (["model.attn_implementation=varlen"], "varlen"),  # CPU: the reference, as asked
+    ([], "varlen"),  # CPU, packed rows: block-sparse SDPA
+    (["data.packing=false"], "sdpa"),  # CPU, one record per row: SDPA's causal path
+    (["model.attn_implementation=sdpa"], "sdpa"),  # CPU: transformers' block mask, as asked
     (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto"], "varlen"),  # CUDA, mixed, packed rows
     (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto", "data.packing=false"], "sdpa"),
     (["cluster=slurm", "cluster.gpus_per_node=8", "cluster.device=auto", "model.attn_implementation=eager"], "eager"),

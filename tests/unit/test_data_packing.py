@@ -10,7 +10,16 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llama_fsdp.attention import document_bounds, model_inputs, standard_attention
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from llama_fsdp.attention import (
+    additive_chunks,
+    block_sparse_attention,
+    chunk_plan,
+    document_bounds,
+    model_inputs,
+    standard_attention,
+)
 from llama_fsdp.config import DataConfig, ModelConfig
 from llama_fsdp.data import IGNORE_INDEX, build_data, pack
 from llama_fsdp.model import llama_config
@@ -161,7 +170,7 @@ def _tiny_llama(attn):
 def test_packed_logits_equal_unpacked(tmp_path, cache, attn):
     """Packed records do not attend to each other, so each record's logits are what it gets
     alone: transformers' block-causal mask from restarting position_ids (sdpa, eager), or the
-    records' cumulative lengths (varlen; its CPU reference here, flash on CUDA)."""
+    records' bounds (varlen: block-sparse SDPA here on CPU, flash on CUDA)."""
     dm = _module(tmp_path, cache, seq_len=160, n=40, micro_batch=4)
     model = _tiny_llama(attn).eval()
     assert model.config._attn_implementation == attn
@@ -206,18 +215,102 @@ def test_varlen_bounds_are_transformers_segments(tmp_path, cache):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_varlen_without_bounds_says_how_to_call_it():
+def _rows(*layouts):
+    """position_ids of rows made of records of the given lengths; ("pad", n) continues the
+    last record's positions for n tokens, as the packer pads a row."""
+    rows = []
+    for layout in layouts:
+        parts = []
+        for n in layout:
+            if isinstance(n, tuple):
+                last = int(parts[-1][-1])
+                parts.append(torch.arange(last + 1, last + 1 + n[1]))
+            else:
+                parts.append(torch.arange(n))
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("size", [None, 8, 32, 40, 96])
+@pytest.mark.parametrize("additive", [False, True])
+def test_block_sparse_attention_is_the_dense_mask(size, additive):
+    """varlen off CUDA: each query chunk attends to its key window only, under that window's
+    block-causal mask (bool, or additive as the model runs it). Outputs and q / k / v
+    gradients equal SDPA's with the dense mask of transformers' segments, at any chunk size
+    (None: the cost model's pick; 40: a last chunk shorter; 96: one chunk of the whole row): a
+    record longer than a chunk, a padding tail, a row whose positions do not start at 0, rows
+    of other layouts, grouped-query heads."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    pos = _rows([96], [5, 40, 3, 30, 18], [10] * 9 + [("pad", 6)], [20, 76])
+    pos[3, :20] += 7  # a record continued from an earlier row: positions 7..26
+    b, s = pos.shape
+    h, kv, d = 4, 2, 8
+    seg = find_packed_sequence_indices(pos)
+    idx = torch.arange(s)
+    dense = ((seg[:, :, None] == seg[:, None, :]) & (idx[:, None] >= idx[None, :]))[:, None]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
+               for n in (h, kv, kv))
+    grad = torch.randn(b, s, h, d, generator=gen, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense, enable_gqa=True).transpose(1, 2)
+    plan = chunk_plan(pos, heads=h, kv_heads=kv, head_dim=d, size=size)
+    assert [a for a, *_ in plan] == list(range(0, s, plan[0][1]))  # the row, chunk by chunk
+    chunks = [(a, z, lo, torch.from_numpy(m)) for a, z, lo, m in plan]
+    if additive:
+        chunks = additive_chunks(chunks, torch.float64)
+    got = block_sparse_attention(q, k, v, chunks, None)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), grad),
+                    torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)
+
+
+def test_block_sparse_plan_skips_the_scores_records_cannot_see():
+    """Rows of short records: the windows hold a fraction of the s x s scores SDPA's dense mask
+    computes (and of causal's s²/2); one record per row: about causal's half."""
+    short = _rows(*([[12] * 42 + [8]] * 4))  # 512 tokens in records of 12
+    long = _rows(*([[512]] * 4))
+    scores = {}
+    for name, pos in (("short", short), ("long", long)):
+        plan = chunk_plan(pos, heads=32, kv_heads=8, head_dim=64)
+        scores[name] = sum((z - a) * (z - lo) for a, z, lo, _ in plan) / 512 ** 2
+    assert scores["short"] < 0.15
+    assert 0.5 <= scores["long"] < 0.6
+
+
+def test_varlen_without_bounds_says_how_to_call_it(monkeypatch):
+    """A varlen model called without model_inputs is refused, not run on records read from
+    its position_ids: transformers drops a padding mask before a kernel without a mask
+    function sees it. The bounds are made once per batch: no layer, and no recomputing
+    backward, plans the chunks again."""
+    from llama_fsdp import attention
+
     model = _tiny_llama("varlen").eval()
+    ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(RuntimeError, match="model_inputs"):
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+        model(input_ids=ids)
+    with pytest.raises(RuntimeError, match="standard_attention"):  # a padded batch
+        model(input_ids=ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
     with standard_attention(model):  # what generation uses: SDPA for its duration
-        assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 512)
+        assert model(input_ids=ids).logits.shape == (1, 8, 512)
+        cached = model(input_ids=ids, use_cache=True).past_key_values
     assert model.config._attn_implementation == "varlen"
+    with pytest.raises(RuntimeError, match="no record bounds"):  # a KV-cache step
+        model(input_ids=ids[:, :1], past_key_values=cached, use_cache=True)
     # the bounds travel beside the forward, not in it: FSDP2's root would move a tensor
     # argument to the device (a host sync per layer to read the longest record back)
     batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    plans, plan_chunks = [], attention._chunks
+    monkeypatch.setattr(attention, "_chunks", lambda *a: plans.append(1) or plan_chunks(*a))
     inputs = model_inputs(model, batch, torch.device("cpu"))
     assert inputs.keys() == {"input_ids", "position_ids"}  # one record per row, from arange
+    trained = _tiny_llama("varlen")
+    for i, layer in enumerate(trained.model.layers):  # backward recomputes every layer
+        trained.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    trained(**model_inputs(trained, batch, torch.device("cpu"))).logits.sum().backward()
+    assert len(plans) == 2  # once per model_inputs call
     assert model(**inputs).logits.shape == (2, 16, 512)
     with pytest.raises(RuntimeError, match="no record bounds for this batch"):  # not 2 x 16
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
@@ -228,6 +321,9 @@ def test_varlen_without_bounds_says_how_to_call_it():
         model(**other)
     with pytest.raises(ValueError, match="not a padding attention_mask"):
         model_inputs(model, {**batch, "attention_mask": torch.ones(2, 16)}, torch.device("cpu"))
+    monkeypatch.setattr(attention, "_use_flash", lambda q: True)  # CUDA's kernel
+    with pytest.raises(RuntimeError, match="model_inputs"):
+        model(input_ids=ids)
 
 
 def _fake_varlen(kind):
