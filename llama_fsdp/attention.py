@@ -168,12 +168,12 @@ CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CHUNK_CALL_COST = 400_000
 
 
-def record_firsts(pos: np.ndarray) -> np.ndarray:
+def record_firsts(start: np.ndarray) -> np.ndarray:
     """[s]: for each position, the earliest start over the rows of the record holding it (the
-    first key a query there can need)."""
-    idx = np.arange(pos.shape[1])
+    first key a query there can need); ``start`` is record_starts' [b, s] flags."""
+    idx = np.arange(start.shape[1])
     # each token's record start; along a row, the starts only grow
-    return np.maximum.accumulate(np.where(record_starts(pos), idx, 0), axis=1).min(axis=0)
+    return np.maximum.accumulate(np.where(start, idx, 0), axis=1).min(axis=0)
 
 
 def chunk_plan(position_ids: Any, *, heads: int, kv_heads: int, head_dim: int,
@@ -186,7 +186,8 @@ def chunk_plan(position_ids: Any, *, heads: int, kv_heads: int, head_dim: int,
     s²/2 + s·min(s, 2048)/2 scores per row."""
     pos = _host(position_ids)
     b, s = pos.shape
-    first = record_firsts(pos)
+    start = record_starts(pos)
+    first = record_firsts(start)
 
     def windows(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c0 = np.arange(0, s, n)
@@ -201,7 +202,7 @@ def chunk_plan(position_ids: Any, *, heads: int, kv_heads: int, head_dim: int,
     if size is None:  # the whole row only where it is no longer than the largest chunk
         size = min([n for n in CHUNK_SIZES if n < s] + ([s] if s <= CHUNK_SIZES[-1] else []),
                    key=cost)
-    seg = np.cumsum(record_starts(pos), axis=1)
+    seg = np.cumsum(start, axis=1)
     idx = np.arange(s)
     plan = []
     for a, z, lo in zip(*(w.tolist() for w in windows(size))):
