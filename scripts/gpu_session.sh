@@ -4,7 +4,9 @@
 # command, 30 minutes in all). Build the wheelhouses here first (network):
 #   bash scripts/offline_wheels.sh .whl 3.12 .whl-bench
 # then on the GPU machine, from the repository root, one stage per command:
-#   bash scripts/gpu_session.sh tests       # the GPU test suite (pytest -m gpu tests/gpu)
+#   bash scripts/gpu_session.sh tests       # the GPU test suite (pytest -m gpu tests/gpu); or
+#   bash scripts/gpu_session.sh tests tests/gpu/test_gpu_run.py   # one file per command: the
+#                                           # whole suite may outlast one 600 s command
 #   bash scripts/gpu_session.sh bench       # 1b, seq 2048, mixed: llama_fsdp vs the floor, HF Trainer, torchtitan
 #   bash scripts/gpu_session.sh attention   # the same shape: varlen (auto) vs SDPA's dense block mask vs unpacked
 #   bash scripts/gpu_session.sh compile     # the same shape: train.compile=true vs false
@@ -16,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?"stage: tests | bench | attention | compile | 8b"}
+shift
 PY=${PY:-python3}
 OUT=${OUT:-outputs/gpu-session}
 DEVICE=${DEVICE:-cuda}
@@ -89,7 +92,8 @@ bench() {  # bench NAME RUNNERS [throughput.py args...]
 
 case "$STAGE" in
   tests)
-    "$PY" -m pytest -q -m gpu tests/gpu -rA --durations=0 2>&1 | tee "$OUT/gpu-tests.txt" ;;
+    name=gpu-tests${1:+-$(basename "${1%.py}")}
+    "$PY" -m pytest -q -m gpu "${@:-tests/gpu}" -rA --durations=0 2>&1 | tee "$OUT/$name.txt" ;;
   bench)
     # llama_fsdp packs the synthetic task's short records (~200 per 2048-token row, so its
     # attention does less work than a causal row); llama_fsdp_unpacked is one record per row,

@@ -324,6 +324,15 @@ def loader_v02(vocab: int, seed: int) -> type:
     return RandomTokens
 
 
+def what_ran(model_parts: list[Any]) -> str:
+    """The data parallelism torchtitan really applied, read from the model: it shards only
+    when its data-parallel shard degree is above 1 (on one GPU it trains the bare model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = sum(isinstance(m, FSDPModule) for part in model_parts for m in part.modules())
+    return f"FSDP2 (fully_shard, {units} units)" if units else "no FSDP (one data-parallel rank)"
+
+
 def main() -> None:
     args = parse_args(__doc__)
     torch.set_num_threads(threads_per_rank())
@@ -358,7 +367,8 @@ def main() -> None:
     params = sum(p.numel() for m in trainer.model_parts for p in m.parameters())
     write_info(args.info, rank, {
         "ran": f"torchtitan {getattr(torchtitan, '__version__', gen)} llama3 flavor "
-               f"'{FLAVOR}', FSDP2 via parallelize_llama, {attention} attention{tied}",
+               f"'{FLAVOR}', {what_ran(trainer.model_parts)} via parallelize_llama, "
+               f"{attention} attention{tied}",
         "precision": args.precision, "parameters": params,
         "threads_per_rank": threads_per_rank()})
     try:

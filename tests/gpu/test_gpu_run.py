@@ -24,7 +24,8 @@ SHORT = ["train.max_steps=12", "train.warmup_steps=2", "eval.every_steps=6",
 def _run(cwd: Path, *overrides: str, timeout: int = 900) -> tuple[int, str]:
     out = subprocess.run([sys.executable, "-m", "llama_fsdp", *overrides], cwd=cwd,
                          capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                             str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))})
     return out.returncode, out.stdout + out.stderr
 
 

@@ -91,3 +91,35 @@ def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
     assert "injected fault on rank 1 after step 2" in log and "Traceback" in log
     _, run = _only_run(tmp_path / "outputs" / "mlflow.db")
     assert run.info.status == "FAILED"
+
+
+def test_a_checkout_runs_without_being_installed(tmp_path):
+    """The GPU session's situation (scripts/gpu_session.sh): the dependencies installed, the
+    checkout only on PYTHONPATH, no install of the package. The config groups and launchers
+    (conf/, launchers/ beside the package) are found, by the launcher and by every rank."""
+    import site
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # this environment's packages, without its editable install of llama_fsdp (a .pth line
+    # adds a folder to sys.path; the .pth files inside it are not read)
+    packages = next(Path(p) for p in site.getsitepackages() if "site-packages" in p)
+    assert next(packages.glob("__editable__*llama_fsdp*"), None) is not None, "expected an editable install"
+    target = next((venv / "lib").glob("python*/site-packages"))
+    (target / "deps.pth").write_text(f"{packages}\n")
+    python = venv / "bin" / "python"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u, sys; "
+                            "print(u.find_spec('llama_fsdp').origin, any('editable' in "
+                            "getattr(f, '__module__', '') for f in sys.meta_path))"],
+                           env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert probe.stdout.split() == [str(repo / "llama_fsdp" / "__init__.py"), "False"], probe.stderr
+    out = subprocess.run([str(python), "-m", "llama_fsdp", "cluster.device=cpu",
+                          "train.max_steps=2", "train.warmup_steps=1", "eval.every_steps=0",
+                          "eval.task_prompts=0",
+                          "save.every_steps=0", "tracking.enabled=false"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "status         finished" in log and "steps          2" in log
