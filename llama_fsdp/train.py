@@ -7,7 +7,10 @@ whatever the share of masked tokens on each rank.
 A step needs no host sync: the target count is all-reduced on the device and divides the loss
 as a tensor; the loss, gradient norm, peak memory and stop requests are reduced together, in
 one collective, only at log steps (``train.log_every``), where throughput is measured over the
-steps since the previous log step.
+steps since the previous log step. On CUDA that reduction is read one step late: the gather is
+queued behind the log step, and its result is read after the next step has been queued, so the
+GPU is never left idle while the host logs (the default logs every step). The window of a
+deferred read ends when its result arrives: when the GPU finished the log step.
 """
 from __future__ import annotations
 
@@ -91,8 +94,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                max_grad_norm: float) -> StepResult:
     """One optimizer step over this rank's micro-batches; the loss is the global token mean."""
     world = _world()
-    targets = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in micro_batches)),
-                           device=device)
+    # torch.full, not torch.tensor(..., device=cuda): a fill kernel, where a host-to-device
+    # copy of a pageable scalar would synchronize the stream every step
+    targets = torch.full((), float(sum(int((b["labels"] != -100).sum()) for b in micro_batches)),
+                         device=device)
     if world > 1:
         dist.all_reduce(targets)
     targets = targets.clamp(min=1.0)  # a step without targets (prepare refuses such data)
@@ -166,6 +171,12 @@ class LoopContext:
     on_stop: Optional[Callable[[int, "TrainState"], None]] = None
     # Called once after the first step (e.g. to switch to the training collective timeout).
     after_first_step: Optional[Callable[[], None]] = None
+    # Read a log step's reduction after the next step is queued; None: on CUDA, where the host
+    # runs ahead of the device (on CPU a step is done when it returns: nothing to overlap).
+    defer_log_reads: Optional[bool] = None
+    # Steps whose reduction is read before the step-end hooks even so: a checkpoint is saved
+    # there, and a non-finite loss must stop the run before it is published.
+    saves_at: Callable[[int], bool] = lambda step: False
 
 
 @dataclass
@@ -179,23 +190,42 @@ class _Window:
     excluded: float = 0.0
 
 
-def _reduce_at_log_step(res: StepResult, meter: MemoryMeter, stop: int,
-                        device: torch.device) -> tuple[float, float, dict[str, float], int]:
-    """(global loss, grad norm, max peak memory over ranks, agreed stop request): one
-    all-gather of a small vector and one host sync."""
-    mem = meter.read_gb()
-    local = torch.stack([res.loss.float(), res.grad_norm.float().reshape(()),
-                         *[torch.tensor(v, device=device) for v in mem.values()],
-                         torch.tensor(float(stop), device=device)]).to(device, torch.float64)
-    world = _world()
-    if world > 1:
+@dataclass
+class _LogReduce:
+    """A log step's reduction, queued: one all-gather of a small vector, read (one host sync)
+    by ``result``, at once or after the next step was queued."""
+
+    step: int
+    lr: float
+    window: _Window
+    keys: list[str]
+    rows: list[torch.Tensor]
+    work: Any = None
+
+    @classmethod
+    def start(cls, res: StepResult, meter: MemoryMeter, stop: int, device: torch.device, *,
+              step: int, lr: float, window: _Window) -> "_LogReduce":
+        mem = meter.read_gb()  # CUDA's counters are host-side: no sync
+        # host values as fill kernels (no synchronizing copy); the gradient norm is on the CPU
+        # when sharding.cpu_offload keeps the gradients there
+        local = torch.stack([res.loss.to(device, torch.float64),
+                             res.grad_norm.reshape(()).to(device, torch.float64),
+                             *[torch.full((), v, device=device, dtype=torch.float64)
+                               for v in [*mem.values(), float(stop)]]])
+        world = _world()
+        if world == 1:
+            return cls(step, lr, window, list(mem), [local])
         rows = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(rows, local)
-        stacked = torch.stack(rows)
-        local = torch.cat([stacked[:, :1].sum(0), stacked[0, 1:2], stacked[:, 2:].max(0).values])
-    vals = local.tolist()
-    loss, grad_norm, stop = vals[0], vals[1], int(vals[-1])
-    return loss, grad_norm, dict(zip(mem, vals[2:-1])), stop
+        return cls(step, lr, window, list(mem), rows, dist.all_gather(rows, local, async_op=True))
+
+    def result(self) -> tuple[float, float, dict[str, float], int]:
+        """(global loss, grad norm, max peak memory over ranks, agreed stop request)."""
+        if self.work is not None:
+            self.work.wait()
+        stacked = torch.stack(self.rows)
+        vals = torch.cat([stacked[:, :1].sum(0), stacked[0, 1:2],
+                          stacked[:, 2:].max(0).values]).tolist()
+        return vals[0], vals[1], dict(zip(self.keys, vals[2:-1])), int(vals[-1])
 
 
 def step_metrics(*, loss: float, grad_norm: float, lr: float, window: _Window, now: float,
@@ -236,12 +266,37 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
     """Train from state.step to train.max_steps (or stop_after)."""
     t, world = ctx.train, _world()
     meter, last, logged = MemoryMeter(ctx.device), {}, []
+    defer = ctx.device.type == "cuda" if ctx.defer_log_reads is None else ctx.defer_log_reads
     model.train()
     if ctx.evaluate is not None and ctx.eval.every_steps and state.step == 0:
         _run_eval(ctx, 0, last)  # the baseline the eval curve falls from
     meter.reset()
     end = t.max_steps if t.stop_after is None else min(t.max_steps, t.stop_after)
     window, first = _Window(time.perf_counter()), True
+    pending: Optional[_LogReduce] = None
+
+    def finish(reduce: _LogReduce) -> float:
+        """Read and log a log step's reduction; return when its result arrived (the next
+        window's start). On an agreed stop request, save and raise."""
+        nonlocal last
+        loss, grad_norm, mem, stop = reduce.result()
+        now = time.perf_counter()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {reduce.step}: lower train.lr "
+                                     "or use precision=mixed")
+        state.losses.append(loss)
+        last = {**{k: v for k, v in last.items() if k.startswith("eval_")},
+                **step_metrics(loss=loss, grad_norm=grad_norm, lr=reduce.lr, window=reduce.window,
+                               now=now, world=world, mem=mem,
+                               flops_per_token=ctx.flops_per_token, peak_flops=ctx.peak_flops)}
+        step_only = {k: v for k, v in last.items() if not k.startswith("eval_")}
+        logged.append({"step": reduce.step, **step_only})
+        ctx.tracker.log_metrics(step_only, step=reduce.step)
+        ctx.console.update(reduce.step, last)
+        if stop and ctx.on_stop is not None:
+            ctx.on_stop(stop, state)  # saves, then raises StopRequested on every rank
+        return now
+
     while state.step < end:
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
         lr = scheduler.get_last_lr()[0]
@@ -249,26 +304,19 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
                          max_grad_norm=t.max_grad_norm)
         state.step += 1
         state.tokens_seen += res.tokens
+        if pending is not None:  # the previous log step's, read now that this step is queued
+            reduce, pending = pending, None
+            window.start = finish(reduce)  # this window began when that step was done
         window.steps, window.tokens = window.steps + 1, window.tokens + res.tokens
         if state.step % t.log_every == 0 or state.step == end:
-            loss, grad_norm, mem, stop = _reduce_at_log_step(res, meter, ctx.stop_request(),
-                                                              ctx.device)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {state.step}: lower train.lr "
-                                         "or use precision=mixed")
-            state.losses.append(loss)
-            last = {**{k: v for k, v in last.items() if k.startswith("eval_")},
-                    **step_metrics(loss=loss, grad_norm=grad_norm, lr=lr, window=window,
-                                   now=time.perf_counter(), world=world, mem=mem,
-                                   flops_per_token=ctx.flops_per_token,
-                                   peak_flops=ctx.peak_flops)}
-            step_only = {k: v for k, v in last.items() if not k.startswith("eval_")}
-            logged.append({"step": state.step, **step_only})
-            ctx.tracker.log_metrics(step_only, step=state.step)
-            ctx.console.update(state.step, last)
-            if stop and ctx.on_stop is not None:
-                ctx.on_stop(stop, state)  # saves, then raises StopRequested on every rank
-            window = _Window(time.perf_counter())
+            reduce = _LogReduce.start(res, meter, ctx.stop_request(), ctx.device,
+                                      step=state.step, lr=lr, window=window)
+            eval_due = bool(ctx.evaluate is not None and ctx.eval.every_steps
+                            and state.step % ctx.eval.every_steps == 0)  # it syncs anyway
+            if defer and state.step < end and not eval_due and not ctx.saves_at(state.step):
+                pending, window = reduce, _Window(time.perf_counter())  # start: set at the read
+            else:
+                window = _Window(finish(reduce))
         paused = time.perf_counter()
         if first and ctx.after_first_step is not None:
             ctx.after_first_step()
@@ -278,7 +326,8 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
             _run_eval(ctx, state.step, last)
         for hook in ctx.on_step_end:
             hook(state)
-        window.excluded += time.perf_counter() - paused  # eval and saves are not training time
+        # eval and saves are not training time (a pending window's end comes after them)
+        (pending.window if pending is not None else window).excluded += time.perf_counter() - paused
     return LoopResult(last=last, logged=logged)
 
 

@@ -92,6 +92,15 @@ def _gpu_for_rank(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
+def enable_tf32() -> None:
+    """TF32 matmuls for fp32 compute. ``set_float32_matmul_precision`` sets the legacy flag and
+    the fp32_precision setting (torch >= 2.9) together; setting only one of them makes a later
+    read of the other raise ("mix of the legacy and new APIs"), and torch.compile reads both
+    (dynamo the legacy flag, inductor the new setting). cuDNN's convolutions allow TF32 by
+    default."""
+    torch.set_float32_matmul_precision("high")
+
+
 def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
     """Process group with the init timeout; CUDA ranks get NCCL for GPU tensors and gloo for
     CPU ones (CPU offload's gradients, object collectives)."""
@@ -102,8 +111,7 @@ def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
         torch.cuda.set_device(device)
         dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
         if spec.policy.compute_dtype == "float32":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            enable_tf32()
             if env.rank == 0:
                 log.info("precision=fp32 on CUDA: TF32 matmuls enabled (10-bit mantissa products, "
                          "fp32 accumulation); MFU is against the TF32 peak")
@@ -266,6 +274,7 @@ class Run:
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
                          hang.arm],
+            saves_at=self.checkpointer.saves_at,
             evaluate=lambda step: evaluate(self.model, self.data, spec, self.device),
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,

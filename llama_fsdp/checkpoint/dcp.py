@@ -270,11 +270,15 @@ class Checkpointer:
 
     # save ---------------------------------------------------------------------------------------
 
+    def saves_at(self, step: int) -> bool:
+        """Whether ``on_step_end`` starts a save at this step."""
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
     def on_step_end(self, state: "TrainState") -> None:
         """The loop's hook: publish a finished async save, start a save every ``every_steps``."""
         if self._pending is not None and self._all_done():
             self._finish_pending()
-        if self.cfg.every_steps and state.step % self.cfg.every_steps == 0:
+        if self.saves_at(state.step):
             self.save(state.step)
 
     def finish(self, state: "TrainState") -> None:
@@ -344,7 +348,9 @@ class Checkpointer:
                                f"{hint.capitalize()}, then run again with resume=auto")
 
     def _all_done(self) -> bool:
-        flag = torch.tensor(float(self._pending[0].done()), device=self.device)  # type: ignore[index]
+        # a CPU tensor: on CUDA it goes over the gloo half of the process group, so asking
+        # every step while a save is in flight never waits for the GPU's queue
+        flag = torch.tensor(float(self._pending[0].done()))  # type: ignore[index]
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
