@@ -1,8 +1,9 @@
 """Step-end wall-clock stamps on rank 0, the one timing method of benchmarks/throughput.py.
 
-Every runner records ``time.time()`` at the end of every optimizer step on rank 0 and appends
+Every runner stamps the end of every optimizer step on rank 0 and appends
 ``{"step": n, "t": ..., "cpu": ...}`` to the JSON-lines file named by ``$BENCH_STEP_CLOCK``;
-per-step wall time is the difference of consecutive ``t``. ``cpu`` is rank 0's process CPU
+per-step wall time is the difference of consecutive ``t``: ``time.time()`` when the step
+returned on the CPU, the step's CUDA event on the GPU (no host sync per step). ``cpu`` is rank 0's process CPU
 time (all its threads): its per-step difference is the work the rank did, which other load on
 the machine moves much less, so it tells a real gap from a noisy wall clock. llama_fsdp calls
 ``StepClock`` through its ``train.callbacks`` seam
@@ -12,6 +13,7 @@ must keep working while the framework is restructured.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -21,12 +23,54 @@ from typing import Any, TextIO
 CLOCK_ENV = "BENCH_STEP_CLOCK"
 
 
-def _synchronize() -> None:
-    """Wait for queued CUDA work, so a stamp marks a finished step, not an enqueued one."""
+class _CudaStamps:
+    """Step ends on the GPU's own timeline, without a host sync per step: a CUDA event is
+    recorded at each step end and turned into wall time once it has completed, as
+    ``t0 + elapsed_time(first event, event)``, where t0 is the wall time of the first event,
+    taken after one synchronize. A host sync every step would leave the GPU idle while the host
+    queues the next step's first kernels, for every runner alike: a bubble that a real run does
+    not have. At most ``lag`` events wait (the host is never more than that many steps ahead
+    of the GPU); the rest are resolved at ``close`` (atexit)."""
+
+    def __init__(self, lag: int = 2, *, event: Any = None, synchronize: Any = None):
+        self.lag, self.pending, self.first, self.t0 = lag, [], None, 0.0
+        if event is None:  # the GPU's (tests give stand-ins: there is no GPU in CI)
+            import torch
+
+            event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            synchronize = torch.cuda.synchronize
+        self._event, self._synchronize = event, synchronize
+
+    def add(self, step: int, cpu: float) -> list[dict[str, float]]:
+        """Record this step's end; return the stamps now known (oldest first)."""
+        event = self._event()
+        if self.first is None:  # the time base: the GPU drained, then one event and the clock
+            self._synchronize()
+            event.record()
+            event.synchronize()
+            self.first, self.t0 = event, time.time()
+            return [{"step": step, "t": self.t0, "cpu": cpu}]
+        event.record()
+        self.pending.append((step, event, cpu))
+        out = []
+        while self.pending and (len(self.pending) > self.lag or self.pending[0][1].query()):
+            out.append(self._resolve(*self.pending.pop(0)))
+        return out
+
+    def close(self) -> list[dict[str, float]]:
+        out = [self._resolve(*p) for p in self.pending]
+        self.pending = []
+        return out
+
+    def _resolve(self, step: int, event: Any, cpu: float) -> dict[str, float]:
+        event.synchronize()  # done already, or the oldest of more than `lag` queued steps
+        return {"step": step, "t": self.t0 + self.first.elapsed_time(event) / 1e3, "cpu": cpu}
+
+
+def _cuda_in_use() -> bool:
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 class StepClock:
@@ -34,7 +78,8 @@ class StepClock:
 
     ``StepClock(rank=..., world_size=..., output_dir=...)`` is called once per rank and returns
     the hook; ``hook(state)`` stamps ``state.step``. Only rank 0 writes, and only when
-    ``$BENCH_STEP_CLOCK`` is set, so the hook costs nothing elsewhere.
+    ``$BENCH_STEP_CLOCK`` is set, so the hook costs nothing elsewhere. On CUDA a stamp marks
+    when the GPU finished the step (``_CudaStamps``); on the CPU, when the step returned.
     """
 
     def __init__(self, *, rank: int, world_size: int = 1, output_dir: str | None = None):
@@ -42,17 +87,31 @@ class StepClock:
         self._file: TextIO | None = (
             open(path, "a", encoding="utf-8") if rank == 0 and path else None  # noqa: SIM115
         )
+        self._cuda: _CudaStamps | None = None
+        if self._file is not None:
+            atexit.register(self.close)
 
     def __call__(self, state: Any) -> None:
         self.stamp(int(state.step))
 
     def stamp(self, step: int) -> None:
-        """Append this step's end time; flushed at once so a crashed run keeps its stamps."""
+        """Append this step's end time (flushed at once, so a crashed run keeps its stamps)."""
         if self._file is None:
             return
-        _synchronize()
-        stamp = {"step": step, "t": time.time(), "cpu": time.process_time()}
-        self._file.write(json.dumps(stamp) + "\n")
+        cpu = time.process_time()
+        if self._cuda is None and _cuda_in_use():
+            self._cuda = _CudaStamps()
+        self._write([{"step": step, "t": time.time(), "cpu": cpu}] if self._cuda is None
+                    else self._cuda.add(step, cpu))
+
+    def close(self) -> None:
+        """Write the stamps still waiting on the GPU (called at exit; safe to call twice)."""
+        if self._file is not None and self._cuda is not None:
+            self._write(self._cuda.close())
+
+    def _write(self, stamps: list[dict[str, float]]) -> None:
+        for stamp in stamps:
+            self._file.write(json.dumps(stamp) + "\n")
         self._file.flush()
 
 

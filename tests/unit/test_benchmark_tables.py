@@ -136,3 +136,44 @@ def test_a_run_that_crashes_after_its_last_step_keeps_its_steps(
     else:
         assert summary.walls == [] and "RuntimeError: teardown" in summary.error
         assert "Cannot run here" in report
+
+
+def test_cuda_step_stamps_come_from_events_without_a_sync_per_step():
+    """The step clock on a GPU (stand-in events: CI has no GPU): one synchronize for the time
+    base, then each step's stamp is the base plus the event's GPU time since the first; no
+    more than `lag` steps wait, and the rest are written at close."""
+    from benchmarks.step_clock import _CudaStamps
+
+    syncs, made = [], []
+
+    class Event:
+        def __init__(self):
+            self.gpu_ms, self.done, self.waited = None, False, False
+            made.append(self)
+
+        def record(self):
+            self.gpu_ms = 250.0 * (len(made) - 1)  # the GPU finishes a step every 250 ms
+
+        def synchronize(self):
+            self.done = self.waited = True
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, later):
+            return later.gpu_ms - self.gpu_ms
+
+    clock = _CudaStamps(lag=2, event=Event, synchronize=lambda: syncs.append(1))
+    first = clock.add(1, cpu=0.1)
+    assert len(first) == 1 and first[0]["step"] == 1 and syncs == [1]
+    t0 = first[0]["t"]
+    assert clock.add(2, cpu=0.2) == [] and clock.add(3, cpu=0.3) == []  # queued, not waited on
+    out = clock.add(4, cpu=0.4)  # a third waiting step: the oldest is waited for
+    assert [s["step"] for s in out] == [2] and made[1].waited and not made[2].waited
+    assert out[0]["t"] == pytest.approx(t0 + 0.25) and out[0]["cpu"] == 0.2
+    made[2].done = made[3].done = True  # the GPU got there: done steps are written at once
+    assert [s["step"] for s in clock.add(5, cpu=0.5)] == [3, 4]
+    rest = clock.close()
+    assert [s["step"] for s in rest] == [5] and made[4].waited
+    assert rest[0]["t"] - t0 == pytest.approx(1.0)
+    assert syncs == [1] and clock.close() == []
