@@ -72,9 +72,13 @@ def summary_lines(spec: RunSpec, r0: Any) -> list[str]:
         lines.append(f"peak memory    {s['summary/peak_memory_gb']:.2f} GB ({what}, max over "
                      f"ranks; the plan's tensors {s['summary/predicted_peak_memory_gb']:.2f} GB)")
     lines.append(f"run dir        {spec.output_dir}")
-    if r0.status != "finished":
+    if r0.status != "finished" and r0.checkpoints:
         lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
                      f"output_dir={spec.output_dir} resume=auto")
+    elif r0.status != "finished":
+        lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
+                     "continued: running it again starts at step 0. Set save.every_steps=N to "
+                     "make a stopped run resumable")
     if r0.mlflow_run_id:
         from .tracking import read_run_file, runs_page
 
@@ -98,6 +102,29 @@ def _launch_preview(spec: RunSpec) -> str:
             f"running llama_fsdp.worker.run_worker (backend {spec.backend}, device {spec.device})")
 
 
+def _finished_point(spec: RunSpec) -> bool:
+    """A sweep started again in its directory (to resume its failed points) skips a point
+    whose run finished with this same config: it would train again from step 0 when it saved
+    no checkpoint, or start only to find nothing to train."""
+    import json
+
+    from .prepare import CONFIG_FILE
+    from .worker import RUN_STATUS
+
+    if spec.sweep_id is None:
+        return False
+    out = Path(spec.output_dir)
+    try:
+        done = json.loads((out / RUN_STATUS).read_text()).get("status") == "finished"
+        same = (out / CONFIG_FILE).read_text() == spec.config_yaml
+    except (OSError, ValueError):
+        return False
+    if done and same:
+        log.info("point %s finished in an earlier run of this sweep (%s): skipped",
+                 spec.run_name, out)
+    return done and same
+
+
 def run(cfg: DictConfig) -> Any:
     """The whole path for one composed config (one point of a sweep)."""
     from .launchers import launch, preflight
@@ -105,6 +132,8 @@ def run(cfg: DictConfig) -> Any:
     from .prepare import prepare
 
     spec, plan = plan_run(cfg)
+    if not spec.dry_run and _finished_point(spec):
+        return None
     if spec.dry_run:
         if not plan.fits:
             log.warning("this run would be refused at launch: it does not fit.\n%s",
@@ -207,6 +236,12 @@ def main() -> None:
 
     check_versions()
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    from .spec import override_key_problems
+
+    problems = override_key_problems(sys.argv[1:])
+    if problems:  # before Hydra, whose message for these suggests a fix that fails too
+        sys.stderr.write("invalid override(s):\n" + "".join(f"  - {p}\n" for p in problems))
+        sys.exit(2)
     register_configs()
     try:
         _hydra_main()

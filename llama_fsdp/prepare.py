@@ -175,9 +175,18 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
     from .tracking import (START_DELIVERY_S, Spool, deliver_pending, flatten, read_run_file,
                            write_run_file)
 
+    from .checkpoint.layout import resume_candidates
+
     spool = Spool(spec.output_dir)
     info = read_run_file(spec.output_dir)
-    if info.get("run_id") and info.get("tracking_uri") == spec.tracking_uri:
+    continuing = bool(info.get("run_id")) and info.get("tracking_uri") == spec.tracking_uri
+    if continuing and not resume_candidates(spec.resume, spec.output_dir):
+        # training starts again at step 0: in the old run its steps would be logged twice
+        log.warning("this run directory's MLflow run %s has no checkpoint to continue from "
+                    "(save.every_steps=0?): training starts at step 0, in a new MLflow run; the "
+                    "old one is kept", info["run_id"])
+        continuing = False
+    if continuing:
         log.info("continuing MLflow run %s", info["run_id"])
         spool.append({"t": "running"})
         spool.append({"t": "tags", "tags": {"resumed": "true"}})

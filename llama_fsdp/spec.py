@@ -245,7 +245,9 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
         problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.warmup_steps < 0 or t.warmup_steps >= max(t.max_steps, 1):
         problems.append(
-            f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps={t.max_steps})"
+            f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps={t.max_steps}): "
+            f"set it below {max(t.max_steps, 1)} for a run this short, e.g. "
+            f"train.warmup_steps={t.max_steps // 10}"
         )
     if t.max_grad_norm < 0:
         problems.append(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
@@ -522,3 +524,39 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
     )
 
+
+
+def override_key_problems(args: list[str]) -> list[str]:
+    """Dotted ``key=value`` overrides of the command line whose key the schema does not have,
+    each with the closest valid key: Hydra refuses them too, but says only "Key 'batchsize' not
+    in 'TrainConfig'" and suggests ``+train.batchsize``, which fails in turn. Keys under a field
+    that is not a dataclass (a dict, a list) and ``+``/``~`` overrides are left to Hydra and to
+    ``unknown_keys``."""
+    import dataclasses
+    import difflib
+    import typing
+
+    out = []
+    for arg in args:
+        key, eq, _ = arg.partition("=")
+        if not eq or "." not in key or arg.startswith(("-", "+", "~")) or key.startswith("hydra."):
+            continue
+        schema: Any = Config
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name for f in dataclasses.fields(schema)}
+            if part not in fields:
+                if i == 0:
+                    break  # not a field of the root: a config group or Hydra's to judge
+                prefix = ".".join(parts[:i])
+                close = difflib.get_close_matches(part, sorted(fields), n=1)
+                hint = f"; did you mean {prefix}.{close[0]}?" if close else ""
+                out.append(f"{key} is not a config key (valid under {prefix}: "
+                           f"{', '.join(sorted(fields))}){hint}")
+                break
+            kind = typing.get_type_hints(schema)[part]
+            kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+            if not dataclasses.is_dataclass(kind):
+                break
+            schema = kind
+    return out

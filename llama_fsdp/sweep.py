@@ -116,13 +116,23 @@ def swept_keys(runs: list[Any]) -> list[str]:
     return sorted(varied)
 
 
-def summary_rows(runs: list[Any]) -> tuple[list[str], list[dict[str, Any]]]:
-    keys = swept_keys(runs)
+def summary_rows(runs: list[Any], swept: list[str] = (),
+                 refused: list[tuple[str, int]] = ()) -> tuple[list[str], list[dict[str, Any]]]:
+    """The table's columns (the keys the sweep names, and any other that differs between its
+    points) and a row per point: its runs, then the points refused before they launched (no
+    run), whose values come from their names ("batch_size=0")."""
+    keys = sorted(set(swept) | set(swept_keys(runs)))
     rows = []
     for r in sorted(runs, key=lambda r: [r.data.params.get(k, "") for k in keys]):
         row = {k: r.data.params.get(k) for k in keys}
         row.update({m: r.data.metrics.get(m) for m in SUMMARY_METRICS})
         row["status"] = r.info.status
+        rows.append(row)
+    for name, code in refused:
+        values = dict(v.partition("=")[::2] for v in name.split())
+        row = {k: values.get(k.split(".")[-1]) for k in keys}
+        row.update({m: None for m in SUMMARY_METRICS})
+        row["status"] = f"REFUSED (exit {code})"
         rows.append(row)
     return keys, rows
 
@@ -163,7 +173,8 @@ def plot(keys: list[str], rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
-              parent_id: Optional[str] = None) -> Optional[str]:
+              parent_id: Optional[str] = None,
+              refused: list[tuple[str, int]] = ()) -> Optional[str]:
     """Print-ready table of a sweep's points; logged with a plot to the parent run, which ends
     FINISHED (its tag failed_points counts the points that did not finish)."""
     from mlflow.entities import Metric, RunTag
@@ -176,10 +187,10 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
         log.warning("no sweep run tagged sweep_id=%s in experiment %r", sweep_id, experiment)
         return None
     runs = _children(client, parent_id)
-    if not runs:
+    if not runs and not refused:
         log.warning("sweep %s has no finished points yet", sweep_id)
         return None
-    keys, rows = summary_rows(runs)
+    keys, rows = summary_rows(runs, list(client.get_run(parent_id).data.params), refused)
     table = format_table(keys, rows)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "sweep_summary.md").write_text(f"# {sweep_id}\n\n```\n{table}\n```\n")
@@ -225,8 +236,10 @@ class SweepSummaryCallback(Callback):
             log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
                      "--uri %s", sweep_id, sweep_id, uri)
         else:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own
             table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
-                              parent_id=parent_run(sweep_dir))
+                              parent_id=parent_run(sweep_dir),
+                              refused=[p for p in FAILED_POINTS if p[1] == 2])
         if table:
             log.info("sweep %s summary:\n%s", sweep_id, table)
         if FAILED_POINTS:

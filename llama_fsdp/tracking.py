@@ -583,6 +583,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not (tracking_dir(args.run_dir) / RUN_FILE).is_file():
+        p.error(f"{args.run_dir} is not a run directory with tracking events (no "
+                f"{tracking_dir(args.run_dir) / RUN_FILE}): give a run's directory, as the "
+                "launcher's warning or the run summary names it (outputs/runs/<date>/<time>)")
     spool = Spool(args.run_dir)
     before = spool.backlog()
     left = deliver_pending(args.run_dir, deadline_s=args.timeout, uri=args.uri)

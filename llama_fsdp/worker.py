@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import json
 import logging
 import os
 import socket
@@ -312,6 +313,8 @@ class Run:
             self.console.close()
             self.tracker.log_metrics(summary, step=self.state.step)
             self.tracker.finish({"finished": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+            if self.env.rank == 0:
+                write_run_status(self.spec.output_dir, status, self.state.step)
         return RunResult(
             rank=self.env.rank, status=status, steps=self.state.step, losses=self.state.losses,
             final=final, summary=summary, tokens_seen=self.state.tokens_seen,
@@ -332,6 +335,16 @@ class Run:
                "summary/eval_loss": final.get("eval_loss"),
                "summary/eval_exact_match": final.get("eval_exact_match")}
         return {k: float(v) for k, v in out.items() if v is not None}
+
+
+RUN_STATUS = "run_status.json"  # how the run's last attempt ended (a sweep skips a finished point)
+
+
+def write_run_status(output_dir: str, status: str, step: int) -> None:
+    path = Path(output_dir) / RUN_STATUS
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"status": status, "step": step}))
+    tmp.replace(path)
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:

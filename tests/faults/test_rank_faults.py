@@ -70,6 +70,31 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_every_rank(tmp_path):
     assert no_leftovers(str(tmp_path)) == []
 
 
+def test_ctrl_c_without_checkpoints_says_so_and_a_rerun_gets_its_own_mlflow_run(tmp_path):
+    """save.every_steps=0: nothing to continue from. The summary says so (no "continue with"
+    line), and running the same directory again starts at step 0 in a new MLflow run: the
+    stopped run's steps are not logged twice into it."""
+    proc = _start_slow(tmp_path, "save.every_steps=0")
+    run = wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "continue with" not in out
+    assert "no checkpoint  none was saved (save.every_steps=0)" in out
+    first = read_run_file(run)["run_id"]
+    stopped = max(logged_steps(run))
+    code, log, _ = run_cli(tmp_path, f"output_dir={run}", "resume=auto", "train.max_steps=3",
+                           "train.warmup_steps=1")
+    assert code == 0, log[-3000:]
+    assert "has no checkpoint to continue from" in log
+    second = read_run_file(run)["run_id"]
+    assert second != first
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    history = {r: [m.step for m in client.get_metric_history(r, "loss")] for r in (first, second)}
+    assert history == {first: list(range(1, stopped + 1)), second: [1, 2, 3]}
+    assert client.get_run(first).info.status == "KILLED"
+
+
 @pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM,),
                                      (signal.SIGHUP,)], ids=["ctrl-c-twice", "term", "hup"])
 def test_the_launcher_stops_every_rank_at_once(tmp_path, signals):

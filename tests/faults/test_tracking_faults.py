@@ -137,3 +137,14 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
     tracker.finish("FINISHED")
     run_id = read_run_file(out)["run_id"]
     assert _loss_steps(uri, run_id) == list(range(1, 11))
+
+
+def test_delivering_from_a_wrong_directory_is_refused_and_creates_nothing(tmp_path, capsys):
+    from llama_fsdp.tracking import main
+
+    wrong = tmp_path / "runs" / "no-such-run"
+    with pytest.raises(SystemExit) as e:
+        main([str(wrong)])
+    assert e.value.code == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    assert not wrong.exists() and not (tmp_path / "tracking").exists()

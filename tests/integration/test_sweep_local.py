@@ -78,6 +78,12 @@ def test_the_sweep_resumes_under_the_same_parent(sweep):
     assert parent.info.run_id == _family(sweep["before"])[0].info.run_id
     assert set(sweep["after"]) == set(sweep["before"])  # no new runs: the points continued
     assert [k.info.status for k in kids] == ["FINISHED", "FINISHED"]
+    # the point that had finished is skipped, not started again: its run logged 3 steps once
+    log = again.stdout + again.stderr
+    assert "point batch_size=4 finished in an earlier run of this sweep" in log
+    assert "point batch_size=2 finished" not in log
+    assert [m.step for m in sweep["client"].get_metric_history(kids[1].info.run_id, "loss")] \
+        == [1, 2, 3]
     assert parent.data.tags["failed_points"] == "0"
     assert parent.data.params == {"train.batch_size": "2,4"}  # what the sweep varies
     assert parent.info.run_name == "sweep train.batch_size=2,4"

@@ -198,3 +198,18 @@ def test_a_users_config_dir_adds_presets(tmp_path):
     assert "strategy                       grad_op" in log
     assert "micro_batch x grad_accum x dp  3 x 1 x 2 = 6" in log
     assert not (tmp_path / "outputs").exists()  # a dry run leaves nothing behind
+
+
+def test_a_misspelled_dotted_override_names_the_key_and_the_closest_one():
+    """Refused before Hydra, whose own message suggests `+train.batchsize`, which fails too."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "train.batchsize=2",
+                          "sharding.shard_size=2", "model=8b", "hydra.run.dir=/tmp/never"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "train.batchsize is not a config key" in out.stderr
+    assert "did you mean train.batch_size?" in out.stderr
+    assert out.stderr.count("is not a config key") == 1  # sharding.shard_size is valid
+    assert "+train.batchsize" not in out.stderr
