@@ -152,8 +152,8 @@ def _setup(bench: Bench, meta: Meta, base: Summary | None) -> list[str]:
         (f"- {len(meta.rounds)} interleaved round(s) (every runner once per round, the order rotated by one each round), "
          f"{bench.steps} steps per run; the first {bench.warmup} steps of each run are warm-up "
          "and left out"),
-        ("- per-step wall = difference of consecutive rank-0 step-end stamps (`time.time()`, "
-         "after a CUDA synchronize on GPUs); the tables give the median over all steady steps "
+        ("- per-step wall = difference of consecutive rank-0 step-end stamps (`time.time()` "
+         "on the CPU; on GPUs a CUDA event per step, no per-step synchronize); the tables give the median over all steady steps "
          "of all rounds, and the spread of the per-round medians; rank-0 CPU ms/step is the "
          "median per-step difference of rank 0's process CPU time (all threads), which load "
          "from other processes moves less than the wall time, though not to nothing (shared "

@@ -77,8 +77,8 @@ def summary_lines(spec: RunSpec, r0: Any) -> list[str]:
                      f"output_dir={spec.output_dir} resume=auto")
     elif r0.status != "finished":
         lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
-                     "continued: running it again starts at step 0. Set save.every_steps=N to "
-                     "make a stopped run resumable")
+                     "continued from where it stopped. Set save.every_steps=N to make a stopped "
+                     "run resumable")
     if r0.mlflow_run_id:
         from .tracking import read_run_file, runs_page
 
@@ -108,21 +108,21 @@ def _finished_point(spec: RunSpec) -> bool:
     no checkpoint, or start only to find nothing to train."""
     import json
 
-    from .prepare import CONFIG_FILE
-    from .worker import RUN_STATUS
+    from .worker import RUN_STATUS, config_digest
 
     if spec.sweep_id is None:
         return False
     out = Path(spec.output_dir)
     try:
-        done = json.loads((out / RUN_STATUS).read_text()).get("status") == "finished"
-        same = (out / CONFIG_FILE).read_text() == spec.config_yaml
+        status = json.loads((out / RUN_STATUS).read_text())
     except (OSError, ValueError):
         return False
-    if done and same:
+    done = (status.get("status") == "finished"
+            and status.get("config_sha256") == config_digest(spec.config_yaml))
+    if done:
         log.info("point %s finished in an earlier run of this sweep (%s): skipped",
                  spec.run_name, out)
-    return done and same
+    return done
 
 
 def run(cfg: DictConfig) -> Any:

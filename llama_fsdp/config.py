@@ -263,7 +263,8 @@ class TrainConfig:
     stop_after: Optional[int] = None
     # Step hooks: "module:attr" import paths. Each names a factory called once per rank as
     # factory(rank=, world_size=, output_dir=) that returns a callable hook(state), called on
-    # every rank at the end of every step (state.step is the step just done).
+    # every rank at the end of every step (state.step is the step just done; on CUDA,
+    # state.losses has the previous log step's loss, read once the next step is queued).
     callbacks: list[str] = field(default_factory=list)
 
 

@@ -186,6 +186,14 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
                     "(save.every_steps=0?): training starts at step 0, in a new MLflow run; the "
                     "old one is kept", info["run_id"])
         continuing = False
+    if info.get("run_id") and not continuing and deliver_pending(
+            spec.output_dir, deadline_s=START_DELIVERY_S):
+        # the spool's undelivered events name the old run: a new run queued behind them would
+        # never be created
+        raise PrepareError(
+            f"{spec.output_dir} holds tracking events not yet delivered to its MLflow run "
+            f"{info['run_id']} at {info.get('tracking_uri')}: deliver them first with "
+            f"`python -m llama_fsdp.tracking {spec.output_dir}`, or use a new output_dir")
     if continuing:
         log.info("continuing MLflow run %s", info["run_id"])
         spool.append({"t": "running"})

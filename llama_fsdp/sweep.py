@@ -99,6 +99,15 @@ def _children(client: Any, parent_id: str) -> list[Any]:
                               f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000)
 
 
+def _latest_per_point(runs: list[Any]) -> list[Any]:
+    """A point's newest run: a point run again without a checkpoint to continue from gets a new
+    run (prepare.start_run); the one it replaced stays in MLflow, out of the summary."""
+    newest: dict[str, Any] = {}
+    for r in sorted(runs, key=lambda r: r.info.start_time or 0):
+        newest[r.data.tags.get("output_dir", r.info.run_id)] = r
+    return list(newest.values())
+
+
 def _find_parent(client: Any, experiment: str, sweep_id: str) -> Optional[str]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -121,10 +130,19 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
     """The table's columns (the keys the sweep names, and any other that differs between its
     points) and a row per point: its runs, then the points refused before they launched (no
     run), whose values come from their names ("batch_size=0")."""
-    keys = sorted(set(swept) | set(swept_keys(runs)))
+    varied = swept_keys(runs)
+    swept = [k.lstrip("+~") for k in swept]
+    # a swept config group (sharding=full,grad_op) varies its keys (sharding.strategy): those
+    # are the columns; a group none of whose keys differ keeps its own column
+    keys = sorted(set(varied) | {k for k in swept if not any(v.startswith(k + ".") for v in varied)})
+
+    def value(r: Any, k: str) -> Any:  # a group's choice is in the point's name only
+        named = dict(v.partition("=")[::2] for v in (r.info.run_name or "").split())
+        return r.data.params.get(k, named.get(k.split(".")[-1]))
+
     rows = []
-    for r in sorted(runs, key=lambda r: [r.data.params.get(k, "") for k in keys]):
-        row = {k: r.data.params.get(k) for k in keys}
+    for r in sorted(runs, key=lambda r: [str(value(r, k)) for k in keys]):
+        row = {k: value(r, k) for k in keys}
         row.update({m: r.data.metrics.get(m) for m in SUMMARY_METRICS})
         row["status"] = r.info.status
         rows.append(row)
@@ -186,7 +204,7 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
     if parent_id is None:
         log.warning("no sweep run tagged sweep_id=%s in experiment %r", sweep_id, experiment)
         return None
-    runs = _children(client, parent_id)
+    runs = _latest_per_point(_children(client, parent_id))
     if not runs and not refused:
         log.warning("sweep %s has no finished points yet", sweep_id)
         return None

@@ -142,7 +142,8 @@ class MemoryMeter:
 
 
 class StopRequested(Exception):
-    """Raised on every rank at a log step after a stop was requested (and the checkpoint saved)."""
+    """Raised on every rank at a log step after a stop was requested (and the checkpoint saved);
+    on CUDA, where a log step is read after the next step is queued, at the step after it."""
 
     def __init__(self, reason: str, step: int):
         super().__init__(f"{reason} at step {step}")
@@ -166,7 +167,8 @@ class LoopContext:
     # Eval loss and task metrics at a step (collective); None: no evaluation.
     evaluate: Optional[Callable[[int], dict[str, float]]] = None
     # This rank's pending stop request (0 none, else a code the handler understands); agreed
-    # across ranks at log steps and handed to on_stop there, which saves and raises.
+    # across ranks at log steps (read one step later on CUDA) and handed to on_stop, which
+    # saves and raises.
     stop_request: Callable[[], int] = lambda: 0
     on_stop: Optional[Callable[[int, "TrainState"], None]] = None
     # Called once after the first step (e.g. to switch to the training collective timeout).
@@ -275,9 +277,9 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
     window, first = _Window(time.perf_counter()), True
     pending: Optional[_LogReduce] = None
 
-    def finish(reduce: _LogReduce) -> float:
+    def finish(reduce: _LogReduce) -> tuple[float, int]:
         """Read and log a log step's reduction; return when its result arrived (the next
-        window's start). On an agreed stop request, save and raise."""
+        window's start) and the stop request the ranks agreed on."""
         nonlocal last
         loss, grad_norm, mem, stop = reduce.result()
         now = time.perf_counter()
@@ -293,9 +295,7 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         logged.append({"step": reduce.step, **step_only})
         ctx.tracker.log_metrics(step_only, step=reduce.step)
         ctx.console.update(reduce.step, last)
-        if stop and ctx.on_stop is not None:
-            ctx.on_stop(stop, state)  # saves, then raises StopRequested on every rank
-        return now
+        return now, stop
 
     while state.step < end:
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
@@ -304,19 +304,26 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
                          max_grad_norm=t.max_grad_norm)
         state.step += 1
         state.tokens_seen += res.tokens
+        stop = 0
         if pending is not None:  # the previous log step's, read now that this step is queued
             reduce, pending = pending, None
-            window.start = finish(reduce)  # this window began when that step was done
+            window.start, stop = finish(reduce)  # this window began when that step was done
         window.steps, window.tokens = window.steps + 1, window.tokens + res.tokens
-        if state.step % t.log_every == 0 or state.step == end:
+        if stop or state.step % t.log_every == 0 or state.step == end:
             reduce = _LogReduce.start(res, meter, ctx.stop_request(), ctx.device,
                                       step=state.step, lr=lr, window=window)
             eval_due = bool(ctx.evaluate is not None and ctx.eval.every_steps
                             and state.step % ctx.eval.every_steps == 0)  # it syncs anyway
-            if defer and state.step < end and not eval_due and not ctx.saves_at(state.step):
+            # read now at the last step, before an eval or a save, and before a stop's save: a
+            # non-finite loss must end the run before its weights are published
+            if (defer and not stop and state.step < end and not eval_due
+                    and not ctx.saves_at(state.step)):
                 pending, window = reduce, _Window(time.perf_counter())  # start: set at the read
             else:
-                window = _Window(finish(reduce))
+                now, agreed = finish(reduce)
+                window, stop = _Window(now), max(stop, agreed)
+        if stop and ctx.on_stop is not None:
+            ctx.on_stop(stop, state)  # saves, then raises StopRequested on every rank
         paused = time.perf_counter()
         if first and ctx.after_first_step is not None:
             ctx.after_first_step()
@@ -326,8 +333,10 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
             _run_eval(ctx, state.step, last)
         for hook in ctx.on_step_end:
             hook(state)
-        # eval and saves are not training time (a pending window's end comes after them)
-        (pending.window if pending is not None else window).excluded += time.perf_counter() - paused
+        # eval and saves are not training time; with a read pending the GPU was still busy
+        # with the step while the hooks ran, so their time stays in that step's window
+        if pending is None:
+            window.excluded += time.perf_counter() - paused
     return LoopResult(last=last, logged=logged)
 
 

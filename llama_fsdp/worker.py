@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import hashlib
 import json
 import logging
 import os
@@ -314,7 +315,7 @@ class Run:
             self.tracker.log_metrics(summary, step=self.state.step)
             self.tracker.finish({"finished": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
             if self.env.rank == 0:
-                write_run_status(self.spec.output_dir, status, self.state.step)
+                write_run_status(self.spec, status, self.state.step)
         return RunResult(
             rank=self.env.rank, status=status, steps=self.state.step, losses=self.state.losses,
             final=final, summary=summary, tokens_seen=self.state.tokens_seen,
@@ -340,10 +341,17 @@ class Run:
 RUN_STATUS = "run_status.json"  # how the run's last attempt ended (a sweep skips a finished point)
 
 
-def write_run_status(output_dir: str, status: str, step: int) -> None:
-    path = Path(output_dir) / RUN_STATUS
+def config_digest(config_yaml: str) -> str:
+    return hashlib.sha256(config_yaml.encode()).hexdigest()
+
+
+def write_run_status(spec: RunSpec, status: str, step: int) -> None:
+    """How this attempt ended, and with which resolved config (config.yaml is rewritten by
+    every attempt, also by one that dies before it trains)."""
+    path = Path(spec.output_dir) / RUN_STATUS
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"status": status, "step": step}))
+    tmp.write_text(json.dumps({"status": status, "step": step,
+                               "config_sha256": config_digest(spec.config_yaml)}))
     tmp.replace(path)
 
 

@@ -80,7 +80,7 @@ def test_ctrl_c_without_checkpoints_says_so_and_a_rerun_gets_its_own_mlflow_run(
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     assert "continue with" not in out
-    assert "no checkpoint  none was saved (save.every_steps=0)" in out
+    assert "no checkpoint  none was saved (save.every_steps=0), so this run cannot be" in out
     first = read_run_file(run)["run_id"]
     stopped = max(logged_steps(run))
     code, log, _ = run_cli(tmp_path, f"output_dir={run}", "resume=auto", "train.max_steps=3",

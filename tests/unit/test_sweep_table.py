@@ -7,9 +7,12 @@ from types import SimpleNamespace
 from llama_fsdp.sweep import format_table, summary_rows
 
 
-def _run(params: dict, metrics: dict, status: str = "FINISHED"):
-    return SimpleNamespace(data=SimpleNamespace(params=params, metrics=metrics),
-                           info=SimpleNamespace(status=status))
+def _run(params: dict, metrics: dict, status: str = "FINISHED", *, name: str = "",
+         output_dir: str = "", start: int = 0):
+    return SimpleNamespace(data=SimpleNamespace(params=params, metrics=metrics,
+                                                tags={"output_dir": output_dir or name}),
+                           info=SimpleNamespace(status=status, run_name=name, start_time=start,
+                                                run_id=name + str(start)))
 
 
 def test_a_refused_point_has_a_row_and_the_swept_key_stays_a_column():
@@ -30,3 +33,47 @@ def test_keys_that_differ_between_points_are_columns_too():
     b = _run({"train.batch_size": "4", "sharding.strategy": "full"}, {})
     keys, rows = summary_rows([b, a])
     assert keys == ["train.batch_size"] and [r["train.batch_size"] for r in rows] == ["2", "4"]
+
+
+def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed():
+    """sharding=full,grad_op: the children hold sharding.strategy, not "sharding"."""
+    a = _run({"sharding.strategy": "full"}, {}, name="sharding=full")
+    b = _run({"sharding.strategy": "grad_op"}, {}, name="sharding=grad_op")
+    keys, rows = summary_rows([a, b], ["sharding"])
+    assert keys == ["sharding.strategy"]
+    # a group whose choice changes no other param: its column comes from the point names
+    c = _run({"train.lr": "0.1"}, {}, name="precision=bf16")
+    d = _run({"train.lr": "0.1"}, {}, name="precision=fp32")
+    keys, rows = summary_rows([d, c], ["+precision"])
+    assert keys == ["precision"] and [r["precision"] for r in rows] == ["bf16", "fp32"]
+
+
+def test_a_point_run_again_is_summarized_by_its_newest_run():
+    from llama_fsdp.sweep import _latest_per_point
+
+    old = _run({}, {}, "FAILED", name="batch_size=2", output_dir="/s/0", start=1)
+    new = _run({}, {}, "FINISHED", name="batch_size=2", output_dir="/s/0", start=5)
+    other = _run({}, {}, "FINISHED", name="batch_size=4", output_dir="/s/1", start=2)
+    assert sorted(r.info.run_id for r in _latest_per_point([new, other, old])) == [
+        "batch_size=25", "batch_size=42"]
+
+
+def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
+    """run_status.json records the config that finished: an attempt with another config that
+    died before training (config.yaml rewritten, status left from before) is not skipped."""
+    import dataclasses
+
+    from llama_fsdp.__main__ import _finished_point
+    from llama_fsdp.worker import write_run_status
+    from tests.conftest import make_spec
+
+    spec = dataclasses.replace(make_spec(["train.max_steps=3", "train.warmup_steps=1"],
+                                         output_dir=tmp_path), sweep_id="sweep-x")
+    changed = dataclasses.replace(make_spec(["train.max_steps=6", "train.warmup_steps=1"],
+                                            output_dir=tmp_path), sweep_id="sweep-x")
+    assert not _finished_point(spec)  # never ran
+    write_run_status(spec, "stopped by the user", 2)
+    assert not _finished_point(spec)
+    write_run_status(spec, "finished", 3)
+    assert _finished_point(spec) and not _finished_point(changed)
+    assert not _finished_point(dataclasses.replace(spec, sweep_id=None))  # single runs: never
