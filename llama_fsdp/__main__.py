@@ -49,6 +49,13 @@ def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
     spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), **_sweep()))
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
+    strategy = spec.sharding.strategy
+    if strategy.startswith("hybrid") and spec.mesh.replicate == 1 and spec.world_size > 1:
+        log.warning("sharding=%s with one shard group of all %d ranks (sharding.shard_size "
+                    "defaults to a node's ranks) is sharding=%s: set sharding.shard_size to a "
+                    "divisor of %d to shard within groups and replicate across them", strategy,
+                    spec.world_size, strategy.replace("hybrid_", "").replace("hybrid", "full"),
+                    spec.world_size)
     plan = make_plan(spec)
     log.info("plan (per device):\n%s", plan.table())
     return spec, plan

@@ -427,8 +427,9 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         problems.append(f"tracking.final_delivery_s={cfg.tracking.final_delivery_s} must be >= 0 "
                         "(seconds; 0 leaves undelivered events on disk at once)")
     precision = resolve_precision(cfg.precision.name, device)
+    # (a machine with no GPU at all is told so by the launcher's preflight, not this)
     if device == "cuda" and precision in ("bf16", "mixed") and c.kind == "local" \
-            and not _local_bf16():
+            and _local_cuda_count() > 0 and not _local_bf16():
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
     if cfg.sharding.cpu_offload and device != "cuda":

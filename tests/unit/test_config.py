@@ -213,3 +213,21 @@ def test_a_misspelled_dotted_override_names_the_key_and_the_closest_one():
     assert "did you mean train.batch_size?" in out.stderr
     assert out.stderr.count("is not a config key") == 1  # sharding.shard_size is valid
     assert "+train.batchsize" not in out.stderr
+
+
+def test_hybrid_with_one_shard_group_says_it_is_full_sharding(tmp_path):
+    import subprocess
+    import sys
+
+    def dry(*overrides):
+        out = subprocess.run([sys.executable, "-m", "llama_fsdp", "dry_run=true",
+                              "cluster.device=cpu", f"hydra.run.dir={tmp_path}/run", *overrides],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout + out.stderr
+
+    out = dry("sharding=hybrid")
+    assert "sharding=hybrid with one shard group of all 2 ranks" in out
+    assert "is sharding=full" in out
+    assert "one shard group" not in dry("sharding=hybrid", "cluster.nproc_per_node=4",
+                                        "sharding.shard_size=2")

@@ -191,6 +191,19 @@ def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_pa
         make_spec(["cluster.device=cuda", "cluster.nproc_per_node=4"], output_dir=tmp_path)
 
 
+def test_a_machine_without_gpus_is_told_that_not_that_its_gpu_lacks_bf16(tmp_path):
+    import torch
+
+    from llama_fsdp.spec import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError) as e:
+        make_spec(["cluster.device=cuda", "precision=mixed"], output_dir=tmp_path)
+    assert "no CUDA device is visible: use cluster.device=cpu" in str(e.value)
+    assert "does not support" not in str(e.value)
+
+
 def test_slurm_without_sbatch_is_one_plain_line(monkeypatch, tmp_path):
     from llama_fsdp.launchers import preflight
 
