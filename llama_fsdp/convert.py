@@ -84,7 +84,7 @@ def _meta_dir(checkpoint: Path, config_yaml: Optional[Path], work: Path) -> Path
 def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
             dtype: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the HF directory ``out`` from a DCP checkpoint (or a run dir's newest one)."""
-    ckpt = resolve_resume(str(checkpoint), checkpoint)
+    ckpt = resolve_resume(str(checkpoint), checkpoint, named="")
     assert ckpt is not None
     sd = read_model_state(ckpt)
     with tempfile.TemporaryDirectory() as tmp:

@@ -138,17 +138,24 @@ class HangWatch:
     timeout (NCCL's flight recorder adds the collectives' view on CUDA: launchers/common.py)."""
 
     def __init__(self, spec: RunSpec, rank: int):
-        path = Path(spec.output_dir) / HANG_DIR / f"rank{rank}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a")
+        self._path = Path(spec.output_dir) / HANG_DIR / f"rank{rank}.txt"
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self._path.open("a")  # faulthandler writes to an open file
         self._timeout = spec.cluster.train_timeout_s + 30
 
     def arm(self, _state: Any = None) -> None:
         faulthandler.dump_traceback_later(self._timeout, repeat=False, file=self._file)
 
     def close(self) -> None:
+        """Disarm; a run that never hung leaves no empty files behind."""
         faulthandler.cancel_dump_traceback_later()
         self._file.close()
+        if self._path.stat().st_size == 0:
+            self._path.unlink(missing_ok=True)
+            try:
+                self._path.parent.rmdir()  # the last rank out, if nothing else is there
+            except OSError:
+                pass
 
 
 def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn.Module:

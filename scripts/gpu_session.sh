@@ -31,14 +31,14 @@ STEPS=${STEPS:-30}
 RANKS=${RANKS:-1}
 mkdir -p "$OUT"
 
-# The project's pure dependencies (and torchtitan's) from the carried wheelhouses, unless this
-# python has them already.
+# The project's pure dependencies from the carried wheelhouse, and for the bench stage
+# torchtitan's, unless this python has them already.
 if ! "$PY" -c "import hydra, omegaconf, mlflow, submitit, datasets" 2>/dev/null; then
   [ -d .whl ] || { echo ".whl is missing: build it with scripts/offline_wheels.sh and carry it" >&2; exit 2; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ -d .whl-bench ] && ! "$PY" -c "import torchtitan" 2>/dev/null; then
+if [ "$STAGE" = bench ] && [ -d .whl-bench ] && ! "$PY" -c "import torchtitan" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-bench .whl-bench/*.whl
   export PYTHONPATH=/tmp/site-bench:$PYTHONPATH
 fi

@@ -47,9 +47,10 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Optional[Path]:
+def resolve_resume(resume: str, output_dir: str | Path, *, named: str = "resume=") -> Optional[Path]:
     """``auto``: newest checkpoint of this run (or None); ``none``: None; else a checkpoint
-    directory, or a run directory whose newest checkpoint is taken."""
+    directory, or a run directory whose newest checkpoint is taken. ``named``: how the error
+    names the argument (the convert command's is a positional path)."""
     match resume:
         case "none":
             return None
@@ -60,7 +61,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Optional[Path]:
         return path
     newest = latest_checkpoint(path)
     if newest is None:
-        raise FileNotFoundError(f"resume={resume}: neither a DCP checkpoint (no {METADATA}) nor a "
+        raise FileNotFoundError(f"{named}{resume}: neither a DCP checkpoint (no {METADATA}) nor a "
                                 f"run directory with complete checkpoints under {CHECKPOINTS}/")
     return newest
 

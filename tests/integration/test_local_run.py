@@ -49,6 +49,8 @@ def test_default_run_trains_and_reports(default_run):
         assert line in log
     assert (cwd / "outputs" / "mlflow.db").exists()
     assert log.count("[rank1]") == 0  # only rank 0 talks
+    run = next((cwd / "outputs" / "runs").glob("*/*"))
+    assert not (run / "hang").exists()  # the hang watch leaves nothing when nothing hung
 
 
 def test_default_run_mlflow_record(default_run):
