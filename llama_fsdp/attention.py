@@ -273,7 +273,7 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
             out["position_ids"] = pos.to(device, non_blocking=True)
         bounds = document_bounds(pos)
         bounds.cu = bounds.cu.to(device, non_blocking=True)
-        if device.type != "cuda" or _VARLEN_ATTN is None:  # the block-sparse SDPA will run
+        if not _use_flash(device):  # the block-sparse SDPA will run
             bounds.chunks = _chunks(model.config, pos, device)
         bounds.positions = weakref.ref(out["position_ids"])
         key = id(model.config)
@@ -322,8 +322,9 @@ def _flash_varlen(q, k, v, cu, longest, scale):
     return _VARLEN_ATTN(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
-def _use_flash(q: torch.Tensor) -> bool:
-    return q.is_cuda and _VARLEN_ATTN is not None
+def _use_flash(device: torch.device) -> bool:
+    """Whether torch's flash varlen_attn runs on ``device`` (else the block-sparse SDPA)."""
+    return device.type == "cuda" and _VARLEN_ATTN is not None
 
 
 def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -346,38 +347,34 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 def _records_attention(config, position_ids, query, key, value, scaling):
     b, heads, s, d = query.shape
     bounds = running_bounds(config)
-    if (bounds is None or bounds.tokens != b * s or position_ids is None
-            or bounds.positions is None or bounds.positions() is not position_ids):
-        bounds = None  # not this batch's
-    if not _use_flash(query):
-        dtype = query.dtype
-        if torch.is_autocast_enabled(query.device.type):  # SDPA computes in the autocast dtype
-            dtype = torch.get_autocast_dtype(query.device.type)
-        if bounds is not None and bounds.chunks is None:
-            raise RuntimeError("model.attn_implementation=varlen: this batch was prepared for "
-                               f"CUDA's kernel, and the model runs on {query.device}")
-        if bounds is not None:
-            if dtype not in bounds.additive:
-                bounds.additive[dtype] = additive_chunks(bounds.chunks, dtype)
-            return block_sparse_attention(query, key, value, bounds.additive[dtype], scaling)
     # A model called without model_inputs is refused, not run on records read from its
     # position_ids: transformers hands a registered kernel without a mask function no padding
     # mask (it drops it), so a padded batch would run as if unpadded, in silence.
-    if bounds is None:
+    if (bounds is None or bounds.tokens != b * s or position_ids is None
+            or bounds.positions is None or bounds.positions() is not position_ids):
         raise RuntimeError(
             "model.attn_implementation=varlen has no record bounds for this batch "
             f"({b} x {s} tokens): call the model with llama_fsdp.attention.model_inputs(model, "
             "batch, device) (training, evaluation) or under standard_attention(model) "
             "(generation with a padding mask or a KV cache)")
+    device = query.device.type
+    amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if not _use_flash(query.device):
+        if bounds.chunks is None:
+            raise RuntimeError("model.attn_implementation=varlen: this batch was prepared for "
+                               f"CUDA's kernel, and the model runs on {query.device}")
+        dtype = amp or query.dtype  # SDPA computes in the autocast dtype
+        if dtype not in bounds.additive:
+            bounds.additive[dtype] = additive_chunks(bounds.chunks, dtype)
+        return block_sparse_attention(query, key, value, bounds.additive[dtype], scaling)
     cu, longest = bounds.cu, bounds.longest
     flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
-    if torch.is_autocast_enabled(q.device.type):
+    if amp is not None:
         # sharding=no_shard with precision=mixed runs DDP under autocast over fp32 weights:
         # RoPE leaves q and k in fp32 beside a bf16 v. SDPA has an autocast rule that casts
         # them; the varlen op has none, and flash takes one 16-bit dtype.
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q, k, v = q.to(amp), k.to(amp), v.to(amp)
     out = _flash_varlen(q, k, v, cu, longest, scaling)
     return out.view(b, s, heads, d)
 

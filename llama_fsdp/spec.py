@@ -326,26 +326,36 @@ def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
 def unknown_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> list[str]:
     """Keys of a composed config that its schema does not have, each with the closest valid
     key: Hydra's ``+key=value`` adds keys past the schema, and they would be silently ignored."""
-    import dataclasses
-    import difflib
-    import typing
-
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
+    fields = {f.name for f in dataclasses.fields(schema)}
     out = []
     for key in cfg.keys():
         name = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-            out.append(f"{name} is not a config key (valid under {prefix.rstrip('.') or 'the root'}: "
-                       f"{', '.join(sorted(fields))}){hint}")
+            out.append(_not_a_key(name, prefix, fields))
             continue
-        node, kind = cfg._get_node(key), hints[key]
-        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        node, kind = cfg._get_node(key), _field_type(schema, key)
         if dataclasses.is_dataclass(kind) and isinstance(node, DictConfig) and not node._is_none():
             out += unknown_keys(node, kind, f"{name}.")
     return out
+
+
+def _not_a_key(name: str, prefix: str, fields: set[str]) -> str:
+    """``name`` (under ``prefix``, "train." or "") is no field of its schema: the valid ones, and
+    the closest."""
+    import difflib
+
+    close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(fields), n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+    return (f"{name} is not a config key (valid under {prefix.rstrip('.') or 'the root'}: "
+            f"{', '.join(sorted(fields))}){hint}")
+
+
+def _field_type(schema: type, name: str) -> Any:
+    """A dataclass field's type, Optional[X] as X."""
+    import typing
+
+    kind = typing.get_type_hints(schema)[name]
+    return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
 
 
 def resolve_precision(name: str, device: str) -> str:
@@ -533,10 +543,6 @@ def override_key_problems(args: list[str]) -> list[str]:
     in 'TrainConfig'" and suggests ``+train.batchsize``, which fails in turn. Keys under a field
     that is not a dataclass (a dict, a list) and ``+``/``~`` overrides are left to Hydra and to
     ``unknown_keys``."""
-    import dataclasses
-    import difflib
-    import typing
-
     out = []
     for arg in args:
         key, eq, _ = arg.partition("=")
@@ -547,17 +553,10 @@ def override_key_problems(args: list[str]) -> list[str]:
         for i, part in enumerate(parts):
             fields = {f.name for f in dataclasses.fields(schema)}
             if part not in fields:
-                if i == 0:
-                    break  # not a field of the root: a config group or Hydra's to judge
-                prefix = ".".join(parts[:i])
-                close = difflib.get_close_matches(part, sorted(fields), n=1)
-                hint = f"; did you mean {prefix}.{close[0]}?" if close else ""
-                out.append(f"{key} is not a config key (valid under {prefix}: "
-                           f"{', '.join(sorted(fields))}){hint}")
+                if i:  # (not a root field: a config group, or Hydra's to judge)
+                    out.append(_not_a_key(key, ".".join(parts[:i]) + ".", fields))
                 break
-            kind = typing.get_type_hints(schema)[part]
-            kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-            if not dataclasses.is_dataclass(kind):
+            schema = _field_type(schema, part)
+            if not dataclasses.is_dataclass(schema):
                 break
-            schema = kind
     return out

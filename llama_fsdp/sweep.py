@@ -136,22 +136,15 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
     # are the columns; a group none of whose keys differ keeps its own column
     keys = sorted(set(varied) | {k for k in swept if not any(v.startswith(k + ".") for v in varied)})
 
-    def value(r: Any, k: str) -> Any:  # a group's choice is in the point's name only
-        named = dict(v.partition("=")[::2] for v in (r.info.run_name or "").split())
-        return r.data.params.get(k, named.get(k.split(".")[-1]))
+    def row(params: dict[str, Any], name: str, metrics: dict[str, Any], status: str) -> dict:
+        named = dict(v.partition("=")[::2] for v in name.split())  # point_name's short keys
+        # a param where the run has it; else (a group's choice, a refused point) from the name
+        return {**{k: params.get(k, named.get(k.split(".")[-1])) for k in keys},
+                **{m: metrics.get(m) for m in SUMMARY_METRICS}, "status": status}
 
-    rows = []
-    for r in sorted(runs, key=lambda r: [str(value(r, k)) for k in keys]):
-        row = {k: value(r, k) for k in keys}
-        row.update({m: r.data.metrics.get(m) for m in SUMMARY_METRICS})
-        row["status"] = r.info.status
-        rows.append(row)
-    for name, code in refused:
-        values = dict(v.partition("=")[::2] for v in name.split())
-        row = {k: values.get(k.split(".")[-1]) for k in keys}
-        row.update({m: None for m in SUMMARY_METRICS})
-        row["status"] = f"REFUSED (exit {code})"
-        rows.append(row)
+    rows = sorted((row(r.data.params, r.info.run_name or "", r.data.metrics, r.info.status)
+                   for r in runs), key=lambda row: [str(row[k]) for k in keys])
+    rows += [row({}, name, {}, f"REFUSED (exit {code})") for name, code in refused]
     return keys, rows
 
 

@@ -122,9 +122,7 @@ class Spool:
             return 0
 
     def mark_shipped(self, offset: int) -> None:
-        tmp = self._offset_file.with_suffix(".tmp")
-        tmp.write_text(str(offset))
-        tmp.replace(self._offset_file)
+        replace_text(self._offset_file, str(offset))
 
     def pending(self, limit: int = 5000) -> list[tuple[int, dict[str, Any]]]:
         """(end offset, event) of up to ``limit`` undelivered events, in order."""
@@ -302,12 +300,17 @@ def read_run_file(output_dir: str | Path) -> dict[str, Any]:
         return {}
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
     path = tracking_dir(output_dir) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+    replace_text(path, json.dumps(info))
 
 
 START_DELIVERY_S = 30.0  # how long a new run's (or sweep's) first events may take to deliver

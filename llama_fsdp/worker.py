@@ -32,7 +32,7 @@ from .plan import Plan, make_plan
 from .result import RunResult
 from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
-from .tracking import Console, NullConsole, NullTracker, open_tracker
+from .tracking import Console, NullConsole, NullTracker, open_tracker, replace_text
 from .train import (
     LoopContext,
     StopRequested,
@@ -355,11 +355,9 @@ def config_digest(config_yaml: str) -> str:
 def write_run_status(spec: RunSpec, status: str, step: int) -> None:
     """How this attempt ended, and with which resolved config (config.yaml is rewritten by
     every attempt, also by one that dies before it trains)."""
-    path = Path(spec.output_dir) / RUN_STATUS
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"status": status, "step": step,
-                               "config_sha256": config_digest(spec.config_yaml)}))
-    tmp.replace(path)
+    replace_text(Path(spec.output_dir) / RUN_STATUS,
+                 json.dumps({"status": status, "step": step,
+                             "config_sha256": config_digest(spec.config_yaml)}))
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:

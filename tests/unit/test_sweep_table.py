@@ -2,20 +2,33 @@
 point refused before it launched (no MLflow run) still has its row."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+import pytest
 
 from llama_fsdp.sweep import format_table, summary_rows
 
 
-def _run(params: dict, metrics: dict, status: str = "FINISHED", *, name: str = "",
-         output_dir: str = "", start: int = 0):
-    return SimpleNamespace(data=SimpleNamespace(params=params, metrics=metrics,
-                                                tags={"output_dir": output_dir or name}),
-                           info=SimpleNamespace(status=status, run_name=name, start_time=start,
-                                                run_id=name + str(start)))
+@pytest.fixture
+def _run(tmp_path):
+    """Real runs in a sqlite MLflow store, as the summary reads them (search_runs)."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("sweep")
+
+    def make(params: dict, metrics: dict, status: str = "FINISHED", *, name: str = "",
+             output_dir: str = "", start: int = 0):
+        run = client.create_run(exp, start_time=start, run_name=name,
+                                tags={"output_dir": output_dir or name})
+        client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()],
+                         params=[Param(k, v) for k, v in params.items()])
+        client.set_terminated(run.info.run_id, status=status)
+        return client.get_run(run.info.run_id)
+
+    return make
 
 
-def test_a_refused_point_has_a_row_and_the_swept_key_stays_a_column():
+def test_a_refused_point_has_a_row_and_the_swept_key_stays_a_column(_run):
     ran = _run({"train.batch_size": "2", "train.lr": "0.001"},
                {"summary/tokens_per_sec": 2942.0, "summary/final_loss": 0.8209})
     keys, rows = summary_rows([ran], ["train.batch_size"], [("batch_size=0", 2)])
@@ -28,14 +41,14 @@ def test_a_refused_point_has_a_row_and_the_swept_key_stays_a_column():
                                                                "(exit", "2)"]
 
 
-def test_keys_that_differ_between_points_are_columns_too():
+def test_keys_that_differ_between_points_are_columns_too(_run):
     a = _run({"train.batch_size": "2", "sharding.strategy": "full"}, {})
     b = _run({"train.batch_size": "4", "sharding.strategy": "full"}, {})
     keys, rows = summary_rows([b, a])
     assert keys == ["train.batch_size"] and [r["train.batch_size"] for r in rows] == ["2", "4"]
 
 
-def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed():
+def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed(_run):
     """sharding=full,grad_op: the children hold sharding.strategy, not "sharding"."""
     a = _run({"sharding.strategy": "full"}, {}, name="sharding=full")
     b = _run({"sharding.strategy": "grad_op"}, {}, name="sharding=grad_op")
@@ -48,14 +61,15 @@ def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed():
     assert keys == ["precision"] and [r["precision"] for r in rows] == ["bf16", "fp32"]
 
 
-def test_a_point_run_again_is_summarized_by_its_newest_run():
+def test_a_point_run_again_is_summarized_by_its_newest_run(_run):
     from llama_fsdp.sweep import _latest_per_point
 
     old = _run({}, {}, "FAILED", name="batch_size=2", output_dir="/s/0", start=1)
     new = _run({}, {}, "FINISHED", name="batch_size=2", output_dir="/s/0", start=5)
     other = _run({}, {}, "FINISHED", name="batch_size=4", output_dir="/s/1", start=2)
-    assert sorted(r.info.run_id for r in _latest_per_point([new, other, old])) == [
-        "batch_size=25", "batch_size=42"]
+    assert sorted((r.info.run_name, r.info.start_time)
+                  for r in _latest_per_point([new, other, old])) == [
+        ("batch_size=2", 5), ("batch_size=4", 2)]
 
 
 def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
