@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
+from llama_fsdp.rundir import RunDir  # noqa: E402
 from tests.faults import hooks  # noqa: E402
 from tests.faults.conftest import (  # noqa: E402
     MlflowServer,
@@ -44,7 +45,7 @@ def _spool_times(run: Path) -> dict[int, float]:
     import json
 
     out = {}
-    for line in (run / "tracking" / "spool.jsonl").read_text().splitlines():
+    for line in (RunDir(run).tracking / "spool.jsonl").read_text().splitlines():
         e = json.loads(line)
         if e["t"] == "metrics" and "loss" in e["m"]:
             out.setdefault(e["step"], e["ts"])
@@ -95,8 +96,7 @@ def signal_launcher(sig: signal.Signals, twice: bool = False) -> dict:
     exited = time.monotonic() - t0
     left = no_leftovers(str(cwd), within_s=30)
     gone = time.monotonic() - t0
-    ckpts = sorted(p.name for p in (run_dir(cwd) / "checkpoints").glob("step_*")) \
-        if (run_dir(cwd) / "checkpoints").exists() else []
+    ckpts = sorted(p.name for p in RunDir(run_dir(cwd)).checkpoints.glob("step_*"))
     return {"code": proc.returncode, "exit_s": exited, "all_gone_s": gone, "left": left,
             "checkpoints": ckpts}
 

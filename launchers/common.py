@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
-from .rank import LAUNCH_DIR, RankEntry, format_report, read_reports
+from ..rundir import RunDir
+from .rank import RankEntry, format_report, read_reports
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def worker_env(output_dir: str, device: str,
     the ranks need), NCCL's flight recorder dumping the last collectives of a hung rank, and on
     CPU the malloc settings above (unless ``environ``, the launching one by default, has its
     own)."""
-    trace = str(Path(output_dir) / "hang" / "nccl_trace_rank_")
+    trace = RunDir(output_dir).nccl_trace_prefix
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
            "TORCH_FR_DUMP_TEMP_FILE": trace}
@@ -199,7 +200,7 @@ def streaming(job: Any, enabled: bool) -> Iterator[None]:
 
 def attempt_dirs(output_dir: str, job_id: str) -> list[Path]:
     """This job's per-attempt report folders, in order (requeue, attempt)."""
-    root = Path(output_dir) / LAUNCH_DIR
+    root = RunDir(output_dir).launch
     found = [p for p in root.glob(f"{job_id}.*.*") if p.is_dir()]
     return sorted(found, key=lambda p: tuple(int(x) for x in p.name.split(".")[1:]))
 

@@ -5,7 +5,6 @@ import logging
 import os
 import shlex
 import subprocess
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -20,6 +19,7 @@ from .common import (
     watch,
     worker_env,
 )
+from ..rundir import RunDir
 from .rank import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _executor(spec: Any) -> Any:
                                    lambda *a, **k: popen(*a, start_new_session=True, **k)):
                 return super()._submit_command(command)
 
-    executor = SessionLocalExecutor(folder=Path(spec.output_dir) / "submitit",
+    executor = SessionLocalExecutor(folder=RunDir(spec.output_dir).submitit,
                                     max_num_timeout=spec.cluster.max_requeues)
     executor.update_parameters(**local_parameters(spec))
     return executor

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-LAUNCH_DIR = "launch"  # <run>/launch: per-attempt rank reports
+from ..rundir import RunDir
+
 ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
 PREEMPTED = "preempted"  # RunResult.status after a preemption checkpoint
 CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
@@ -49,7 +50,7 @@ def rendezvous_port(job_id: str) -> int:
 
 
 def attempt_dir(output_dir: str | Path, job_id: str, requeue: int, attempt: int) -> Path:
-    return Path(output_dir) / LAUNCH_DIR / f"{job_id}.{requeue}.{attempt}"
+    return RunDir(output_dir).attempt(job_id, requeue, attempt)
 
 
 def report_path(directory: Path, rank: int | str) -> Path:

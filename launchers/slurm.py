@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 from typing import Any
 
 from .common import (
@@ -15,6 +14,7 @@ from .common import (
     watch,
     worker_env,
 )
+from ..rundir import RunDir
 from .rank import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def make_executor(spec: Any) -> Any:
             text = super()._make_submission_file_text(command, uid)
             return with_restarts(text, restarts) if restarts else text
 
-    executor = RestartingSlurmExecutor(folder=Path(spec.output_dir) / "submitit" / "%j",
+    executor = RestartingSlurmExecutor(folder=RunDir(spec.output_dir).submitit / "%j",
                                        max_num_timeout=spec.cluster.max_requeues)
     executor.update_parameters(**executor_parameters(spec))
     return executor

@@ -113,22 +113,16 @@ def _finished_point(spec: RunSpec) -> bool:
     """A sweep started again in its directory (to resume its failed points) skips a point
     whose run finished with this same config: it would train again from step 0 when it saved
     no checkpoint, or start only to find nothing to train."""
-    import json
-
-    from .worker import RUN_STATUS, config_digest
+    from .rundir import config_digest, read_run_status
 
     if spec.sweep_id is None:
         return False
-    out = Path(spec.output_dir)
-    try:
-        status = json.loads((out / RUN_STATUS).read_text())
-    except (OSError, ValueError):
-        return False
+    status = read_run_status(spec.output_dir)
     done = (status.get("status") == "finished"
             and status.get("config_sha256") == config_digest(spec.config_yaml))
     if done:
         log.info("point %s finished in an earlier run of this sweep (%s): skipped",
-                 spec.run_name, out)
+                 spec.run_name, spec.output_dir)
     return done
 
 
@@ -162,9 +156,10 @@ def run(cfg: DictConfig) -> Any:
 def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
     """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
     could not close (killed, crashed)."""
+    from .rundir import RunDir
     from .tracking import close_run, deliver_pending, read_run_file
 
-    if not (Path(output_dir) / "tracking").is_dir():
+    if not RunDir(output_dir).tracking.is_dir():
         return
     info = read_run_file(output_dir)
     left = (close_run(output_dir, status, deadline_s=deadline_s) if status

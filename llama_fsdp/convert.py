@@ -2,12 +2,12 @@
 
     python -m llama_fsdp.convert outputs/runs/<day>/<time>/checkpoints/step_000060 hf_out
     python -m llama_fsdp.convert outputs/runs/<day>/<time> hf_out          # its newest checkpoint
-    python -m llama_fsdp.convert CKPT hf_out --config <run>/.hydra/config.yaml --dtype bfloat16
+    python -m llama_fsdp.convert CKPT hf_out --config <run>/config.yaml --dtype bfloat16
 
 The result is what ``save.export_hf=true`` writes at the end of a run (safetensors,
 config.json, tokenizer files) and loads with ``LlamaForCausalLM.from_pretrained(hf_out)``.
 config.json and the tokenizer come from the checkpoint's ``hf/`` folder; for checkpoints
-without one, from the run's config.yaml (``--config``, else ``<run>/.hydra/config.yaml``).
+without one, from the run's config.yaml (``--config``, else ``<run>/config.yaml``).
 The whole model is read into this process's memory (that is the point of consolidating).
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Optional
 import torch
 
 from .checkpoint import (
-    HF_META,
     MAX_SHARD_BYTES,
     dir_bytes,
     read_model_state,
     resolve_resume,
     write_hf_dir,
 )
+from .rundir import HF_META, RunDir
 from .spec import DTYPE_BYTES
 
 log = logging.getLogger("llama_fsdp.convert")
@@ -72,11 +72,11 @@ def _meta_dir(checkpoint: Path, config_yaml: Optional[Path], work: Path) -> Path
     if config_yaml is None and (work / "config.json").is_file():
         return work
     if config_yaml is None:
-        config_yaml = checkpoint.parent.parent / ".hydra" / "config.yaml"
+        config_yaml = RunDir(checkpoint.parent.parent).config
         if not config_yaml.is_file():
             raise FileNotFoundError(f"{checkpoint} has no {HF_META}/config.json and "
                                     f"{config_yaml} does not exist: pass --config "
-                                    "<run>/.hydra/config.yaml")
+                                    "<run>/config.yaml")
     _config_from_run_yaml(config_yaml).to_json_file(str(work / "config.json"), use_diff=False)
     return work
 

@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .rundir import CONFIG_FILE, RunDir
 from .spec import RunSpec
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.yaml"  # the resolved config, in every launched run's directory
 
 
 class PrepareError(ValueError):
@@ -39,7 +38,7 @@ def prepare(spec: RunSpec, *, command: str) -> Prepared:
     spec = resolve_model(spec)
     data = prepare_data(spec)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(spec.output_dir) / CONFIG_FILE).write_text(spec.config_yaml)
+    RunDir(spec.output_dir).config.write_text(spec.config_yaml)
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
     return Prepared(spec, data.stats, data.tokenizer)

@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from .rundir import RunDir, replace_text
+
 log = logging.getLogger(__name__)
 
-TRACKING_DIR = "tracking"  # under the run's output dir
 SPOOL, SHIPPED, RUN_FILE, LOCK = "spool.jsonl", "shipped", "run.json", "ship.lock"
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -70,7 +71,7 @@ def open_client(uri: str) -> Any:
 
 
 def tracking_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / TRACKING_DIR
+    return RunDir(output_dir).tracking
 
 
 def artifact_location(uri: str, experiment: str) -> Optional[str]:
@@ -298,13 +299,6 @@ def read_run_file(output_dir: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a reader never sees half a file)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:

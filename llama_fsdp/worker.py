@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -32,7 +30,8 @@ from .plan import Plan, make_plan
 from .result import RunResult
 from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
-from .tracking import Console, NullConsole, NullTracker, open_tracker, replace_text
+from .rundir import RunDir, write_run_status
+from .tracking import Console, NullConsole, NullTracker, open_tracker
 from .train import (
     LoopContext,
     StopRequested,
@@ -44,9 +43,6 @@ from .train import (
 )
 
 log = logging.getLogger(__name__)
-
-HANG_DIR = "hang"  # <run>/hang/rank<r>.txt: every thread's stack when a step outlives the timeout
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -138,7 +134,7 @@ class HangWatch:
     timeout (NCCL's flight recorder adds the collectives' view on CUDA: launchers/common.py)."""
 
     def __init__(self, spec: RunSpec, rank: int):
-        self._path = Path(spec.output_dir) / HANG_DIR / f"rank{rank}.txt"
+        self._path = RunDir(spec.output_dir).hang_file(rank)
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self._path.open("a")  # faulthandler writes to an open file
         self._timeout = spec.cluster.train_timeout_s + 30
@@ -306,8 +302,8 @@ class Run:
                 log.info("this run had already finished at step %d: nothing to train",
                          self.state.step)
             elif self.spec.save.export_hf:
-                export_dir = ckpt_io.export_hf(self.model, Path(self.spec.output_dir) /
-                                               ckpt_io.EXPORT, config=self.checkpointer.hf_config,
+                export_dir = ckpt_io.export_hf(self.model, RunDir(self.spec.output_dir).export,
+                                               config=self.checkpointer.hf_config,
                                                tokenizer=self.data.tokenizer)
                 self.tracker.log_model_dir(export_dir, step=self.state.step,
                                            params={"base": self.spec.model.path or "random init",
@@ -322,7 +318,8 @@ class Run:
             self.tracker.log_metrics(summary, step=self.state.step)
             self.tracker.finish({"finished": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
             if self.env.rank == 0:
-                write_run_status(self.spec, status, self.state.step)
+                write_run_status(self.spec.output_dir, status=status, step=self.state.step,
+                                 config_yaml=self.spec.config_yaml)
         return RunResult(
             rank=self.env.rank, status=status, steps=self.state.step, losses=self.state.losses,
             final=final, summary=summary, tokens_seen=self.state.tokens_seen,
@@ -343,21 +340,6 @@ class Run:
                "summary/eval_loss": final.get("eval_loss"),
                "summary/eval_exact_match": final.get("eval_exact_match")}
         return {k: float(v) for k, v in out.items() if v is not None}
-
-
-RUN_STATUS = "run_status.json"  # how the run's last attempt ended (a sweep skips a finished point)
-
-
-def config_digest(config_yaml: str) -> str:
-    return hashlib.sha256(config_yaml.encode()).hexdigest()
-
-
-def write_run_status(spec: RunSpec, status: str, step: int) -> None:
-    """How this attempt ended, and with which resolved config (config.yaml is rewritten by
-    every attempt, also by one that dies before it trains)."""
-    replace_text(Path(spec.output_dir) / RUN_STATUS,
-                 json.dumps({"status": status, "step": step,
-                             "config_sha256": config_digest(spec.config_yaml)}))
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:

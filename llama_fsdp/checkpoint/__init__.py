@@ -12,10 +12,9 @@ Three formats, three jobs:
 
 ``checks.py`` holds what can be checked before any process starts.
 """
-from .dcp import HF_META, AppState, Checkpointer, load_model_weights, read_model_state
-from .hf import EXPORT, MAX_SHARD_BYTES, export_hf, hf_config, load_hf_weights, write_hf_dir
+from .dcp import AppState, Checkpointer, load_model_weights, read_model_state
+from .hf import MAX_SHARD_BYTES, export_hf, hf_config, load_hf_weights, write_hf_dir
 from .layout import (
-    CHECKPOINTS,
     METADATA,
     dir_bytes,
     is_checkpoint,
@@ -25,7 +24,7 @@ from .layout import (
     step_dir,
 )
 
-__all__ = ["AppState", "CHECKPOINTS", "Checkpointer", "EXPORT", "HF_META", "MAX_SHARD_BYTES",
+__all__ = ["AppState", "Checkpointer", "MAX_SHARD_BYTES",
            "METADATA", "dir_bytes", "export_hf", "hf_config", "is_checkpoint",
            "latest_checkpoint", "list_checkpoints", "load_hf_weights", "load_model_weights",
            "read_model_state", "resolve_resume", "step_dir", "write_hf_dir"]

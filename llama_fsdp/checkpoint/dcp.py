@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import SaveConfig
+from ..rundir import HF_META, RunDir
 from .hf import write_hf_meta
 from .layout import (
-    CHECKPOINTS,
     METADATA,
     TMP_SUFFIX,
     _fsync_dir,
@@ -73,7 +73,6 @@ def _root_cause(err: BaseException) -> BaseException:
 
 # What a failed DCP write or read raises: DCP's CheckpointException derives from BaseException.
 SAVE_ERRORS = (Exception, dcp.api.CheckpointException)
-HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -191,7 +190,7 @@ class Checkpointer:
                  hf_config: Any = None, tokenizer: Any = None, tracker: Any = None):
         self.cfg, self.app, self.device = save, app, device
         self.output_dir = Path(output_dir)
-        self.root = self.output_dir / CHECKPOINTS
+        self.root = RunDir(output_dir).checkpoints
         self.hf_config, self.tokenizer, self.tracker = hf_config, tokenizer, tracker
         self.rank = dist.get_rank()
         self.last_saved: Optional[int] = None

@@ -32,7 +32,6 @@ from .layout import TMP_SUFFIX, dir_bytes
 
 log = logging.getLogger(__name__)
 
-EXPORT = "export"  # the consolidated HF directory of a run
 MAX_SHARD_BYTES = 5 * 1024**3  # export shards, as transformers' save_pretrained
 
 

@@ -14,9 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-CHECKPOINTS = "checkpoints"  # under the run's output dir
-EXPORT = "export"  # the consolidated HF directory of a run
-HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
+from ..rundir import CHECKPOINTS, RunDir
+
 METADATA = ".metadata"  # DCP writes it last, on rank 0: its presence marks a complete write
 TMP_SUFFIX = ".tmp"
 MANIFEST = "manifest.json"  # file -> size, written last before publishing
@@ -24,7 +23,7 @@ _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
 def step_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / CHECKPOINTS / f"step_{step:06d}"
+    return RunDir(output_dir).checkpoints / f"step_{step:06d}"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -34,7 +33,7 @@ def is_checkpoint(path: Path) -> bool:
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of a run, oldest first."""
-    root = Path(output_dir) / CHECKPOINTS
+    root = RunDir(output_dir).checkpoints
     if not root.is_dir():
         return []
     found = [(int(_STEP_RE.match(p.name).group(1)), p) for p in root.iterdir()  # type: ignore[union-attr]
@@ -110,7 +109,7 @@ def expired(output_dir: str | Path, keep_last: int) -> list[Path]:
 
 def interrupted(output_dir: str | Path) -> list[Path]:
     """``step_N.tmp`` directories: saves that never completed (never read, deleted on save)."""
-    root = Path(output_dir) / CHECKPOINTS
+    root = RunDir(output_dir).checkpoints
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob(f"step_*{TMP_SUFFIX}")

@@ -16,6 +16,7 @@ from llama_fsdp.checkpoint import checks, hf, layout
 from llama_fsdp.checkpoint import dcp as ckpt_dcp
 from llama_fsdp import model
 from llama_fsdp.convert import main as convert_main
+from llama_fsdp.rundir import HF_META
 from llama_fsdp.model import llama_config
 from llama_fsdp.spec import ConfigError
 from tests.conftest import compose, make_spec
@@ -186,7 +187,7 @@ def _dcp_checkpoint(path: Path, *, tied: bool = False) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg).eval()
     state = {"model": model.state_dict(), "train": {"step": 3, "tokens_seen": 10}}
     dcp.save({"app": state}, checkpoint_id=str(path), no_dist=True)
-    hf.write_hf_meta(path / ckpt_dcp.HF_META, cfg)
+    hf.write_hf_meta(path / HF_META, cfg)
     return model
 
 
@@ -208,7 +209,7 @@ def test_convert_writes_what_from_pretrained_loads(tmp_path, tied):
 def test_convert_casts_and_takes_the_config_from_a_run_yaml(tmp_path):
     ckpt = tmp_path / "run" / layout.CHECKPOINTS / "step_000003"
     model = _dcp_checkpoint(ckpt)
-    (ckpt / ckpt_dcp.HF_META / "config.json").unlink()
+    (ckpt / HF_META / "config.json").unlink()
     yaml = tmp_path / "config.yaml"
     yaml.write_text("model:\n  name: t\n  hidden_size: 32\n  num_layers: 2\n  num_heads: 4\n"
                     "  num_kv_heads: 2\n  intermediate_size: 64\n  vocab_size: 96\n"

@@ -1,0 +1,122 @@
+"""Every path inside a run directory, in one place (no torch, no heavy imports: the CLI, the
+launchers' rank supervisors and the worker all read it).
+
+A run directory (``outputs/runs/<date>/<time>``, or ``output_dir=``) holds::
+
+    config.yaml         the resolved config of the latest launch
+    run_status.json     how the latest attempt ended, with its config's digest
+    owner.json          the live launcher that owns the directory (host, pid, since)
+    checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight)
+    export/             the consolidated HF directory (save.export_hf)
+    tracking/           rank 0's spool of MLflow events and its delivery state
+    launch/             per-attempt rank reports: <job>.<requeue>.<attempt>/rank<r>.json
+    submitit/           submitit's job folders and the ranks' logs
+    hang/               every thread's stack of a rank whose collective hung
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG_FILE = "config.yaml"
+RUN_STATUS = "run_status.json"
+OWNER = "owner.json"
+CHECKPOINTS = "checkpoints"
+EXPORT = "export"
+TRACKING = "tracking"
+LAUNCH = "launch"
+SUBMITIT = "submitit"
+HANG = "hang"
+HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
+
+
+class RunDir:
+    """The paths of one run directory (nothing is created by asking)."""
+
+    def __init__(self, output_dir: str | Path):
+        self.root = Path(output_dir)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def status(self) -> Path:
+        return self.root / RUN_STATUS
+
+    @property
+    def owner(self) -> Path:
+        return self.root / OWNER
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def export(self) -> Path:
+        return self.root / EXPORT
+
+    @property
+    def tracking(self) -> Path:
+        return self.root / TRACKING
+
+    @property
+    def launch(self) -> Path:
+        return self.root / LAUNCH
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / SUBMITIT
+
+    @property
+    def hang(self) -> Path:
+        return self.root / HANG
+
+    def hang_file(self, rank: int) -> Path:
+        """Where a rank's thread stacks go when a step outlives the training timeout."""
+        return self.hang / f"rank{rank}.txt"
+
+    @property
+    def nccl_trace_prefix(self) -> str:
+        """NCCL's flight recorder dumps here, one file per rank (TORCH_FR_DUMP_TEMP_FILE)."""
+        return str(self.hang / "nccl_trace_rank_")
+
+    def attempt(self, job_id: str, requeue: int, attempt: int) -> Path:
+        """One attempt's rank reports (a SLURM requeue, a restart after a failed rank)."""
+        return self.launch / f"{job_id}.{requeue}.{attempt}"
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def config_digest(config_yaml: str) -> str:
+    """The identity of a resolved config (run_status.json records the one that finished)."""
+    import hashlib
+
+    return hashlib.sha256(config_yaml.encode()).hexdigest()
+
+
+def write_run_status(output_dir: str | Path, *, status: str, step: int, config_yaml: str) -> None:
+    """How this attempt ended, and with which resolved config (config.yaml is rewritten by
+    every attempt, also by one that dies before it trains)."""
+    import json
+
+    replace_text(RunDir(output_dir).status,
+                 json.dumps({"status": status, "step": step,
+                             "config_sha256": config_digest(config_yaml)}))
+
+
+def read_run_status(output_dir: str | Path) -> dict:
+    """run_status.json as a dict ({} when there is none or it cannot be read)."""
+    import json
+
+    try:
+        return json.loads(RunDir(output_dir).status.read_text())
+    except (OSError, ValueError):
+        return {}
