@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from .config import register_configs
 from .launchers.common import skip_final_collection
 from .spec import ConfigError, RunSpec, build_spec
+from .strategies import one_group_warning
 
 log = logging.getLogger("llama_fsdp")
 
@@ -49,13 +50,8 @@ def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
     spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), **_sweep()))
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
-    strategy = spec.sharding.strategy
-    if strategy.startswith("hybrid") and spec.mesh.replicate == 1 and spec.world_size > 1:
-        log.warning("sharding=%s with one shard group of all %d ranks (sharding.shard_size "
-                    "defaults to a node's ranks) is sharding=%s: set sharding.shard_size to a "
-                    "divisor of %d to shard within groups and replicate across them", strategy,
-                    spec.world_size, strategy.replace("hybrid_", "").replace("hybrid", "full"),
-                    spec.world_size)
+    if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
+        log.warning("%s", warning)
     plan = make_plan(spec)
     log.info("plan (per device):\n%s", plan.table())
     return spec, plan

@@ -13,7 +13,6 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-SHARDING_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid", "hybrid_grad_op", "auto")
 PRECISIONS = ("auto", "bf16", "mixed", "fp32")
 AC_MODES = ("none", "full", "selective")
 CLUSTERS = ("local", "slurm")

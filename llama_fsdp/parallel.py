@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .config import CheckpointingConfig
-from .spec import DDP_BUCKET_MB, DTYPE_BYTES, MeshSpec, PrecisionPolicy
+from .spec import DTYPE_BYTES, PrecisionPolicy
+from .strategies import DDP_BUCKET_MB, MeshSpec
 
 log = logging.getLogger(__name__)
 

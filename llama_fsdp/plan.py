@@ -27,15 +27,8 @@ from .config import (
     TrainConfig,
     model_preset,
 )
-from .spec import (
-    DDP_BUCKET_MB,
-    DTYPE_BYTES,
-    PRECISION_POLICIES,
-    ConfigError,
-    RunSpec,
-    _mesh,
-    build_spec,
-)
+from .spec import DTYPE_BYTES, PRECISION_POLICIES, ConfigError, RunSpec, build_spec
+from .strategies import AUTO, AUTO_ORDER, DDP_BUCKET_MB, LEAST_MEMORY, STRATEGIES, mesh_for
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +36,6 @@ GB = 10**9
 GIB = 2**30
 DEFAULT_MARGIN = 0.10  # keep 10% of the device free (allocator fragmentation, CUDA context)
 DEFAULT_MFU = 0.40
-# sharding=auto tries these in order: least communication first.
-AUTO_ORDER = ("no_shard", "hybrid_grad_op", "hybrid", "grad_op", "full")
-HYBRID = ("hybrid", "hybrid_grad_op")
 
 
 class PlanError(ValueError):
@@ -703,9 +693,9 @@ def _table(plan: Plan) -> str:
 
 def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
     """The spec with another sharding strategy and its mesh; raise ConfigError if invalid."""
-    shard_size = spec.sharding.shard_size if strategy in HYBRID else None
+    shard_size = spec.sharding.shard_size if STRATEGIES[strategy].hybrid else None
     problems: list[str] = []
-    mesh = _mesh(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
+    mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
     if problems:
         raise ConfigError(problems)
     name = spec.run_name
@@ -721,7 +711,7 @@ def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
     """The spec on another number of nodes (same ranks per node)."""
     world = nodes * spec.nproc_per_node
     problems: list[str] = []
-    mesh = _mesh(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
+    mesh = mesh_for(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
     if problems:
         raise ConfigError(problems)
     batch = spec.train.batch_size * spec.train.grad_accum * world
@@ -733,8 +723,8 @@ def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
 def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Single changes that lower memory, cheapest first, as (override text, spec)."""
     out: list[tuple[str, RunSpec]] = []
-    if spec.strategy != "full" and spec.world_size > 1:
-        out.append(("sharding=full", with_strategy(spec, "full")))
+    if spec.strategy != LEAST_MEMORY and spec.world_size > 1:
+        out.append((f"sharding={LEAST_MEMORY}", with_strategy(spec, LEAST_MEMORY)))
     if spec.checkpointing.mode != "full":
         ck = dataclasses.replace(spec.checkpointing, mode="full")
         out.append(("checkpointing=full", dataclasses.replace(spec, checkpointing=ck)))
@@ -786,7 +776,7 @@ def _ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts
 
 def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
     """Fewest nodes above spec.nodes (same ranks per node) where it fits fully sharded."""
-    base = with_strategy(spec, "full")
+    base = with_strategy(spec, LEAST_MEMORY)
     for nodes in range(spec.nodes + 1, max_nodes + 1):
         if make_plan(with_nodes(base, nodes)).fits:
             return nodes
@@ -800,7 +790,7 @@ def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
     t = dataclasses.replace(spec.train, batch_size=1,
                             grad_accum=spec.train.grad_accum * spec.train.batch_size)
     combo = dataclasses.replace(
-        with_strategy(spec, "full") if spec.world_size > 1 else spec,
+        with_strategy(spec, LEAST_MEMORY) if spec.world_size > 1 else spec,
         checkpointing=dataclasses.replace(spec.checkpointing, mode="full"), train=t,
         precision=PrecisionConfig(name="bf16"), policy=PRECISION_POLICIES["bf16"])
     return " ".join(texts), combo
@@ -810,8 +800,8 @@ def _fixes(spec: RunSpec) -> list[str]:
     """Cheapest first: more nodes, then single config changes, then all of them together."""
     lines = []
     if spec.device == "cuda" and (n := nodes_needed(spec)) is not None:
-        p = make_plan(with_nodes(with_strategy(spec, "full"), n))
-        lines.append(f"cluster=slurm cluster.nodes={n} sharding=full "
+        p = make_plan(with_nodes(with_strategy(spec, LEAST_MEMORY), n))
+        lines.append(f"cluster=slurm cluster.nodes={n} sharding={LEAST_MEMORY} "
                      f"({n * spec.nproc_per_node} ranks): {p.predicted_peak_gb:.1f} GB (fits)")
     singles = [(text, make_plan(v)) for text, v in _variants(spec)]
     lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
@@ -861,7 +851,7 @@ def _candidates(spec: RunSpec) -> list[str]:
     multi = spec.nodes > 1 or spec.sharding.shard_size is not None
     offload = spec.sharding.cpu_offload  # offload moves FSDP shards: no_shard has none
     return [s for s in AUTO_ORDER
-            if (s not in HYBRID or multi) and not (offload and s == "no_shard")]
+            if (not STRATEGIES[s].hybrid or multi) and not (offload and STRATEGIES[s].ddp)]
 
 
 def choose_strategy(spec: RunSpec) -> tuple[str, str]:
@@ -878,12 +868,13 @@ def choose_strategy(spec: RunSpec) -> tuple[str, str]:
                               f"{plan.usable_bytes / GB:.1f} GB usable per device"
                               + (f" (did not fit: {skipped})" if skipped else ""))
         tried.append(f"{strategy} {plan.predicted_peak_gb:.1f} GB")
-    return "full", (f"full: nothing fits ({'; '.join(tried)}); full needs the least memory")
+    return LEAST_MEMORY, (f"{LEAST_MEMORY}: nothing fits ({'; '.join(tried)}); {LEAST_MEMORY} "
+                          "needs the least memory")
 
 
 def resolve_auto(spec: RunSpec) -> RunSpec:
     """Replace sharding=auto by the chosen strategy (other specs are returned unchanged)."""
-    if spec.strategy != "auto":
+    if spec.strategy != AUTO:
         return spec
     strategy, reason = choose_strategy(spec)
     log.info("sharding=auto -> %s", reason)

@@ -15,12 +15,12 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import strategies
 from .config import (
     AC_MODES,
     CLUSTERS,
     DEVICES,
     PRECISIONS,
-    SHARDING_STRATEGIES,
     CheckpointingConfig,
     ClusterConfig,
     Config,
@@ -33,6 +33,7 @@ from .config import (
     TrackingConfig,
     TrainConfig,
 )
+from .strategies import MeshSpec
 
 
 class ConfigError(ValueError):
@@ -61,34 +62,6 @@ PRECISION_POLICIES = {
     "mixed": PrecisionPolicy("float32", "bfloat16", "float32"),
     "bf16": PrecisionPolicy("bfloat16", "bfloat16", "bfloat16"),
 }
-
-
-# sharding=no_shard's DDP gradient bucket: fewer, larger all-reduces than DDP's 25 MB default
-# (torchtitan's choice); the planner counts one bucket in flight.
-DDP_BUCKET_MB = 100
-
-
-@dataclass(frozen=True)
-class MeshSpec:
-    """Data-parallel layout: ``replicate`` groups of ``shard`` ranks each.
-
-    ``ddp``: sharding=no_shard, a full replica on every rank whose gradients are all-reduced in
-    buckets during backward (composable DDP, as torchtitan does), not FSDP2 on a (world, 1) mesh,
-    which pays size-1 all-gathers and reduce-scatters and a second copy of every parameter.
-    """
-
-    replicate: int
-    shard: int
-    reshard_after_forward: bool
-    ddp: bool = False
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.shard,) if self.replicate == 1 else (self.replicate, self.shard)
-
-    @property
-    def dim_names(self) -> tuple[str, ...]:
-        return ("shard",) if self.replicate == 1 else ("replicate", "shard")
 
 
 @dataclass(frozen=True)
@@ -215,7 +188,7 @@ def _resolve_nproc(cluster: ClusterConfig, device: str) -> int:
 
 def _check_choices(cfg: Config, problems: list[str]) -> None:
     for key, value, choices in (
-        ("sharding.strategy", cfg.sharding.strategy, SHARDING_STRATEGIES),
+        ("sharding.strategy", cfg.sharding.strategy, strategies.CHOICES),
         ("precision.name", cfg.precision.name, PRECISIONS),
         ("checkpointing.mode", cfg.checkpointing.mode, AC_MODES),
         ("cluster.kind", cfg.cluster.kind, CLUSTERS),
@@ -284,43 +257,6 @@ def _check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
             f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}: lower train.seq_len"
         )
-
-
-def _mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
-          problems: list[str]) -> MeshSpec:
-    """Map a strategy to (replicate, shard): full / grad_op shard over every rank (replicate 1);
-    hybrid / hybrid_grad_op shard within sharding.shard_size ranks (default: a node) and replicate
-    across the groups; no_shard replicates over every rank (shard 1)."""
-    zero2 = strategy in ("grad_op", "hybrid_grad_op")
-    match strategy:
-        case "full" | "grad_op" | "auto":
-            if shard_size not in (None, world):
-                problems.append(
-                    f"sharding.shard_size={shard_size} with sharding={strategy} (which shards "
-                    f"over all {world} ranks): use sharding=hybrid to shard in groups of "
-                    f"{shard_size}, or drop sharding.shard_size"
-                )
-            return MeshSpec(1, world, not zero2)
-        case "no_shard":
-            if shard_size not in (None, 1):
-                problems.append(
-                    f"sharding.shard_size={shard_size} with sharding=no_shard: no_shard keeps a "
-                    "full replica per rank; drop sharding.shard_size or use sharding=hybrid"
-                )
-            return MeshSpec(world, 1, False, ddp=True)
-        case "hybrid" | "hybrid_grad_op":
-            shard = shard_size if shard_size is not None else nproc
-            if shard < 1 or world % shard:
-                divisors = [d for d in range(1, world + 1) if world % d == 0]
-                problems.append(
-                    f"world size {world} is not divisible by sharding.shard_size={shard}: set "
-                    f"sharding.shard_size to one of {divisors}, or change cluster.nodes / "
-                    "cluster.nproc_per_node"
-                )
-                return MeshSpec(1, world, not zero2)
-            return MeshSpec(world // shard, shard, not zero2)
-        case _:
-            return MeshSpec(1, world, True)  # reported by _check_choices
 
 
 def unknown_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> list[str]:
@@ -447,7 +383,8 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
             "memory): drop it or run on GPUs"
         )
-    elif cfg.sharding.cpu_offload and cfg.sharding.strategy == "no_shard":
+    elif cfg.sharding.cpu_offload and getattr(
+            strategies.STRATEGIES.get(cfg.sharding.strategy), "ddp", False):
         problems.append(
             "sharding.cpu_offload=true with sharding=no_shard: offload moves FSDP shards to host "
             "memory, and no_shard keeps a full replica on every GPU; use sharding=full (or "
@@ -494,7 +431,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     _check_devices(obj, device, nproc, problems)
     gpu = _gpu_type(obj, device, problems)
     strategy = obj.sharding.strategy
-    mesh = _mesh(strategy, obj.sharding.shard_size, world, nproc, problems)
+    mesh = strategies.mesh_for(strategy, obj.sharding.shard_size, world, nproc, problems)
     if obj.checkpointing.mode == "selective" and obj.checkpointing.every_k > obj.model.num_layers:
         problems.append(
             f"checkpointing.every_k={obj.checkpointing.every_k} exceeds model.num_layers="

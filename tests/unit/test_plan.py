@@ -9,7 +9,8 @@ import pytest
 from llama_fsdp import plan as P
 from llama_fsdp.config import CheckpointingConfig, model_preset
 from llama_fsdp.devices import BY_KEY
-from llama_fsdp.spec import RunSpec, _mesh
+from llama_fsdp.spec import RunSpec
+from llama_fsdp.strategies import MeshSpec
 from tests import conftest
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -332,7 +333,7 @@ def test_resolve_auto_replaces_strategy_and_mesh():
                      "cluster.device_memory_gb=55")  # hybrid_grad_op needs 58.2 GB: hybrid
     resolved = P.resolve_auto(spec)
     assert resolved.strategy == resolved.sharding.strategy == "hybrid"
-    assert resolved.mesh == _mesh("hybrid", None, 16, 8, [])
+    assert resolved.mesh == MeshSpec(replicate=2, shard=8, reshard_after_forward=True)
     assert resolved.mesh.shape == (2, 8) and resolved.run_name.startswith("8b hybrid ")
     fixed = make_spec("sharding=grad_op", "cluster.device=cpu")
     assert P.resolve_auto(fixed) is fixed
