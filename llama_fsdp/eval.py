@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .attention import model_inputs, standard_attention
+from .data.packing import IGNORE_INDEX
 from .train import loss_sum
 
 
@@ -36,7 +37,7 @@ def eval_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
         for batch in batches[:n]:  # every rank runs the same number of forwards (FSDP)
             batch = model_inputs(model, batch, device)
             sums[0] += loss_sum(model, batch).double()
-            sums[1] += (batch["labels"] != -100).sum()
+            sums[1] += (batch["labels"] != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
     s, c = _all_reduce(sums).tolist()

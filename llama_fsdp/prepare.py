@@ -101,11 +101,7 @@ def prepare_data(spec: RunSpec) -> Any:
 
     t0 = time.perf_counter()
     try:
-        data = build_data(spec.data, seq_len=spec.train.seq_len,
-                          micro_batch=spec.train.batch_size, dp_rank=0,
-                          dp_world=spec.world_size, seed=spec.train.seed,
-                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size,
-                          model_path=spec.model.path, announce=True)
+        data = build_data(spec.data, **spec.data_kwargs(dp_rank=0, announce=True))
     except (ValueError, FileNotFoundError, OSError) as e:
         raise PrepareError(f"data: {e}") from e
     log.info("data ready in %.1fs: %d training rows (%d micro-batches per rank per epoch), %d "

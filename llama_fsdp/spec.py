@@ -105,6 +105,14 @@ class RunSpec:
     def dp_size(self) -> int:
         return self.world_size
 
+    def data_kwargs(self, *, dp_rank: int, announce: bool) -> dict[str, Any]:
+        """``data.build_data``'s arguments besides the data node, for one data-parallel rank:
+        the driver (rank 0's view, announcing) and every rank build the same rows from them."""
+        return {"seq_len": self.train.seq_len, "micro_batch": self.train.batch_size,
+                "dp_rank": dp_rank, "dp_world": self.dp_size, "seed": self.train.seed,
+                "cache_dir": Path(self.cache_dir), "vocab_size": self.model.vocab_size,
+                "model_path": self.model.path, "announce": announce}
+
     def summary(self) -> dict[str, Any]:
         """The values a user checks before launching."""
         return {
@@ -436,11 +444,6 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         problems.append(
             f"checkpointing.every_k={obj.checkpointing.every_k} exceeds model.num_layers="
             f"{obj.model.num_layers}: nothing would be checkpointed"
-        )
-    if obj.resume not in ("auto", "none") and not Path(obj.resume).exists():
-        problems.append(
-            f"resume={obj.resume!r} does not exist: use resume=auto, resume=none or an existing "
-            "checkpoint directory"
         )
     precision = dataclasses.replace(obj.precision,
                                     name=resolve_precision(obj.precision.name, device))

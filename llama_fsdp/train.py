@@ -28,6 +28,7 @@ from torch import nn
 
 from .attention import model_inputs
 from .config import EvalConfig, TrainConfig
+from .data.packing import IGNORE_INDEX
 from .parallel import clip_grad_norm, uses_ddp
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                           ignore_index=-100, reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _world() -> int:
@@ -96,7 +97,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     world = _world()
     # torch.full, not torch.tensor(..., device=cuda): a fill kernel, where a host-to-device
     # copy of a pageable scalar would synchronize the stream every step
-    targets = torch.full((), float(sum(int((b["labels"] != -100).sum()) for b in micro_batches)),
+    targets = torch.full((), float(sum(int((b["labels"] != IGNORE_INDEX).sum())
+                                      for b in micro_batches)),
                          device=device)
     if world > 1:
         dist.all_reduce(targets)

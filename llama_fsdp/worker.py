@@ -224,11 +224,8 @@ class Run:
         model = build_model(spec, device, init=not resume and not spec.model.path)
         if not resume and spec.model.path:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
-        data = build_data(spec.data, seq_len=spec.train.seq_len,
-                          micro_batch=spec.train.batch_size, dp_rank=env.rank,
-                          dp_world=env.world_size, seed=spec.train.seed,
-                          cache_dir=Path(spec.cache_dir), vocab_size=spec.model.vocab_size,
-                          model_path=spec.model.path, announce=False)  # the driver announced
+        # the driver announced the data's notes already
+        data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
         optimizer = build_optimizer(model, spec.train)
         scheduler = build_scheduler(optimizer, spec.train)
         tracker = open_tracker(spec) if env.rank == 0 else NullTracker()

@@ -73,14 +73,24 @@ def model_path_problems(m: ModelConfig) -> list[str]:
             f"{suggest_model_option(hf)}"]
 
 
+def resume_problems(resume: str, output_dir: str) -> list[str]:
+    """resume=auto and resume=none always work; a path must be a checkpoint or a run directory
+    with complete checkpoints."""
+    if resume in ("auto", "none"):
+        return []
+    if not Path(resume).exists():
+        return [f"resume={resume!r} does not exist: use resume=auto, resume=none or an existing "
+                "checkpoint directory"]
+    try:
+        resolve_resume(resume, output_dir)
+    except FileNotFoundError as e:
+        return [f"{e}: use resume=auto, resume=none or a checkpoint directory"]
+    return []
+
+
 def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
-    problems = model_path_problems(cfg.model)
-    if cfg.resume not in ("auto", "none") and Path(cfg.resume).exists():
-        try:
-            resolve_resume(cfg.resume, cfg.output_dir)
-        except FileNotFoundError as e:
-            problems.append(f"{e}: use resume=auto, resume=none or a checkpoint directory")
+    problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "

@@ -11,11 +11,11 @@ The worker's interface:
 - The tokenizer: ``data.tokenizer``, else ``model_path``'s own (the model being fine-tuned),
   else the project tokenizer (tokenizer.py). One whose ids do not fit ``vocab_size`` is refused.
 - ``DataModule.train_batches()`` yields this rank's micro-batches forever: ``input_ids``,
-  ``labels`` (already shifted: ``labels[:, t]`` is the target of position t, -100 where no loss
-  is taken) and ``position_ids`` (restarting at every packed record). Every key except
-  ``labels`` goes to the model. Packed records do not attend to each other: transformers
-  (``masking_utils.find_packed_sequence_indices``) derives a block-causal mask from position
-  ids that restart, as long as no ``attention_mask`` and no KV cache is passed.
+  ``labels`` (already shifted: ``labels[:, t]`` is the target of position t, ``IGNORE_INDEX``
+  where no loss is taken) and ``position_ids`` (restarting at every packed record). Every key
+  except ``labels`` goes to the model. Packed records do not attend to each other: the varlen
+  kernel (llama_fsdp/attention.py) reads each record's bounds from the restarting position ids;
+  with ``sdpa``, transformers derives a dense block-causal mask from them instead.
 - ``DataModule.eval_batches(max_batches)``, ``state_dict()`` / ``load_state_dict()``,
   ``stats`` (numbers, for metrics), ``info`` (a ``DataInfo``: the tokenizer used and why, the
   split, the notes printed; ``info.params()`` for MLflow params) and ``tokenizer``; the task
