@@ -42,13 +42,12 @@ def _tmp() -> Path:
 
 def _spool_times(run: Path) -> dict[int, float]:
     """Step -> wall time (ms) its metrics were recorded, from rank 0's spool."""
-    import json
+    from llama_fsdp.tracking import Spool, events
 
     out = {}
-    for line in (RunDir(run).tracking / "spool.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        if e["t"] == "metrics" and "loss" in e["m"]:
-            out.setdefault(e["step"], e["ts"])
+    for e in Spool(run).events():
+        if isinstance(e, events.Metrics) and "loss" in e.metrics:
+            out.setdefault(e.step, e.ts)
     return out
 
 

@@ -167,8 +167,8 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
     data as dataset inputs, and deliver it now if the store answers (``deliver``)."""
     from omegaconf import OmegaConf
 
-    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, flatten, read_run_file,
-                           write_run_file)
+    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, events, flatten,
+                           read_run_file, write_run_file)
 
     from .checkpoint.layout import resume_candidates
 
@@ -191,19 +191,18 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
             f"`python -m llama_fsdp.tracking {spec.output_dir}`, or use a new output_dir")
     if continuing:
         log.info("continuing MLflow run %s", info["run_id"])
-        spool.append({"t": "running"})
-        spool.append({"t": "tags", "tags": {"resumed": "true"}})
+        spool.append(events.Running())
+        spool.append(events.Tags({"resumed": "true"}))
     else:
         write_run_file(spec.output_dir, {"tracking_uri": spec.tracking_uri})  # run_id: once made
-        spool.append({"t": "create", "experiment": spec.tracking.experiment,
-                      "run_name": spec.run_name, "tags": run_tags(spec, command),
-                      "ts": int(time.time() * 1000)})
+        spool.append(events.Create(spec.tracking.experiment, spec.run_name,
+                                   run_tags(spec, command)))
         flat = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))  # type: ignore[arg-type]
         flat.pop("output_dir", None)  # a tag: it differs for every run
-        spool.append({"t": "params", "p": dict(sorted(flat.items()))})
-        spool.append({"t": "text", "text": spec.config_yaml, "file": CONFIG_FILE})
+        spool.append(events.Params(dict(sorted(flat.items()))))
+        spool.append(events.Text(spec.config_yaml, CONFIG_FILE))
         if datasets:
-            spool.append({"t": "inputs", "datasets": datasets})
+            spool.append(events.Inputs(datasets))
     if deliver and deliver_pending(spec.output_dir, deadline_s=START_DELIVERY_S,
                                    uri=spec.tracking_uri):
         log.warning("the MLflow run is not created yet (the store does not answer); it will be "

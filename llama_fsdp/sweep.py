@@ -73,10 +73,11 @@ def parent_run(sweep_dir: str) -> Optional[str]:
 def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
                  task_overrides: list[str]) -> None:
     """Create the sweep's parent run (or keep the one of this sweep dir)."""
-    from .tracking import START_DELIVERY_S, Spool, deliver_pending, read_run_file, write_run_file
+    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, events, read_run_file,
+                           write_run_file)
 
     if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
-        Spool(sweep_dir).append({"t": "running"})  # the same parent, running again
+        Spool(sweep_dir).append(events.Running())  # the same parent, running again
         deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
         return
     swept = swept_overrides(task_overrides)
@@ -84,12 +85,10 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
     write_run_file(sweep_dir, {"tracking_uri": uri,
                                "swept": [o.partition("=")[0].lstrip("+~") for o in swept]})
     spool = Spool(sweep_dir)
-    spool.append({"t": "create", "experiment": experiment,
-                  "run_name": "sweep " + " ".join(swept) if swept else sweep_id,
-                  "tags": {"sweep_id": sweep_id, KIND_TAG: "sweep",
-                           "mlflow.note.content": f"```\n{command}\n```"},
-                  "ts": int(time.time() * 1000)})
-    spool.append({"t": "params", "p": {o.partition("=")[0]: o.partition("=")[2] for o in swept}})
+    spool.append(events.Create(experiment, "sweep " + " ".join(swept) if swept else sweep_id,
+                               {"sweep_id": sweep_id, KIND_TAG: "sweep",
+                                "mlflow.note.content": f"```\n{command}\n```"}))
+    spool.append(events.Params({o.partition("=")[0]: o.partition("=")[2] for o in swept}))
     deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
 
 

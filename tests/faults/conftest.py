@@ -2,7 +2,6 @@
 loopback, the run's progress read from its tracking spool, leftover processes."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -42,11 +41,13 @@ def run_dir(cwd: Path) -> Path:
 
 def logged_steps(run: Path) -> list[int]:
     """Steps whose metrics rank 0 has spooled (its record, whether MLflow answers or not)."""
+    from llama_fsdp.tracking import Spool, events
+
     spool = run / "tracking" / "spool.jsonl"
     if not spool.exists():
         return []
-    events = [json.loads(line) for line in spool.read_text().splitlines() if line.strip()]
-    return [e["step"] for e in events if e["t"] == "metrics" and "loss" in e["m"]]
+    return [e.step for e in Spool(run).events()
+            if isinstance(e, events.Metrics) and "loss" in e.metrics]
 
 
 def wait_for_step(cwd: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> Path:

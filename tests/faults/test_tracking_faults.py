@@ -115,8 +115,8 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
     on a CI run's rank 0) turn system metrics off with a warning; every metric still lands."""
     import logging
 
-    from llama_fsdp import tracking
     from llama_fsdp.prepare import start_run
+    from llama_fsdp.tracking import tracker as tracking
     from tests.conftest import make_spec
 
     class Broken:
@@ -128,7 +128,7 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
     out, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path}/mlflow.db"
     spec = make_spec([f"tracking.uri={uri}"], output_dir=out)
     start_run(spec, command="job")
-    with caplog.at_level(logging.WARNING, logger="llama_fsdp.tracking"):
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.tracking.tracker"):
         tracker = tracking.Tracker(out, uri, system_metrics_s=0.5)
     assert tracker.sampler is None
     assert "system metrics are off for this run" in caplog.text and "_get_store" in caplog.text
@@ -140,7 +140,7 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
 
 
 def test_delivering_from_a_wrong_directory_is_refused_and_creates_nothing(tmp_path, capsys):
-    from llama_fsdp.tracking import main
+    from llama_fsdp.tracking.__main__ import main
 
     wrong = tmp_path / "runs" / "no-such-run"
     with pytest.raises(SystemExit) as e:

@@ -78,7 +78,7 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     import dataclasses
 
     from llama_fsdp.__main__ import _finished_point
-    from llama_fsdp.worker import write_run_status
+    from llama_fsdp.rundir import write_run_status
     from tests.conftest import make_spec
 
     spec = dataclasses.replace(make_spec(["train.max_steps=3", "train.warmup_steps=1"],
@@ -86,8 +86,8 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     changed = dataclasses.replace(make_spec(["train.max_steps=6", "train.warmup_steps=1"],
                                             output_dir=tmp_path), sweep_id="sweep-x")
     assert not _finished_point(spec)  # never ran
-    write_run_status(spec, "stopped by the user", 2)
+    write_run_status(tmp_path, status="stopped by the user", step=2, config_yaml=spec.config_yaml)
     assert not _finished_point(spec)
-    write_run_status(spec, "finished", 3)
+    write_run_status(tmp_path, status="finished", step=3, config_yaml=spec.config_yaml)
     assert _finished_point(spec) and not _finished_point(changed)
     assert not _finished_point(dataclasses.replace(spec, sweep_id=None))  # single runs: never

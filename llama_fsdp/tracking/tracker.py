@@ -1,0 +1,153 @@
+"""What rank 0 holds: ``Tracker`` (each call appends an event to the spool; the shipper thread
+delivers), with ``NullTracker``, its do-nothing twin, on every other rank."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from . import events as ev
+from .delivery import Shipper
+from .spool import Spool, read_run_file
+
+log = logging.getLogger(__name__)
+
+MODEL_MAX_BYTES = 20 * 10**9  # larger exports are linked by path, not copied into MLflow
+
+
+class SystemSampler(threading.Thread):
+    """CPU, memory, disk, network and (with nvidia-ml-py) GPU utilisation and memory of rank 0's
+    node every ``interval_s``, as MLflow's system/* metrics (its System metrics tab), through
+    the spool like every other metric. MLflow's own monitors do the measuring."""
+
+    def __init__(self, tracker: "Tracker", interval_s: float):
+        super().__init__(name="system-metrics", daemon=True)
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        self.tracker, self.interval_s = tracker, interval_s
+        self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        try:
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            self.monitors.append(GPUMonitor())
+        except (ImportError, RuntimeError) as e:  # no NVML, or no GPU
+            log.debug("no GPU system metrics: %s", e)
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        sample = 0
+        while not self._halt.wait(self.interval_s):
+            metrics: dict[str, float] = {}
+            for m in self.monitors:
+                try:
+                    m.collect_metrics()
+                    metrics.update(m.aggregate_metrics())
+                finally:
+                    m.clear_metrics()
+            self.tracker.log_metrics({f"system/{k}": v for k, v in metrics.items()}, step=sample)
+            sample += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+def _system_sampler(tracker: "Tracker", interval_s: float) -> Optional[SystemSampler]:
+    try:
+        return SystemSampler(tracker, interval_s)
+    except Exception as e:  # noqa: BLE001 - tracking never stops training
+        log.warning("system metrics are off for this run: MLflow's monitors did not start "
+                    "(%s: %s)", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        return None
+
+
+class Tracker:
+    """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
+
+    def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0,
+                 system_metrics_s: Optional[float] = None):
+        self.output_dir, self.uri = output_dir, uri
+        self.spool = Spool(output_dir)
+        self.flush_timeout_s = flush_timeout_s
+        # The sampler's MLflow monitors are imported before the shipper thread starts and
+        # imports MLflow for its client: two threads importing the mlflow package at once can
+        # get it partially initialized ("cannot import name '_get_store' from partially
+        # initialized module 'mlflow.tracking'"). System metrics that cannot start are a
+        # warning, never a stopped run.
+        self.sampler = _system_sampler(self, system_metrics_s) if system_metrics_s else None
+        self.shipper = Shipper(self.spool, uri)
+        self.shipper.start()
+        if self.sampler is not None:
+            self.sampler.start()
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return read_run_file(self.output_dir).get("run_id")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.spool.append(ev.Params(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if metrics:
+            self.spool.append(ev.Metrics({k: float(v) for k, v in metrics.items()}, int(step)))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.spool.append(ev.Tags(tags))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.spool.append(ev.Text(text, artifact_file))
+
+    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+                      params: Optional[dict[str, Any]] = None,
+                      model_type: str = "transformers-llama") -> None:
+        """An exported directory as the run's logged model (copied into MLflow's artifact
+        store unless it is larger than MODEL_MAX_BYTES; its path is always a tag)."""
+        if path is None:
+            return
+        self.set_tags({"export_dir": str(path)})
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        if size > MODEL_MAX_BYTES:
+            log.info("export %s (%.1f GB) is linked by its path, not copied into MLflow", path,
+                     size / 1e9)
+            return
+        self.spool.append(ev.Model(str(path), Path(path).parent.name, step, params or {},
+                                   model_type))
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        self.spool.append(ev.Status(status))
+        # a store that is not answering gets a short last chance, not the whole timeout
+        timeout = self.flush_timeout_s if self.shipper.failures == 0 else 5.0
+        if not self.shipper.stop(timeout):
+            log.warning("%d bytes of tracking events could not be delivered to %s (%s); they "
+                        "are kept in %s: the launcher delivers them, or run `python -m "
+                        "llama_fsdp.tracking %s`", self.spool.backlog(), self.uri,
+                        self.shipper.last_error, self.spool.path, self.output_dir)
+
+
+class NullTracker:
+    """What ranks other than 0 hold: the same methods, doing nothing."""
+
+    run_id: Optional[str] = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+                      params: Optional[dict[str, Any]] = None,
+                      model_type: str = "transformers-llama") -> None: ...
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+def open_tracker(spec: Any) -> Any:
+    """Rank 0's tracker for a RunSpec (the driver created the run), or the null twin."""
+    if not spec.tracking.enabled:
+        return NullTracker()
+    t = spec.tracking
+    return Tracker(spec.output_dir, spec.tracking_uri,
+                   system_metrics_s=t.system_metrics_interval_s if t.system_metrics else None)
