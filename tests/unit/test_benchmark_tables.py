@@ -11,7 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_classic_budget_table_file_is_current():
-    from llama_fsdp.plan import _varlen_repeats_kv
+    from llama_fsdp.plan.activations import _varlen_repeats_kv
 
     if _varlen_repeats_kv():
         pytest.skip("the table is of a torch whose varlen_attn takes grouped-query k/v (>= 2.12)")

@@ -1,0 +1,138 @@
+"""Activation memory of a training step: what autograd saves for backward, per token and
+layer, derived for transformers' Llama (SwiGLU, RMSNorm, fused attention) and checked against
+the bytes autograd really saves (tests/unit/test_plan.py) and against real ranks
+(benchmarks/plan_vs_measured_cpu.md)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import CheckpointingConfig, ModelConfig
+
+
+# Activations
+#
+# Bytes that autograd saves for backward, per token, in transformers' LlamaDecoderLayer with SDPA
+# (c = compute-dtype bytes, h = hidden, g = num_kv_heads·head_dim, i = intermediate):
+#   each of the 2 RMSNorms: the fp32 upcast of its input (4h, saved by pow and mul), x·rsqrt
+#     cast back before the weight (c·h, saved by the weight mul) and the weighted output,
+#     saved as the next Linear's input (c·h)                            -> 2·(4h + 2c·h)
+#   q, k, v after RoPE, saved by SDPA (RoPE's muls save only cos/sin);
+#     GQA k/v stay at g wide: transformers passes enable_gqa=True when
+#     there is no attention mask (a padding mask makes it repeat k/v to h) -> c·(h + 2g)
+#   SDPA output, which is also o_proj's input (flash/SDPA writes it in
+#     (b, s, heads, Q) layout, so HF's transpose(1, 2).contiguous() copies nothing) -> c·h
+#   SwiGLU: gate (SiLU's input), SiLU(gate), up, and their product (down_proj's input) -> 4c·i
+#   fp32 logsumexp per head (SDPA) and the 2 RMSNorm rsqrt values      -> 4·(heads + 2)
+# Residual adds, views and transposes save nothing; Llama has no dropout, so no masks. Fused
+# attention (flash / memory-efficient / CPU flash) keeps no s×s probabilities: there is no s²
+# term (eager attention would add about (2c + 1)·heads·s per token per layer).
+# Total: (8 + 6c)·h + 2c·g + 4c·i + 4·(heads + 2); bf16: 20h + 4g + 8i, which is 49h for 8B
+# (Korthikanti's GPT layer: 34h + 5·heads·s). Outside the layers: the final RMSNorm (4h + 2c·h
+# + 4), int64 input ids kept by the embedding (8) and RoPE cos/sin (2·s·Q·c per sequence).
+# tests/unit/test_plan.py checks all of this against the bytes autograd really saves.
+# Full activation checkpointing keeps only each layer's input (c·h); layer-selective wraps
+# every k-th layer (floor(L/k) layers, as parallel.py). Backward recomputes one wrapped layer
+# at a time, so one layer's full activations are added back while any layer is wrapped.
+
+
+# Packed sequences (data.packing=true): position_ids restart at every document, so transformers
+# builds a 4-D block-diagonal causal mask (b x 1 x s x s) instead of passing none. With a mask,
+# SDPA no longer takes the GQA fast path: transformers repeats k and v to all heads, and SDPA
+# keeps a compute-dtype copy of the b x s x s mask; both are saved for backward per layer:
+#   k, v repeated from g to h wide                                      -> 2c·(h - g)
+#   the mask in compute dtype, one row of s per token                   -> c·s
+# per token and saved layer, i.e. layers x b x s x (2c(h - g) + c·s) bytes. Measured on CPU
+# gloo ranks (benchmarks/plan_vs_measured_cpu.md, AC none): +8.7 MB (fp32, b=4, s=256),
+# +12.7 MB (fp32, b=2, s=512), +6.4 MB (bf16, b=2, s=512), as this formula gives. It counts where
+# the layer's other activations count: not for a checkpointed layer (which keeps its input
+# only), once more for the layer recomputed in backward. The s term makes it quadratic in the
+# sequence: at s=8192 it is GBs over a layer stack.
+
+
+# model.attn_implementation=varlen (llama_fsdp/attention.py) takes packed rows with no b x s x s
+# mask: no c·s term. On CUDA, where torch's varlen_attn has no enable_gqa (before 2.12), k and v
+# are repeated to every head before the kernel, which saves them: the 2c(h - g) term stays. On
+# CPU (block-sparse SDPA) nothing is repeated (SDPA takes grouped-query heads and saves views of
+# k and v), but the chunks' outputs (saved by each chunk's SDPA) and their concatenation (o_proj's
+# input) are two tensors where SDPA's one output serves both: c·h per token and saved layer
+# (measured +4.4 MB = 4 layers x 1,024 tokens x 4 bytes x h=256, fp32, b=4, s=256; the packed
+# rows of benchmarks/plan_vs_measured_cpu.md). The chunks' masks are made once per micro-batch,
+# as additive masks in the compute dtype, and every layer's SDPA saves those same tensors (a
+# bool mask would be converted, and the copy saved, in every layer): b x (sum of chunk x
+# window) x c bytes, at most c·(s/2 + min(s, 2048)/2) per token (attention.chunk_plan; one
+# record per row comes near it, short records far below), counted once at that bound
+# (``varlen_mask_bytes``). An explicit varlen on unpacked rows runs the same way (one record per
+# row): these terms count whenever the kernel is varlen, packed or not.
+
+
+def _varlen_repeats_kv() -> bool:
+    from ..attention import VARLEN_GQA
+
+    return not VARLEN_GQA
+
+
+def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sdpa",
+                      device: str = "cuda") -> int:
+    """Extra saved-for-backward bytes per token of one layer when sequences are packed."""
+    h, g = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
+    if attention == "varlen":
+        if device != "cuda":
+            return c * h  # block-sparse SDPA: the chunks' outputs beside their concatenation
+        return 2 * c * (h - g) if _varlen_repeats_kv() else 0
+    return 2 * c * (h - g) + c * seq_len
+
+
+def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
+    """Per token, once per micro-batch: the block-sparse chunks' additive masks (varlen off
+    CUDA), at their bound."""
+    if m.attn_implementation != "varlen" or device == "cuda":
+        return 0
+    return c * (seq_len // 2 + min(seq_len, 2048) // 2 + 1)
+
+
+def layer_activation_bytes(m: ModelConfig, c: int) -> int:
+    """Saved-for-backward bytes per token of one decoder layer (derivation above)."""
+    h, g, i = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads), m.intermediate_size
+    return (8 + 6 * c) * h + 2 * c * g + 4 * c * i + 4 * (m.num_heads + 2)
+
+
+def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = False,
+                      device: str = "cuda") -> int:
+    """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
+    sequences' term when ``packing`` (that of ``m.attn_implementation`` on ``device``)."""
+    varlen = m.attn_implementation == "varlen"  # its bounds are made for unpacked rows too
+    extra = (packed_mask_bytes(m, seq_len, c, m.attn_implementation, device)
+             if packing or varlen else 0)
+    return layer_activation_bytes(m, c) + extra
+
+
+def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,
+                     ac: Optional[CheckpointingConfig] = None, packing: bool = False,
+                     device: str = "cuda") -> int:
+    """Activations kept for backward by one micro-batch, loss buffers excluded (``packing``:
+    data.packing, which adds the packed attention's terms above)."""
+    per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing, device=device)
+    wrapped = len((ac or CheckpointingConfig()).wrapped_layers(m.num_layers))
+    layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
+    if wrapped:
+        layers += per_layer  # the layer being recomputed in backward
+    outside = 4 * m.hidden_size + 2 * c * m.hidden_size + 4 + 8
+    outside += varlen_mask_bytes(m, seq_len, c, device)
+    rope = 2 * seq_len * (m.hidden_size // m.num_heads) * c
+    return micro_batch * seq_len * (layers + outside) + rope
+
+
+def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int) -> int:
+    """Peak of the logits and F.cross_entropy(logits.float()) buffers, b·s·vocab wide.
+
+    Forward: logits (c) + their fp32 copy (4, none when c is 4) + the saved fp32 log-softmax
+    (4). Backward: saved log-softmax + its incoming grad + the grad to the logits (3 × 4), after
+    the worker's loss function dropped its logits reference. Chunked loss would remove this.
+    """
+    forward = c + (4 if c < 4 else 0) + 4
+    return micro_batch * seq_len * m.vocab_size * max(forward, 12)
+
+
+def _grad_logits_bytes(c: int, tokens: int, vocab: int) -> int:
+    """The fp32 grad of the logits, and its cast to a narrower compute dtype."""
+    return (4 + (c if c < 4 else 0)) * tokens * vocab

@@ -1,0 +1,49 @@
+"""What one device offers: its memory (the local GPU, the accelerator table, or the host's RAM
+for CPU ranks) and its dense peak FLOP/s."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..spec import RunSpec
+
+GB = 10**9
+
+
+def _host_ram_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
+    """(bytes one rank may use, where that number came from)."""
+    from ..devices import BY_KEY, DEFAULT_GPU, local_gpu
+
+    c = spec.cluster
+    if c.device_memory_gb is not None:
+        return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
+    if spec.device == "cuda":
+        local = local_gpu() if c.kind == "local" else None
+        if local is not None:
+            return local[1], f"{local[0]}, torch.cuda.get_device_properties"
+        key = spec.gpu or DEFAULT_GPU
+        return int(BY_KEY[key].memory_gb * GB), f"{key} (cluster.gpu_type table)"
+    if c.kind == "slurm" and c.mem_gb:
+        return int(c.mem_gb * GB) // spec.nproc_per_node, "cluster.mem_gb / ranks per node"
+    return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
+
+
+def peak_flops(spec: RunSpec) -> Optional[float]:
+    """Dense peak FLOP/s of one device for the run's compute dtype: cluster.peak_tflops, else
+    the accelerator table (bf16, or TF32 for fp32); None on CPU or for an unknown GPU."""
+    from ..devices import BY_KEY
+
+    if spec.cluster.peak_tflops is not None:
+        return spec.cluster.peak_tflops * 1e12
+    if spec.device == "cuda" and spec.gpu is not None:
+        return BY_KEY[spec.gpu].peak_flops(spec.policy.compute_dtype)
+    return None

@@ -1,0 +1,358 @@
+"""The plan of a run (``make_plan`` -> ``Plan``: parameters, FLOPs per token, memory per phase
+against the device), whether it fits (``check_fits``), the cheapest fixes when it does not, and
+``sharding=auto``'s choice."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import (
+    CheckpointingConfig,
+    ClusterConfig,
+    Config,
+    DataConfig,
+    PrecisionConfig,
+    ShardingConfig,
+    TrainConfig,
+    model_preset,
+)
+from ..spec import PRECISION_POLICIES, ConfigError, RunSpec, build_spec
+from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES, mesh_for
+from .device import GB, device_capacity_bytes, peak_flops
+from .memory import Memory, memory_breakdown, phase_peaks
+from .shapes import count_params, flops_per_token, n_matmul
+
+log = logging.getLogger("llama_fsdp.plan")
+
+GIB = 2**30
+DEFAULT_MARGIN = 0.10  # keep 10% of the device free (allocator fragmentation, CUDA context)
+DEFAULT_MFU = 0.40
+
+
+class PlanError(ValueError):
+    """The run does not fit on its devices; the message has the numbers and the fixes."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run needs per device, and what it should achieve."""
+
+    spec: RunSpec
+    num_params: int
+    n_matmul: int
+    flops_per_token: float
+    memory: Memory
+    capacity_bytes: int
+    capacity_source: str
+    peak_flops: Optional[float]
+    margin: float = DEFAULT_MARGIN
+    mfu: float = DEFAULT_MFU
+    # phase_peaks(spec, gloo=spec.device == "cpu"); make_plan fills it, computed if left empty
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            object.__setattr__(self, "phases",
+                               phase_peaks(self.spec, gloo=self.spec.device == "cpu"))
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase of the step where the predicted peak is."""
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The largest phase peak (not memory.total, which adds what is never live at once)."""
+        return self.phases[self.peak_phase]
+
+    @property
+    def predicted_peak_gb(self) -> float:
+        """Decimal GB, comparable with the worker's peak_memory_gb metric."""
+        return self.predicted_peak_bytes / GB
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.predicted_peak_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        """Capacity less the safety margin."""
+        return int(self.capacity_bytes * (1 - self.margin))
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.usable_bytes
+
+    @property
+    def tokens_per_device_step(self) -> int:
+        t = self.spec.train
+        return t.batch_size * t.grad_accum * t.seq_len
+
+    def tokens_per_s_per_device(self, mfu: Optional[float] = None) -> Optional[float]:
+        """Throughput at the given MFU (default: the plan's), if the peak FLOP/s is known."""
+        if self.peak_flops is None:
+            return None
+        return (mfu or self.mfu) * self.peak_flops / self.flops_per_token
+
+    def step_time_s(self, mfu: Optional[float] = None) -> Optional[float]:
+        """Seconds per optimizer step at the given MFU, if the peak FLOP/s is known."""
+        tps = self.tokens_per_s_per_device(mfu)
+        return None if tps is None else self.tokens_per_device_step / tps
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers to log with the run (MLflow params / metrics)."""
+        out = {"predicted_peak_memory_gb": round(self.predicted_peak_gb, 3),
+               "plan_device_capacity_gb": round(self.capacity_bytes / GB, 3),
+               "plan_num_params": float(self.num_params),
+               "plan_flops_per_token": self.flops_per_token}
+        if (step := self.step_time_s()) is not None:
+            out[f"plan_step_time_s_at_{round(self.mfu * 100)}pct_mfu"] = step
+        return out
+
+    def table(self) -> str:
+        return _table(self)
+
+
+def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAULT_MARGIN) -> Plan:
+    """Parameters, FLOPs per token and per-device memory of a run, against its device."""
+    capacity, source = device_capacity_bytes(spec)
+    return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
+                flops_per_token=flops_per_token(spec.model, spec.train.seq_len),
+                memory=memory_breakdown(spec), capacity_bytes=capacity, capacity_source=source,
+                peak_flops=peak_flops(spec), margin=margin, mfu=mfu,
+                phases=phase_peaks(spec, gloo=spec.device == "cpu"))
+
+
+def _rows(plan: Plan) -> list[tuple[str, int]]:
+    s, mem = plan.spec, plan.memory
+    p, t, ac = s.policy, s.train, s.checkpointing
+    where = "sharded, offloaded to host" if s.sharding.cpu_offload else "sharded"
+    ac_text = ac.mode + (f", every {ac.every_k}" if ac.mode == "selective" else "")
+    return [
+        (f"parameters ({where}, {p.param_dtype})", mem.params),
+        (f"gradients ({where}, {p.param_dtype})", mem.grads),
+        (f"optimizer (AdamW 2 moments, {p.param_dtype})", mem.optimizer),
+        (f"unsharded params kept fwd->bwd ({p.compute_dtype})", mem.unsharded_params),
+        ("all-gather / reduce-scatter buffers", mem.comm_buffers),
+        (f"activations (b={t.batch_size}, s={t.seq_len}, AC {ac_text})", mem.activations),
+        ("logits + fp32 loss (b x s x vocab)", mem.logits_loss),
+    ]
+
+
+def _table(plan: Plan) -> str:
+    s = plan.spec
+    mesh = " x ".join(f"{n}={v}" for n, v in zip(s.mesh.dim_names, s.mesh.shape))
+    lines = [
+        f"plan: model={s.model.name} strategy={s.strategy} ({mesh}, reshard_after_forward="
+        f"{s.mesh.reshard_after_forward}) precision={s.precision.name} device={s.device} "
+        f"world={s.world_size}",
+        f"parameters   {plan.num_params:,} (N_matmul {plan.n_matmul:,})",
+        f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP (6*N_matmul + 12*L*H*Q*T, "
+        f"T={s.train.seq_len})",
+        f"{'per-device memory':<52}{'GB':>10}{'GiB':>10}",
+    ]
+    rows = _rows(plan) + [("sum (never all live at once)", plan.memory.total)]
+    lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
+    comm = "gloo" if s.device == "cpu" else "NCCL"
+    lines.append(f"{'peak by phase (live at once, ' + comm + ')':<52}{'GB':>10}{'GiB':>10}")
+    peak = plan.peak_phase
+    lines += [f"  {name + (' <- peak' if name == peak else ''):<50}{b / GB:>10.2f}"
+              f"{b / GIB:>10.2f}" for name, b in plan.phases.items()]
+    rows = [(f"predicted peak (max over phases: {peak})", plan.predicted_peak_bytes),
+            (f"capacity ({plan.capacity_source})", plan.capacity_bytes),
+            ("headroom", plan.headroom_bytes)]
+    lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
+    if plan.memory.host:
+        lines.append(f"  {'host RAM per rank (cpu offload)':<50}{plan.memory.host / GB:>10.2f}"
+                     f"{plan.memory.host / GIB:>10.2f}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  {verdict} with a {plan.margin:.0%} margin (usable "
+                 f"{plan.usable_bytes / GB:.2f} GB)")
+    if (tps := plan.tokens_per_s_per_device()) is not None:
+        lines.append(f"at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s: "
+                     f"{tps:,.0f} tokens/s per device, {plan.step_time_s():.3f} s per step "
+                     f"({plan.tokens_per_device_step:,} tokens per device)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants of a spec (strategy, nodes, precision, AC, offload) and what fits
+
+
+def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
+    """The spec with another sharding strategy and its mesh; raise ConfigError if invalid."""
+    shard_size = spec.sharding.shard_size if STRATEGIES[strategy].hybrid else None
+    problems: list[str] = []
+    mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
+    if problems:
+        raise ConfigError(problems)
+    name = spec.run_name
+    if spec.tracking.run_name is None:  # the generated name carries the strategy
+        prefix = f"{spec.model.name} "
+        name = name.replace(f"{prefix}{spec.strategy} ", f"{prefix}{strategy} ", 1)
+    return dataclasses.replace(
+        spec, strategy=strategy, mesh=mesh, run_name=name,
+        sharding=dataclasses.replace(spec.sharding, strategy=strategy, shard_size=shard_size))
+
+
+def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
+    """The spec on another number of nodes (same ranks per node)."""
+    world = nodes * spec.nproc_per_node
+    problems: list[str] = []
+    mesh = mesh_for(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
+    if problems:
+        raise ConfigError(problems)
+    batch = spec.train.batch_size * spec.train.grad_accum * world
+    return dataclasses.replace(
+        spec, cluster=dataclasses.replace(spec.cluster, nodes=nodes), nodes=nodes,
+        world_size=world, mesh=mesh, global_batch=batch, tokens_per_step=batch * spec.train.seq_len)
+
+
+def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
+    """Single changes that lower memory, cheapest first, as (override text, spec)."""
+    out: list[tuple[str, RunSpec]] = []
+    if spec.strategy != LEAST_MEMORY and spec.world_size > 1:
+        out.append((f"sharding={LEAST_MEMORY}", with_strategy(spec, LEAST_MEMORY)))
+    if spec.checkpointing.mode != "full":
+        ck = dataclasses.replace(spec.checkpointing, mode="full")
+        out.append(("checkpointing=full", dataclasses.replace(spec, checkpointing=ck)))
+    if spec.train.batch_size > 1:
+        t = dataclasses.replace(spec.train, batch_size=1,
+                                grad_accum=spec.train.grad_accum * spec.train.batch_size)
+        out.append((f"train.batch_size=1 train.grad_accum={t.grad_accum}",
+                    dataclasses.replace(spec, train=t)))
+    if spec.precision.name != "bf16":
+        out.append(("precision=bf16 (bf16 params, grads and optimizer state)",
+                    dataclasses.replace(spec, precision=PrecisionConfig(name="bf16"),
+                                        policy=PRECISION_POLICIES["bf16"])))
+    if spec.device == "cuda" and not spec.sharding.cpu_offload and not spec.mesh.ddp:
+        sh = dataclasses.replace(spec.sharding, cpu_offload=True)
+        out.append(("sharding.cpu_offload=true", dataclasses.replace(spec, sharding=sh)))
+    return out
+
+
+def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
+    """Fewest nodes above spec.nodes (same ranks per node) where it fits fully sharded."""
+    base = with_strategy(spec, LEAST_MEMORY)
+    for nodes in range(spec.nodes + 1, max_nodes + 1):
+        if make_plan(with_nodes(base, nodes)).fits:
+            return nodes
+    return None
+
+
+def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
+    """Full sharding, full activation checkpointing, micro-batch 1 and bf16 together."""
+    texts = [text.split(" (")[0] for text, _ in _variants(spec)
+             if text != "sharding.cpu_offload=true"]
+    t = dataclasses.replace(spec.train, batch_size=1,
+                            grad_accum=spec.train.grad_accum * spec.train.batch_size)
+    combo = dataclasses.replace(
+        with_strategy(spec, LEAST_MEMORY) if spec.world_size > 1 else spec,
+        checkpointing=dataclasses.replace(spec.checkpointing, mode="full"), train=t,
+        precision=PrecisionConfig(name="bf16"), policy=PRECISION_POLICIES["bf16"])
+    return " ".join(texts), combo
+
+
+def _fixes(spec: RunSpec) -> list[str]:
+    """Cheapest first: more nodes, then single config changes, then all of them together."""
+    lines = []
+    if spec.device == "cuda" and (n := nodes_needed(spec)) is not None:
+        p = make_plan(with_nodes(with_strategy(spec, LEAST_MEMORY), n))
+        lines.append(f"cluster=slurm cluster.nodes={n} sharding={LEAST_MEMORY} "
+                     f"({n * spec.nproc_per_node} ranks): {p.predicted_peak_gb:.1f} GB (fits)")
+    singles = [(text, make_plan(v)) for text, v in _variants(spec)]
+    lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
+                                                          " (not enough alone)")
+              for text, p in singles]
+    if not any(p.fits for _, p in singles):
+        text, combo = _combined(spec)
+        p = make_plan(combo)
+        # all of them together, unless that is one change already listed (or none at all)
+        if text and text not in {t.split(" (")[0] for t, _ in singles}:
+            lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
+                         + (" (fits)" if p.fits else " (not enough)"))
+        if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
+            peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
+            lines.append(f"{text + ' ' if text else ''}cluster=slurm cluster.nodes={n} "
+                         f"({n * spec.nproc_per_node} ranks): {peak:.1f} GB (fits)")
+    return lines
+
+
+def fixes_text(spec: RunSpec, plan: Plan) -> str:
+    """Why the run does not fit, and the cheapest fixes with their predicted peaks."""
+    head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
+            f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
+            f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
+            f"GB is usable ({plan.capacity_bytes / GB:.1f} GB from {plan.capacity_source}, less "
+            f"a {plan.margin:.0%} margin).")
+    fixes = "\n".join(f"  - {f}" for f in _fixes(spec)) or (
+        "  - none left in this config: every memory-saving setting is on; it needs devices "
+        "with more memory, or more of them")
+    return f"{head}\nCheapest fixes (predicted peak per device):\n{fixes}"
+
+
+def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:
+    """Raise PlanError if the run cannot fit its devices (unless spec.force); log the verdict."""
+    plan = plan or make_plan(spec)
+    if plan.fits:
+        log.info("plan: %.2f GB of %.2f GB per device fits", plan.predicted_peak_gb,
+                 plan.capacity_bytes / GB)
+        return
+    if spec.force:
+        log.warning("%s\nforce=true: launching anyway", fixes_text(spec, plan))
+        return
+    raise PlanError(f"{fixes_text(spec, plan)}\nOr set force=true to launch anyway.")
+
+
+def _candidates(spec: RunSpec) -> list[str]:
+    multi = spec.nodes > 1 or spec.sharding.shard_size is not None
+    offload = spec.sharding.cpu_offload  # offload moves FSDP shards: no_shard has none
+    return [s for s in AUTO_ORDER
+            if (not STRATEGIES[s].hybrid or multi) and not (offload and STRATEGIES[s].ddp)]
+
+
+def choose_strategy(spec: RunSpec) -> tuple[str, str]:
+    """For sharding=auto: the least-communication strategy that fits, and why."""
+    tried = []
+    for strategy in _candidates(spec):
+        try:
+            plan = make_plan(with_strategy(spec, strategy))
+        except ConfigError:
+            continue
+        if plan.fits:
+            skipped = "; ".join(tried)
+            return strategy, (f"{strategy}: {plan.predicted_peak_gb:.1f} GB of "
+                              f"{plan.usable_bytes / GB:.1f} GB usable per device"
+                              + (f" (did not fit: {skipped})" if skipped else ""))
+        tried.append(f"{strategy} {plan.predicted_peak_gb:.1f} GB")
+    return LEAST_MEMORY, (f"{LEAST_MEMORY}: nothing fits ({'; '.join(tried)}); {LEAST_MEMORY} "
+                          "needs the least memory")
+
+
+def resolve_auto(spec: RunSpec) -> RunSpec:
+    """Replace sharding=auto by the chosen strategy (other specs are returned unchanged)."""
+    if spec.strategy != AUTO:
+        return spec
+    strategy, reason = choose_strategy(spec)
+    log.info("sharding=auto -> %s", reason)
+    return with_strategy(spec, strategy)
+
+
+# ---------------------------------------------------------------------------------------------
+# What-ifs without Hydra
+
+
+def reference_spec(model: str, *, nodes: int = 1, gpus_per_node: int = 8, strategy: str = "full",
+                   precision: str = "bf16", ac: str = "full", batch: int = 1, seq_len: int = 2048,
+                   device_memory_gb: float = 80.0) -> RunSpec:
+    """A SLURM GPU RunSpec built without Hydra, for tables and what-ifs."""
+    cfg = Config(model=model_preset(model), sharding=ShardingConfig(strategy=strategy),
+                 precision=PrecisionConfig(name=precision),
+                 checkpointing=CheckpointingConfig(mode=ac),
+                 cluster=ClusterConfig(kind="slurm", nodes=nodes, gpus_per_node=gpus_per_node,
+                                       time_min=60, device_memory_gb=device_memory_gb),
+                 data=DataConfig(), train=TrainConfig(batch_size=batch, seq_len=seq_len),
+                 output_dir="outputs/plan", resume="none")
+    return build_spec(cfg, output_dir="outputs/plan")
