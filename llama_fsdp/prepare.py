@@ -113,7 +113,7 @@ def prepare_data(spec: RunSpec) -> Any:
 
 def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
     """The run's tags: where and what it ran; a sweep point names its parent run."""
-    from .sweep import parent_run
+    from .sweep import parent_run, point_tags
 
     tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
             "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
@@ -122,6 +122,7 @@ def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
             "mlflow.note.content": f"```\n{command}\n```"}
     if spec.sweep_id:
         tags["sweep_id"] = spec.sweep_id
+        tags.update(point_tags(spec.sweep_point))
     if spec.sweep_dir and (parent := parent_run(spec.sweep_dir)):
         tags["mlflow.parentRunId"] = parent
     return tags

@@ -99,6 +99,7 @@ class RunSpec:
     config_yaml: str = field(repr=False)
     sweep_id: Optional[str] = None
     sweep_dir: Optional[str] = None  # a sweep point: its sweep's directory (the parent run)
+    sweep_point: dict[str, str] = field(default_factory=dict)  # its values of the swept keys
     restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
 
     @property
@@ -275,15 +276,15 @@ def unknown_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> li
     for key in cfg.keys():
         name = f"{prefix}{key}"
         if key not in fields:
-            out.append(_not_a_key(name, prefix, fields))
+            out.append(not_a_key(name, prefix, fields))
             continue
-        node, kind = cfg._get_node(key), _field_type(schema, key)
+        node, kind = cfg._get_node(key), field_type(schema, key)
         if dataclasses.is_dataclass(kind) and isinstance(node, DictConfig) and not node._is_none():
             out += unknown_keys(node, kind, f"{name}.")
     return out
 
 
-def _not_a_key(name: str, prefix: str, fields: set[str]) -> str:
+def not_a_key(name: str, prefix: str, fields: set[str]) -> str:
     """``name`` (under ``prefix``, "train." or "") is no field of its schema: the valid ones, and
     the closest."""
     import difflib
@@ -294,7 +295,7 @@ def _not_a_key(name: str, prefix: str, fields: set[str]) -> str:
             f"{', '.join(sorted(fields))}){hint}")
 
 
-def _field_type(schema: type, name: str) -> Any:
+def field_type(schema: type, name: str) -> Any:
     """A dataclass field's type, Optional[X] as X."""
     import typing
 
@@ -400,6 +401,12 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         )
 
 
+def point_name(values: dict[str, str]) -> str:
+    """A sweep point's run name: its values of the swept keys, with short keys
+    ("batch_size=2 sharding=full")."""
+    return " ".join(f"{key.split('.')[-1]}={value}" for key, value in values.items())
+
+
 def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int,
               device: str) -> str:
     """What a single run is, short enough for the MLflow table: "tiny full fp32 2xcpu b8"."""
@@ -413,7 +420,8 @@ def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int
 
 def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
                launch_dir: Optional[Path] = None, sweep_id: Optional[str] = None,
-               sweep_dir: Optional[str] = None, point: Optional[str] = None) -> RunSpec:
+               sweep_dir: Optional[str] = None,
+               sweep_point: Optional[dict[str, str]] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError."""
     if isinstance(cfg, DictConfig):
         unknown = unknown_keys(cfg)
@@ -470,33 +478,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
         cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
-        run_name=obj.tracking.run_name or point or _run_name(obj, strategy, precision.name, world,
-                                                            nproc, device),
+        run_name=obj.tracking.run_name or point_name(sweep_point or {}) or _run_name(
+            obj, strategy, precision.name, world, nproc, device),
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
+        sweep_point=dict(sweep_point or {}),
     )
-
-
-
-def override_key_problems(args: list[str]) -> list[str]:
-    """Dotted ``key=value`` overrides of the command line whose key the schema does not have,
-    each with the closest valid key: Hydra refuses them too, but says only "Key 'batchsize' not
-    in 'TrainConfig'" and suggests ``+train.batchsize``, which fails in turn. Keys under a field
-    that is not a dataclass (a dict, a list) and ``+``/``~`` overrides are left to Hydra and to
-    ``unknown_keys``."""
-    out = []
-    for arg in args:
-        key, eq, _ = arg.partition("=")
-        if not eq or "." not in key or arg.startswith(("-", "+", "~")) or key.startswith("hydra."):
-            continue
-        schema: Any = Config
-        parts = key.split(".")
-        for i, part in enumerate(parts):
-            fields = {f.name for f in dataclasses.fields(schema)}
-            if part not in fields:
-                if i:  # (not a root field: a config group, or Hydra's to judge)
-                    out.append(_not_a_key(key, ".".join(parts[:i]) + ".", fields))
-                break
-            schema = _field_type(schema, part)
-            if not dataclasses.is_dataclass(schema):
-                break
-    return out

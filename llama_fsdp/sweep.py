@@ -20,17 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
 log = logging.getLogger(__name__)
 
 SUMMARY_METRICS = ("summary/tokens_per_sec", "summary/peak_memory_gb", "summary/final_loss")
 IGNORED_PARAMS = ("output_dir", "tracking.run_name")
 KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
-# Points of this process's sweep that failed (override_dirname, exit code): the sweep goes on to
-# its other points and its summary, then exits with the worst code (on_multirun_end).
-FAILED_POINTS: list[tuple[str, int]] = []
+POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
 
 
 def sweep_id_for(sweep_dir: str) -> str:
@@ -39,28 +34,11 @@ def sweep_id_for(sweep_dir: str) -> str:
     return "sweep-" + "_".join(parts[-2:])
 
 
-def point_name(overrides: list[str], swept: Optional[list[str]] = None) -> str:
-    """A child run's name: the point's values of the swept keys (all its overrides if those
-    are unknown), with short keys: "batch_size=2 sharding=full"."""
-    out = []
-    for o in overrides:
-        key, _, value = o.lstrip("+~").partition("=")
-        if swept is None or key in swept:
-            out.append(f"{key.split('.')[-1]}={value}")
-    return " ".join(out)
-
-
 def swept_keys_of(sweep_dir: str) -> Optional[list[str]]:
     """The keys the sweep in ``sweep_dir`` varies (recorded when it started)."""
     from .tracking import read_run_file
 
     return read_run_file(sweep_dir).get("swept")
-
-
-def swept_overrides(task_overrides: list[str]) -> list[str]:
-    """The overrides of a sweep command that vary (comma lists, ranges, choices)."""
-    return [o for o in task_overrides if "," in o.partition("=")[2] or "range(" in o
-            or "choice(" in o]
 
 
 def parent_run(sweep_dir: str) -> Optional[str]:
@@ -71,8 +49,9 @@ def parent_run(sweep_dir: str) -> Optional[str]:
 
 
 def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
-                 task_overrides: list[str]) -> None:
-    """Create the sweep's parent run (or keep the one of this sweep dir)."""
+                 swept: dict[str, str]) -> None:
+    """Create the sweep's parent run (or keep the one of this sweep dir); ``swept``: the swept
+    keys and their values as typed ({"train.batch_size": "1,2,4"})."""
     from .tracking import (START_DELIVERY_S, Spool, deliver_pending, events, read_run_file,
                            write_run_file)
 
@@ -80,15 +59,14 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
         Spool(sweep_dir).append(events.Running())  # the same parent, running again
         deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
         return
-    swept = swept_overrides(task_overrides)
     sweep_id = sweep_id_for(sweep_dir)
-    write_run_file(sweep_dir, {"tracking_uri": uri,
-                               "swept": [o.partition("=")[0].lstrip("+~") for o in swept]})
+    write_run_file(sweep_dir, {"tracking_uri": uri, "swept": list(swept)})
     spool = Spool(sweep_dir)
-    spool.append(events.Create(experiment, "sweep " + " ".join(swept) if swept else sweep_id,
+    name = "sweep " + " ".join(f"{k}={v}" for k, v in swept.items()) if swept else sweep_id
+    spool.append(events.Create(experiment, name,
                                {"sweep_id": sweep_id, KIND_TAG: "sweep",
                                 "mlflow.note.content": f"```\n{command}\n```"}))
-    spool.append(events.Params({o.partition("=")[0]: o.partition("=")[2] for o in swept}))
+    spool.append(events.Params(dict(swept)))
     deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
 
 
@@ -124,26 +102,42 @@ def swept_keys(runs: list[Any]) -> list[str]:
     return sorted(varied)
 
 
+def point_tags(values: dict[str, str]) -> dict[str, str]:
+    """A sweep point's run tags: its value of each swept key (point.<key>)."""
+    return {POINT_TAG + k: v for k, v in values.items()}
+
+
+def _point_values(tags: dict[str, str]) -> dict[str, str]:
+    return {k[len(POINT_TAG):]: v for k, v in tags.items() if k.startswith(POINT_TAG)}
+
+
 def summary_rows(runs: list[Any], swept: list[str] = (),
-                 refused: list[tuple[str, int]] = ()) -> tuple[list[str], list[dict[str, Any]]]:
+                 refused: list[tuple[dict[str, str], int]] = ()
+                 ) -> tuple[list[str], list[dict[str, Any]]]:
     """The table's columns (the keys the sweep names, and any other that differs between its
     points) and a row per point: its runs, then the points refused before they launched (no
-    run), whose values come from their names ("batch_size=0")."""
+    run; ``refused``: their values of the swept keys and their exit code)."""
     varied = swept_keys(runs)
-    swept = [k.lstrip("+~") for k in swept]
     # a swept config group (sharding=full,grad_op) varies its keys (sharding.strategy): those
     # are the columns; a group none of whose keys differ keeps its own column
     keys = sorted(set(varied) | {k for k in swept if not any(v.startswith(k + ".") for v in varied)})
 
-    def row(params: dict[str, Any], name: str, metrics: dict[str, Any], status: str) -> dict:
-        named = dict(v.partition("=")[::2] for v in name.split())  # point_name's short keys
-        # a param where the run has it; else (a group's choice, a refused point) from the name
-        return {**{k: params.get(k, named.get(k.split(".")[-1])) for k in keys},
+    def value(key: str, params: dict[str, Any], point: dict[str, str]) -> Any:
+        """A param where the run has it; else the point's value of the key, or of the config
+        group the key belongs to (a refused point has no params)."""
+        if key in params:
+            return params[key]
+        return point.get(key, next((v for g, v in point.items() if key.startswith(g + ".")),
+                                   None))
+
+    def row(params: dict[str, Any], point: dict[str, str], metrics: dict[str, Any],
+            status: str) -> dict:
+        return {**{k: value(k, params, point) for k in keys},
                 **{m: metrics.get(m) for m in SUMMARY_METRICS}, "status": status}
 
-    rows = sorted((row(r.data.params, r.info.run_name or "", r.data.metrics, r.info.status)
+    rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics, r.info.status)
                    for r in runs), key=lambda row: [str(row[k]) for k in keys])
-    rows += [row({}, name, {}, f"REFUSED (exit {code})") for name, code in refused]
+    rows += [row({}, point, {}, f"REFUSED (exit {code})") for point, code in refused]
     return keys, rows
 
 
@@ -216,47 +210,6 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
     client.log_batch(parent_id, metrics=metrics, tags=[RunTag("failed_points", str(failed))])
     client.set_terminated(parent_id, status="FINISHED")
     return table
-
-
-class SweepSummaryCallback(Callback):
-    """Hydra callback: the parent run when a multirun starts; its summary when it ends
-    (local sweeps), or the command that makes it (SLURM sweeps, which return at submission)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .__main__ import command_line
-        from .spec import resolve_tracking_uri
-
-        if not config.tracking.enabled:
-            return
-        start_parent(str(Path(config.hydra.sweep.dir).resolve()),
-                     uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
-                     experiment=config.tracking.experiment, command=command_line(),
-                     task_overrides=list(config.hydra.overrides.task))
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from .spec import resolve_tracking_uri
-
-        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
-        sweep_id = sweep_id_for(sweep_dir)
-        uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
-        if not config.tracking.enabled:
-            table = None
-        elif config.cluster.kind == "slurm" and not config.cluster.wait:
-            table = None
-            log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
-                     "--uri %s", sweep_id, sweep_id, uri)
-        else:
-            # a point refused before launch (exit 2: its config) has no run: a row of its own
-            table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
-                              parent_id=parent_run(sweep_dir),
-                              refused=[p for p in FAILED_POINTS if p[1] == 2])
-        if table:
-            log.info("sweep %s summary:\n%s", sweep_id, table)
-        if FAILED_POINTS:
-            log.error("%d point(s) of sweep %s failed: %s; run the same command with "
-                      "hydra.sweep.dir=%s to resume them", len(FAILED_POINTS), sweep_id,
-                      ", ".join(name or "(no overrides)" for name, _ in FAILED_POINTS), sweep_dir)
-            raise SystemExit(max(code for _, code in FAILED_POINTS))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

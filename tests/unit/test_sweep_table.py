@@ -17,9 +17,12 @@ def _run(tmp_path):
     exp = client.create_experiment("sweep")
 
     def make(params: dict, metrics: dict, status: str = "FINISHED", *, name: str = "",
-             output_dir: str = "", start: int = 0):
+             output_dir: str = "", start: int = 0, point: dict | None = None):
+        from llama_fsdp.sweep import point_tags
+
         run = client.create_run(exp, start_time=start, run_name=name,
-                                tags={"output_dir": output_dir or name})
+                                tags={"output_dir": output_dir or name,
+                                      **point_tags(point or {})})
         client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()],
                          params=[Param(k, v) for k, v in params.items()])
         client.set_terminated(run.info.run_id, status=status)
@@ -31,7 +34,7 @@ def _run(tmp_path):
 def test_a_refused_point_has_a_row_and_the_swept_key_stays_a_column(_run):
     ran = _run({"train.batch_size": "2", "train.lr": "0.001"},
                {"summary/tokens_per_sec": 2942.0, "summary/final_loss": 0.8209})
-    keys, rows = summary_rows([ran], ["train.batch_size"], [("batch_size=0", 2)])
+    keys, rows = summary_rows([ran], ["train.batch_size"], [({"train.batch_size": "0"}, 2)])
     assert keys == ["train.batch_size"]
     assert [(r["train.batch_size"], r["status"]) for r in rows] == [
         ("2", "FINISHED"), ("0", "REFUSED (exit 2)")]
@@ -50,14 +53,15 @@ def test_keys_that_differ_between_points_are_columns_too(_run):
 
 def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed(_run):
     """sharding=full,grad_op: the children hold sharding.strategy, not "sharding"."""
-    a = _run({"sharding.strategy": "full"}, {}, name="sharding=full")
-    b = _run({"sharding.strategy": "grad_op"}, {}, name="sharding=grad_op")
+    a = _run({"sharding.strategy": "full"}, {}, name="sharding=full", point={"sharding": "full"})
+    b = _run({"sharding.strategy": "grad_op"}, {}, name="sharding=grad_op",
+             point={"sharding": "grad_op"})
     keys, rows = summary_rows([a, b], ["sharding"])
     assert keys == ["sharding.strategy"]
-    # a group whose choice changes no other param: its column comes from the point names
-    c = _run({"train.lr": "0.1"}, {}, name="precision=bf16")
-    d = _run({"train.lr": "0.1"}, {}, name="precision=fp32")
-    keys, rows = summary_rows([d, c], ["+precision"])
+    # a group whose choice changes no other param: its column comes from the points' values
+    c = _run({"train.lr": "0.1"}, {}, name="precision=bf16", point={"precision": "bf16"})
+    d = _run({"train.lr": "0.1"}, {}, name="precision=fp32", point={"precision": "fp32"})
+    keys, rows = summary_rows([d, c], ["precision"])
     assert keys == ["precision"] and [r["precision"] for r in rows] == ["bf16", "fp32"]
 
 
@@ -77,7 +81,7 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     died before training (config.yaml rewritten, status left from before) is not skipped."""
     import dataclasses
 
-    from llama_fsdp.__main__ import _finished_point
+    from llama_fsdp.cli import finished_point as _finished_point
     from llama_fsdp.rundir import write_run_status
     from tests.conftest import make_spec
 
@@ -91,3 +95,29 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     write_run_status(tmp_path, status="finished", step=3, config_yaml=spec.config_yaml)
     assert _finished_point(spec) and not _finished_point(changed)
     assert not _finished_point(dataclasses.replace(spec, sweep_id=None))  # single runs: never
+
+
+def test_overrides_are_read_with_hydras_parser_a_list_is_no_sweep():
+    """cluster.setup=[a,b] is one value (a list), not two points; train.batch_size=1,2 and
+    +precision=bf16,fp32 are sweeps; a refused point keeps its group's choice for a key of the
+    group (sharding.strategy from sharding=grad_op)."""
+    from llama_fsdp.cli import command_line, point_values, swept_overrides
+
+    args = ["train.batch_size=1,2", "cluster.setup=[module load cuda,echo hi]",
+            "+precision=bf16,fp32", "sharding=grad_op", "train.lr=range(1,3)"]
+    assert swept_overrides(args) == {"train.batch_size": "1,2", "precision": "bf16,fp32",
+                                     "train.lr": "1,2"}
+    point = ["train.batch_size=2", "cluster.setup=[module load cuda,echo hi]", "sharding=grad_op"]
+    assert point_values(point, ["train.batch_size", "sharding"]) == {
+        "train.batch_size": "2", "sharding": "grad_op"}
+    assert point_values(["cluster.setup=[a,b]"], None) == {"cluster.setup": "[a,b]"}
+    keys, rows = summary_rows([], ["train.batch_size", "sharding.strategy"],
+                              [({"train.batch_size": "2", "sharding": "grad_op"}, 2)])
+    assert [rows[0][k] for k in keys] == ["grad_op", "2"]
+    import sys
+    argv, sys.argv = sys.argv, ["llama-fsdp", "-m", "output_dir=/x", "resume=auto",
+                                "train.lr=0.1"]
+    try:
+        assert command_line(drop=("output_dir", "resume")) == "llama-fsdp -m train.lr=0.1"
+    finally:
+        sys.argv = argv

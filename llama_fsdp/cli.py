@@ -1,0 +1,394 @@
+"""The command line, `python -m llama_fsdp [overrides]` (or `llama-fsdp`):
+
+    overrides checked -> Hydra composes conf/ -> RunSpec (spec.py) -> plan (plan/, printed)
+    -> prepare (prepare.py: tracking store, weights, data, the MLflow run)
+    -> launch (launchers/: local ranks or SLURM) -> summary
+
+A sweep (``-m``) runs this once per point; ``SweepCallback`` makes the sweep's parent run when
+it starts, collects the points' outcomes, and writes the summary when it ends. Nothing in the
+library imports this module: it is the entry point only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .config import Config, register_configs
+from .launchers.common import skip_final_collection
+from .spec import ConfigError, RunSpec, build_spec, field_type, not_a_key
+from .strategies import one_group_warning
+
+log = logging.getLogger("llama_fsdp")
+
+
+# --- overrides, read with Hydra's own parser ------------------------------------------------
+
+
+def parse_override(arg: str) -> Optional[Override]:
+    """One command-line argument as Hydra reads it; None for what is no override (a flag)."""
+    try:
+        return OverridesParser.create().parse_override(arg)
+    except Exception:  # noqa: BLE001 - Hydra's parser raises its own errors for non-overrides
+        return None
+
+
+def swept_overrides(args: list[str]) -> dict[str, str]:
+    """The overrides of a sweep command that vary (comma lists, ranges, choices): key ->
+    the values as typed ("1,2,4"). A list value (``cluster.setup=[a,b]``) is one value."""
+    out = {}
+    for arg in args:
+        o = parse_override(arg)
+        if o is not None and o.is_sweep_override():
+            out[o.key_or_group] = ",".join(o.sweep_string_iterator())
+    return out
+
+
+def point_values(args: list[str], swept: Optional[list[str]]) -> dict[str, str]:
+    """A sweep point's values of the swept keys (every override of the point when the swept
+    keys are not known): {"train.batch_size": "2", "sharding": "full"}."""
+    out = {}
+    for arg in args:
+        o = parse_override(arg)
+        if o is None or o.is_delete() or o.is_sweep_override():
+            continue
+        if swept is None or o.key_or_group in swept:
+            out[o.key_or_group] = o.get_value_element_as_str()
+    return out
+
+
+def command_line(*, drop: tuple[str, ...] = ()) -> str:
+    """The command line as the user typed it (the MLflow run's description), without the
+    overrides of the keys in ``drop``."""
+    prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
+    args = [a for a in sys.argv[1:]
+            if (o := parse_override(a)) is None or o.key_or_group not in drop]
+    return " ".join([prog, *map(shlex.quote, args)])
+
+
+def override_key_problems(args: list[str]) -> list[str]:
+    """Dotted ``key=value`` overrides of the command line whose key the schema does not have,
+    each with the closest valid key: Hydra refuses them too, but says only "Key 'batchsize' not
+    in 'TrainConfig'" and suggests ``+train.batchsize``, which fails in turn. Keys under a field
+    that is not a dataclass (a dict, a list), ``+``/``~`` overrides, config groups and
+    ``hydra.*`` are left to Hydra and to ``spec.unknown_keys``."""
+    out = []
+    for arg in args:
+        o = parse_override(arg)
+        if o is None or o.is_add() or o.is_delete() or o.is_force_add():
+            continue
+        key = o.key_or_group
+        if "." not in key or key.startswith("hydra."):
+            continue
+        schema: Any = Config
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name for f in dataclasses.fields(schema)}
+            if part not in fields:
+                if i:  # (not a root field: a config group, or Hydra's to judge)
+                    out.append(not_a_key(key, ".".join(parts[:i]) + ".", fields))
+                break
+            schema = field_type(schema, part)
+            if not dataclasses.is_dataclass(schema):
+                break
+    return out
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PointFailed:
+    """What a sweep point that did not finish hands back: its values and its exit code (2: its
+    config was refused before launch; 1: it failed)."""
+
+    values: dict[str, str]
+    code: int
+
+    @property
+    def name(self) -> str:
+        from .spec import point_name
+
+        return point_name(self.values)
+
+
+def _sweep_kwargs() -> dict[str, Any]:
+    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
+    from .sweep import swept_keys_of, sweep_id_for
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    sweep_dir = str(Path(hc.sweep.dir).resolve())
+    return {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
+            "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
+
+
+def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
+    """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
+    from .plan import make_plan, resolve_auto
+
+    # cfg.output_dir is Hydra's run dir unless the user points it at an earlier run to resume.
+    spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), **_sweep_kwargs()))
+    for key, value in spec.summary().items():
+        log.info("%-30s %s", key, value)
+    if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
+        log.warning("%s", warning)
+    plan = make_plan(spec)
+    log.info("plan (per device):\n%s", plan.table())
+    return spec, plan
+
+
+def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
+    """The summary printed when a run ends, from rank 0's result."""
+    s, final = rank0.summary, rank0.final
+    lines = [f"status         {rank0.status}", f"steps          {rank0.steps}"]
+    if "loss" in final:
+        lines.append(f"final loss     {final['loss']:.4f}"
+                     + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+                     + (f"   exact match {final['eval_exact_match']:.2f}"
+                        if "eval_exact_match" in final else ""))
+    if "summary/tokens_per_sec" in s:
+        lines.append(f"tokens/s       {s['summary/tokens_per_sec']:.0f} global, "
+                     f"{s['summary/tokens_per_sec_per_device']:.0f} per device (median of the "
+                     "steady steps)" + (f", MFU {s['summary/mfu']:.1%}" if "summary/mfu" in s
+                                        else ""))
+    if "summary/peak_memory_gb" in s:
+        what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
+        lines.append(f"peak memory    {s['summary/peak_memory_gb']:.2f} GB ({what}, max over "
+                     f"ranks; the plan's tensors {s['summary/predicted_peak_memory_gb']:.2f} GB)")
+    lines.append(f"run dir        {spec.output_dir}")
+    if rank0.status != "finished" and rank0.checkpoints:
+        lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
+                     f"output_dir={spec.output_dir} resume=auto")
+    elif rank0.status != "finished":
+        lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
+                     "continued from where it stopped. Set save.every_steps=N to make a stopped "
+                     "run resumable")
+    if rank0.mlflow_run_id:
+        from .tracking import read_run_file, runs_page
+
+        lines.append(f"mlflow run     {rank0.mlflow_run_id} in experiment "
+                     f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
+        page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"))
+        if spec.tracking_uri.startswith("sqlite:///"):
+            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}, then "
+                         f"open {page}")
+        else:
+            lines.append(f"compare runs   {page}")
+    return lines
+
+
+def _launch_preview(spec: RunSpec) -> str:
+    if spec.cluster.kind == "slurm":
+        from .launchers.slurm import sbatch_preview
+
+        return sbatch_preview(spec)
+    return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, each "
+            f"running llama_fsdp.worker.run_worker (backend {spec.backend}, device {spec.device})")
+
+
+def finished_point(spec: RunSpec) -> bool:
+    """A sweep started again in its directory (to resume its failed points) skips a point
+    whose run finished with this same config: it would train again from step 0 when it saved
+    no checkpoint, or start only to find nothing to train."""
+    from .rundir import config_digest, read_run_status
+
+    if spec.sweep_id is None:
+        return False
+    status = read_run_status(spec.output_dir)
+    done = (status.get("status") == "finished"
+            and status.get("config_sha256") == config_digest(spec.config_yaml))
+    if done:
+        log.info("point %s finished in an earlier run of this sweep (%s): skipped",
+                 spec.run_name, spec.output_dir)
+    return done
+
+
+def run_one(cfg: DictConfig) -> Any:
+    """The whole path for one composed config (one point of a sweep)."""
+    from .launchers import launch, preflight
+    from .plan import check_fits, fixes_text
+    from .prepare import prepare
+
+    spec, plan = plan_run(cfg)
+    if not spec.dry_run and finished_point(spec):
+        return None
+    if spec.dry_run:
+        if not plan.fits:
+            log.warning("this run would be refused at launch: it does not fit.\n%s",
+                        fixes_text(spec, plan))
+        log.info("dry_run=true: nothing launched. Would run:\n%s", _launch_preview(spec))
+        return None
+    check_fits(spec, plan)
+    problems = preflight(spec)
+    if problems:
+        raise ConfigError(problems)
+    prepared = prepare(spec, command=command_line())
+    results = launch(prepared.spec, "llama_fsdp.worker:run_worker")
+    if spec.cluster.kind == "local" or spec.cluster.wait:
+        rank0 = next(r for r in results if r is not None and r.rank == 0)
+        log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))
+    return results
+
+
+def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
+    """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
+    could not close (killed, crashed)."""
+    from .rundir import RunDir
+    from .tracking import close_run, deliver_pending, read_run_file
+
+    if not RunDir(output_dir).tracking.is_dir():
+        return
+    info = read_run_file(output_dir)
+    left = (close_run(output_dir, status, deadline_s=deadline_s) if status
+            else deliver_pending(output_dir, deadline_s=deadline_s))
+    if left:
+        log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
+                    "deliver them with: python -m llama_fsdp.tracking %s", left,
+                    info.get("tracking_uri"), output_dir)
+
+
+def _remove_if_empty(output_dir: str) -> None:
+    """Hydra made the run directory (and its parents); a run that did not launch leaves nothing
+    behind. rmdir removes only empty directories, so nothing of a user's is ever deleted; it
+    climbs to the working directory for a relative run dir (outputs/runs/<date>/<time>), and two
+    levels for one elsewhere."""
+    path = Path(output_dir).absolute()
+    cwd = Path.cwd().absolute()
+    chain = [path, *path.parents]
+    chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
+             else chain[:2])
+    for d in chain:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _failed(code: int) -> Optional[PointFailed]:
+    """End a single run with ``code``; a sweep point hands its failure back instead, and the
+    sweep goes on to its other points (SweepCallback collects it)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return PointFailed(_sweep_kwargs()["sweep_point"], code)
+    sys.exit(code)
+
+
+@hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
+def _hydra_main(cfg: DictConfig) -> Any:
+    from .launchers import Interrupted, LaunchError
+    from .plan import PlanError
+    from .prepare import PrepareError
+
+    output_dir = str(Path(cfg.output_dir).resolve())
+    final_s = float(cfg.tracking.final_delivery_s)
+    launched = False
+    try:
+        result = run_one(cfg)
+        launched = result is not None
+        if launched and (cfg.cluster.kind == "local" or cfg.cluster.wait):
+            _finish_tracking(output_dir, status="", deadline_s=final_s)
+            if any(r is not None and r.status != "finished" for r in result):
+                sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
+        return result
+    except (ConfigError, PlanError, PrepareError) as e:
+        log.error("%s", e)
+        return _failed(2)
+    except Interrupted as e:
+        launched = True
+        log.error("%s", e)
+        _finish_tracking(output_dir, status="KILLED", deadline_s=final_s)
+        sys.exit(e.exit_code)  # a stopped sweep stops whole
+    except LaunchError as e:
+        launched = True
+        log.error("%s", e)
+        _finish_tracking(output_dir, status="FAILED", deadline_s=final_s)
+        return _failed(1)
+    finally:
+        if not launched:
+            _remove_if_empty(output_dir)
+
+
+# --- sweeps -----------------------------------------------------------------------------------
+
+
+class SweepCallback(Callback):
+    """Hydra callback of a multirun: the parent run when it starts; each point's outcome as it
+    ends; the summary when the sweep ends (local sweeps), or the command that makes it (SLURM
+    sweeps, which return at submission). A sweep with failed points exits with the worst code
+    once every point had its turn."""
+
+    def __init__(self) -> None:
+        self.failed: list[PointFailed] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from .spec import resolve_tracking_uri
+        from .sweep import start_parent
+
+        if not config.tracking.enabled:
+            return
+        start_parent(str(Path(config.hydra.sweep.dir).resolve()),
+                     uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
+                     experiment=config.tracking.experiment, command=command_line(),
+                     swept=swept_overrides(list(config.hydra.overrides.task)))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if isinstance(outcome, PointFailed):
+            self.failed.append(outcome)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from .spec import resolve_tracking_uri
+        from .sweep import parent_run, summarize, sweep_id_for
+
+        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
+        sweep_id = sweep_id_for(sweep_dir)
+        uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
+        if not config.tracking.enabled:
+            table = None
+        elif config.cluster.kind == "slurm" and not config.cluster.wait:
+            table = None
+            log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
+                     "--uri %s", sweep_id, sweep_id, uri)
+        else:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own
+            table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
+                              parent_id=parent_run(sweep_dir),
+                              refused=[(p.values, p.code) for p in self.failed if p.code == 2])
+        if table:
+            log.info("sweep %s summary:\n%s", sweep_id, table)
+        if self.failed:
+            log.error("%d point(s) of sweep %s failed: %s; run the same command with "
+                      "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
+                      ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
+            raise SystemExit(max(p.code for p in self.failed))
+
+
+def main() -> None:
+    from .compat import check_versions
+
+    check_versions()
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    problems = override_key_problems(sys.argv[1:])
+    if problems:  # before Hydra, whose message for these suggests a fix that fails too
+        sys.stderr.write("invalid override(s):\n" + "".join(f"  - {p}\n" for p in problems))
+        sys.exit(2)
+    register_configs()
+    try:
+        _hydra_main()
+    finally:
+        skip_final_collection()
