@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from llama_fsdp.config import DataConfig
-from llama_fsdp.data import Packed, TokenStore, build_tokenizer, prepare_data
+from llama_fsdp.data import Packed, TokenStore, build_tokenizer, tokenize_splits
 
 WORDS = ("the of and to in is was for that with as on by at from his an were are which this be "
          "or has had not but first one their its new after who they have her she two been other "
@@ -50,13 +50,13 @@ def bench(cfg: DataConfig, seq_len: int, tok, label: str, repeat: int) -> dict:
     for _ in range(repeat):
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
-            prep = prepare_data(cfg, seq_len=seq_len, cache_dir=Path(cache), tokenizer=tok,
+            prep = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache), tokenizer=tok,
                                 show_progress=False)
             t1 = time.perf_counter()
             store = TokenStore(prep.train)
             packed = Packed.build(store, seq_len, tok.pad_token_id, packing=True)
             t2 = time.perf_counter()
-            again = prepare_data(cfg, seq_len=seq_len, cache_dir=Path(cache), tokenizer=tok)
+            again = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache), tokenizer=tok)
             Packed.build(TokenStore(again.train), seq_len, tok.pad_token_id, packing=True)
             t3 = time.perf_counter()
             padded = Packed.build(store, seq_len, tok.pad_token_id, packing=False)

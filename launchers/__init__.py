@@ -1,12 +1,18 @@
 """Dispatch a RunSpec to local rank processes or to SLURM nodes (both through submitit)."""
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from .common import Entry, Interrupted, LaunchError, RankFailure
 
+if TYPE_CHECKING:
+    from ..spec import RunSpec
 
-def preflight(spec: Any) -> list[str]:
+log = logging.getLogger(__name__)
+
+
+def preflight(spec: RunSpec) -> list[str]:
     """What this machine lacks to launch the run (checked before any preparation)."""
     import shutil
     import subprocess
@@ -31,8 +37,14 @@ def preflight(spec: Any) -> list[str]:
     return []
 
 
-def launch(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
-    """Run `entry(spec)` on every rank; local runs wait, SLURM runs wait if cluster.wait."""
+def launch(spec: RunSpec, entry: Entry, *, stream: bool = True) -> Any:
+    """Run `entry(spec)` on every rank; local runs wait, SLURM runs wait if cluster.wait.
+    ``stream``: copy rank 0's log to this terminal while the job runs (callers that read the
+    logs themselves, as the tests do, pass False)."""
+    from .submitit_compat import check_version
+
+    if (warning := check_version()) is not None:
+        log.warning("%s", warning)
     match spec.cluster.kind:
         case "local":
             from .local import launch_local

@@ -18,10 +18,14 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Union
 
 from ..rundir import RunDir
 from .rank import RankEntry, format_report, read_reports
+from .submitit_compat import local_controller, slurm_job_done
+
+if TYPE_CHECKING:
+    from ..spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ def entry_ref(entry: Entry) -> str:
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
 
 
-def rank_entry(spec: Any, entry: Entry, **kw: Any) -> RankEntry:
+def rank_entry(spec: RunSpec, entry: Entry, **kw: Any) -> RankEntry:
     return RankEntry(pickle.dumps((entry_ref(entry), spec)), **kw)
 
 
@@ -247,7 +251,7 @@ def _finished(job: Any, restarts_inside: bool) -> bool:
     """Whether the job is over. When the batch script restarts ranks itself, a failed attempt
     leaves every task's result file behind (which submitit reads as done): ask SLURM."""
     if restarts_inside:
-        return job.watcher.is_done(job.job_id, mode="force")
+        return slurm_job_done(job)
     return job.done()
 
 
@@ -263,7 +267,7 @@ def _descendants(pid: int) -> list[Any]:
 def signal_ranks(job: Any, signum: int) -> None:
     """Send a signal to every process of a job (its rank supervisors forward it to the
     workers): submitit-local's controller's descendants, or scancel --signal on SLURM."""
-    proc = getattr(job, "_process", None)
+    proc = local_controller(job)
     if proc is None:
         subprocess.run(["scancel", f"--signal={signal.Signals(signum).name[3:]}",
                         str(job.job_id)], check=False, capture_output=True)
@@ -278,7 +282,7 @@ def signal_ranks(job: Any, signum: int) -> None:
 def stop_job(job: Any) -> None:
     """Stop every rank of a job now: SIGKILL to submitit-local's controller and all its
     descendants (the rank supervisors and workers), or scancel on SLURM."""
-    proc = getattr(job, "_process", None)
+    proc = local_controller(job)
     if proc is None:
         job.cancel(check=False)
         return

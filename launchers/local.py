@@ -4,9 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import subprocess
-from typing import Any
-from unittest import mock
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     Entry,
@@ -22,12 +20,15 @@ from .common import (
 from ..rundir import RunDir
 from .rank import ATTEMPT_ENV
 
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+
 log = logging.getLogger(__name__)
 
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit needs a number; a local run has no job limit
 
 
-def local_parameters(spec: Any) -> dict[str, Any]:
+def local_parameters(spec: RunSpec) -> dict[str, Any]:
     """What submitit's LocalExecutor is given for a RunSpec.
 
     On CUDA every rank sees the node's GPUs that this process sees (submitit would otherwise
@@ -37,7 +38,7 @@ def local_parameters(spec: Any) -> dict[str, Any]:
     c = spec.cluster
     params: dict[str, Any] = {
         "tasks_per_node": spec.nproc_per_node, "nodes": 1,
-        "timeout_min": c.time_min if c.time_min is not None else NO_TIME_LIMIT_MIN,
+        "timeout_min": c.timeout_min if c.timeout_min is not None else NO_TIME_LIMIT_MIN,
         "signal_delay_s": c.signal_delay_s,
     }
     if spec.device == "cuda":
@@ -52,19 +53,8 @@ def local_parameters(spec: Any) -> dict[str, Any]:
     return params
 
 
-def _executor(spec: Any) -> Any:
-    import submitit
-
-    class SessionLocalExecutor(submitit.LocalExecutor):
-        """The controller runs in a session of its own: a terminal's Ctrl-C reaches only the
-        launcher, which decides how the ranks stop (SignalGuard), instead of the controller
-        killing them mid-step."""
-
-        def _submit_command(self, command: str) -> Any:
-            popen = subprocess.Popen
-            with mock.patch.object(subprocess, "Popen",
-                                   lambda *a, **k: popen(*a, start_new_session=True, **k)):
-                return super()._submit_command(command)
+def _executor(spec: RunSpec) -> Any:
+    from .submitit_compat import SessionLocalExecutor
 
     executor = SessionLocalExecutor(folder=RunDir(spec.output_dir).submitit,
                                     max_num_timeout=spec.cluster.max_requeues)
@@ -72,7 +62,7 @@ def _executor(spec: Any) -> Any:
     return executor
 
 
-def launch_local(spec: Any, entry: Entry, *, stream: bool = True) -> list[Any]:
+def launch_local(spec: RunSpec, entry: Entry, *, stream: bool = True) -> list[Any]:
     """Run `entry(spec)` on spec.nproc_per_node local ranks; return each rank's result.
 
     A rank that dies stops every rank; with cluster.max_restarts the run then restarts from

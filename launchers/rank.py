@@ -24,15 +24,18 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..rundir import RunDir
+
+if TYPE_CHECKING:
+    from ..spec import RunSpec
 
 ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
 PREEMPTED = "preempted"  # RunResult.status after a preemption checkpoint
 CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
 # Errors a rank raises because another rank went away first: reported after the cause.
-ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+ECHO_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
           "communicator was aborted", "NCCL operations have failed or timed out",
           "Socket Timeout", "recvBytes", "sendBytes", "Connection refused")
 
@@ -185,11 +188,11 @@ class Supervisor:
                 "exitcode": code, "signal": sig,
                 "signal_name": signal.Signals(sig).name if sig else None,
                 "time": tb.get("time", time.time()), "traceback": text,
-                "echo": any(e in text for e in ECHOES), "attempt": self.attempt,
+                "echo": any(e in text for e in ECHO_ERRORS), "attempt": self.attempt,
                 "log_tail": _tail(self.logs, 12)}
 
 
-def _close_mlflow_run(spec: Any) -> None:
+def _close_mlflow_run(spec: RunSpec) -> None:
     """Mark the run FAILED in MLflow when no launcher waits to do it (a SLURM job that
     returned at submission); what rank 0 spooled is delivered with it."""
     if not spec.tracking.enabled:

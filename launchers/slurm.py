@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     Entry,
@@ -17,16 +17,19 @@ from .common import (
 from ..rundir import RunDir
 from .rank import ATTEMPT_ENV
 
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+
 log = logging.getLogger(__name__)
 
 
-def executor_parameters(spec: Any) -> dict[str, Any]:
+def executor_parameters(spec: RunSpec) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for a RunSpec (only the options that are set)."""
     c = spec.cluster
     params: dict[str, Any] = {
         "nodes": spec.nodes,
         "ntasks_per_node": spec.nproc_per_node,
-        "time": c.time_min,
+        "time": c.timeout_min,
         "signal_delay_s": c.signal_delay_s,
         "job_name": spec.run_name.replace(" ", "_")[:64],
         # One failing rank ends the job step at once instead of leaving its peers in a
@@ -63,29 +66,26 @@ def with_restarts(script: str, max_restarts: int) -> str:
     return "\n".join([*lines[:at], *loop, *lines[at + 1:]]) + "\n"
 
 
-def make_executor(spec: Any) -> Any:
-    import submitit
+def make_executor(spec: RunSpec, *, preview: bool = False) -> Any:
+    """The run's SLURM executor; ``preview``: one that only writes the script (no SLURM needed)."""
+    from .submitit_compat import restarting_slurm_executor
 
-    restarts = spec.cluster.max_restarts
-
-    class RestartingSlurmExecutor(submitit.SlurmExecutor):
-        def _make_submission_file_text(self, command: str, uid: str) -> str:
-            text = super()._make_submission_file_text(command, uid)
-            return with_restarts(text, restarts) if restarts else text
-
-    executor = RestartingSlurmExecutor(folder=RunDir(spec.output_dir).submitit / "%j",
-                                       max_num_timeout=spec.cluster.max_requeues)
+    cls = restarting_slurm_executor(spec.cluster.max_restarts, with_restarts, preview=preview)
+    executor = cls(folder=RunDir(spec.output_dir).submitit / "%j",
+                   max_num_timeout=spec.cluster.max_requeues)
     executor.update_parameters(**executor_parameters(spec))
     return executor
 
 
-def sbatch_preview(spec: Any) -> str:
-    """The sbatch script this run would submit (what make_executor writes)."""
-    executor = make_executor(spec)
-    return executor._make_submission_file_text(executor._submitit_command_str, "preview")
+def sbatch_preview(spec: RunSpec) -> str:
+    """The sbatch script this run would submit (what make_executor writes), on any machine:
+    a dry run plans on a laptop for the cluster."""
+    from .submitit_compat import sbatch_text
+
+    return sbatch_text(make_executor(spec, preview=True))
 
 
-def launch_slurm(spec: Any, entry: Entry, *, stream: bool = True) -> Any:
+def launch_slurm(spec: RunSpec, entry: Entry, *, stream: bool = True) -> Any:
     """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait."""
     executor = make_executor(spec)
     try:

@@ -98,7 +98,9 @@ class ClusterConfig:
     device: str = "auto"
     # Job time limit in minutes. Local: null (none). SLURM: the allocation's --time; SLURM sends
     # SIGUSR2 signal_delay_s before it ends (and before a preemption), the ranks save a
-    # checkpoint, and the job requeues itself, at most max_requeues times.
+    # checkpoint, and the job requeues itself, at most max_requeues times (submitit's name).
+    timeout_min: Optional[int] = None
+    # The earlier name of timeout_min, still read: set, it sets timeout_min (with a warning).
     time_min: Optional[int] = None
     signal_delay_s: int = 300
     max_requeues: int = 3

@@ -26,22 +26,22 @@ class PrepareError(ValueError):
 
 
 @dataclasses.dataclass
-class Prepared:
+class PreparedRun:
     spec: RunSpec  # with model.path resolved to a local directory
     data_stats: dict[str, float]
     tokenizer: Any
 
 
-def prepare(spec: RunSpec, *, command: str) -> Prepared:
+def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     """Reach the tracking store, fetch weights, prepare the data, create the MLflow run."""
     reachable = check_tracking(spec) if spec.tracking.enabled else False
     spec = resolve_model(spec)
-    data = prepare_data(spec)
+    data = check_data(spec)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     RunDir(spec.output_dir).config.write_text(spec.config_yaml)
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
-    return Prepared(spec, data.stats, data.tokenizer)
+    return PreparedRun(spec, data.stats, data.tokenizer)
 
 
 def check_tracking(spec: RunSpec) -> bool:
@@ -86,7 +86,7 @@ def resolve_model(spec: RunSpec) -> RunSpec:
     return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=local))
 
 
-def prepare_data(spec: RunSpec) -> Any:
+def check_data(spec: RunSpec) -> Any:
     """Read, validate, tokenize (into the cache) and pack the data as rank 0 will, once, here.
 
     Everything about the data that can be wrong fails now, in seconds, naming the file, the

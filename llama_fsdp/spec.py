@@ -7,6 +7,7 @@ error that can be caught before processes start is caught here, all of them at o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from .config import (
     TrainConfig,
 )
 from .strategies import MeshSpec
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -177,6 +180,15 @@ def _local_cuda_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
+
+
+def _renamed_keys(c: ClusterConfig) -> ClusterConfig:
+    """Config keys read under their earlier names: cluster.time_min is cluster.timeout_min."""
+    if c.time_min is None:
+        return c
+    log.warning("cluster.time_min is the earlier name of cluster.timeout_min: read as "
+                "cluster.timeout_min=%d", c.time_min)
+    return dataclasses.replace(c, timeout_min=c.time_min, time_min=None)
 
 
 def _resolve_device(cluster: ClusterConfig) -> str:
@@ -370,9 +382,9 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         problems.append(
             f"cluster.nproc_per_node={nproc} exceeds cluster.gpus_per_node={c.gpus_per_node}"
         )
-    if c.kind == "slurm" and c.time_min is None:
-        problems.append("cluster.time_min is required with cluster=slurm (the job's --time, in "
-                        "minutes): set cluster.time_min=<minutes>")
+    if c.kind == "slurm" and c.timeout_min is None:
+        problems.append("cluster.timeout_min is required with cluster=slurm (the job's --time, in "
+                        "minutes): set cluster.timeout_min=<minutes>")
     for key in ("signal_delay_s", "max_requeues", "max_restarts"):
         if getattr(c, key) < 0:
             problems.append(f"cluster.{key}={getattr(c, key)} must be >= 0")
@@ -441,6 +453,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     problems.extend(checkpoint_problems(obj))
     problems.extend(obj.data.problems())
 
+    obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     device = _resolve_device(obj.cluster)
     nproc = _resolve_nproc(obj.cluster, device)
     world = obj.cluster.nodes * max(nproc, 1)

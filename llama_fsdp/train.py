@@ -176,7 +176,9 @@ class LoopContext:
     # Called once after the first step (e.g. to switch to the training collective timeout).
     after_first_step: Optional[Callable[[], None]] = None
     # Read a log step's reduction after the next step is queued; None: on CUDA, where the host
-    # runs ahead of the device (on CPU a step is done when it returns: nothing to overlap).
+    # runs ahead of the device (on CPU a step is done when it returns: nothing to overlap). An
+    # injection point: tests/multirank/test_log_reads.py forces it on gloo ranks to run the
+    # CUDA path's bookkeeping where CI can.
     defer_log_reads: Optional[bool] = None
     # Steps whose reduction is read before the step-end hooks even so: a checkpoint is saved
     # there, and a non-finite loss must stop the run before it is published.
@@ -250,7 +252,8 @@ class LoopResult:
     logged: list[dict[str, float]]  # every log step's metrics, with "step"
 
 
-def steady(logged: list[dict[str, float]], key: str, *, skip_fraction: float = 0.1) -> Optional[float]:
+def steady_median(logged: list[dict[str, float]], key: str, *,
+                  skip_fraction: float = 0.1) -> Optional[float]:
     """Median of a per-log-step metric after warm-up: the first log step (compilation, caches,
     allocator growth) and the first ``skip_fraction`` of the steps are left out."""
     import statistics

@@ -1,7 +1,7 @@
 """What every rank runs: process group -> mesh -> sharded model -> data -> loop -> result.
 
 ``run_worker(spec)`` is the entry point the launchers hand to each rank (rank, world size and
-master address come from the environment). It builds a typed :class:`Run` and trains it. The
+master address come from the environment). It builds a typed :class:`RankRun` and trains it. The
 driver has already prepared everything that needs no process group (tokenized data in the
 cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never touch a hub.
 """
@@ -39,7 +39,7 @@ from .train import (
     build_optimizer,
     build_scheduler,
     run_loop,
-    steady,
+    steady_median,
 )
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.de
 
 
 @dataclass
-class Run:
+class RankRun:
     """One rank's run, built: the pieces the loop needs, and what it reports."""
 
     spec: RunSpec
@@ -217,7 +217,7 @@ class Run:
     resumed_from: Optional[Path] = None
 
     @classmethod
-    def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "Run":
+    def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
         torch.manual_seed(spec.train.seed)
         resume = resume_candidates(spec.resume, spec.output_dir)
         # A checkpoint to resume from holds the weights: no HF read, no random init.
@@ -327,10 +327,11 @@ class Run:
 
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""
-        out = {"summary/tokens_per_sec": steady(logged, "tokens_per_sec"),
-               "summary/tokens_per_sec_per_device": steady(logged, "tokens_per_sec_per_device"),
-               "summary/step_time_s": steady(logged, "step_time_s"),
-               "summary/mfu": steady(logged, "mfu"),
+        med = lambda key: steady_median(logged, key)  # noqa: E731
+        out = {"summary/tokens_per_sec": med("tokens_per_sec"),
+               "summary/tokens_per_sec_per_device": med("tokens_per_sec_per_device"),
+               "summary/step_time_s": med("step_time_s"),
+               "summary/mfu": med("mfu"),
                "summary/peak_memory_gb": max((m["peak_memory_gb"] for m in logged), default=None),
                "summary/predicted_peak_memory_gb": self.plan.predicted_peak_gb,
                "summary/final_loss": final.get("loss"),
@@ -340,8 +341,10 @@ class Run:
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:
-    """Build and train one rank's run in this process (with its process group already up)."""
-    return Run.build(spec, env, device).train()
+    """Build and train one rank's run in this process, its process group already up: what
+    ``run_worker`` does after ``init_distributed``, and what the multi-rank tests run in the
+    processes they start (tests/distributed.py)."""
+    return RankRun.build(spec, env, device).train()
 
 
 def run_worker(spec: RunSpec) -> RunResult:

@@ -29,18 +29,18 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import DataConfig
-from .cache import Prepared, as_config, build_tokenizer, prepare_data, resolve_tokenizer
+from .cache import Tokenized, as_config, build_tokenizer, resolve_tokenizer, tokenize_splits
 from .packing import IGNORE_INDEX, Packed, TokenStore, pack
 from .report import DataInfo, data_notes, describe_source, tokenizer_override_note
-from .sampler import DataModule
+from .module import DataModule
 from .synthetic import SYNTHETIC_TASKS, synthetic_corpus, synthetic_records
 from .tokenizer import token_id_bound, vocab_problem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataInfo", "DataModule", "IGNORE_INDEX", "Packed", "Prepared", "SYNTHETIC_TASKS",
-           "TokenStore", "build_data", "build_tokenizer", "pack", "prepare_data",
-           "resolve_tokenizer", "synthetic_corpus", "synthetic_records"]
+__all__ = ["DataInfo", "DataModule", "IGNORE_INDEX", "Packed", "SYNTHETIC_TASKS", "TokenStore",
+           "Tokenized", "build_data", "build_tokenizer", "pack", "resolve_tokenizer",
+           "synthetic_corpus", "synthetic_records", "tokenize_splits"]
 
 
 def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int, dp_world: int,
@@ -61,7 +61,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
     problem = vocab_problem(tok, choice, vocab_size)
     if problem:
         raise ValueError(problem)
-    prep = prepare_data(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
+    prep = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
                         show_progress=dp_rank == 0)
     pad = tok.pad_token_id
     train = Packed.build(TokenStore(prep.train), seq_len, pad, cfg.packing)

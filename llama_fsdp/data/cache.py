@@ -39,7 +39,7 @@ _WORK_COLUMNS = ("full_len", "targets", "chars", "keep")
 
 
 @dataclass
-class Prepared:
+class Tokenized:
     """Tokenized train / eval splits (datasets, memory-mapped) and what building them found."""
 
     train: Any
@@ -49,8 +49,8 @@ class Prepared:
     path: Path
 
 
-def prepare_data(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=None,
-                 model_path: Optional[str] = None, show_progress: bool = True) -> Prepared:
+def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=None,
+                 model_path: Optional[str] = None, show_progress: bool = True) -> Tokenized:
     """Tokenize both splits into ``cache_dir/data/<key>`` or find them there.
 
     ``tokenizer``: the one to use (default: ``resolve_tokenizer`` with ``model_path``).
@@ -70,9 +70,9 @@ def prepare_data(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=No
         with FileLock(str(root / f"{final.name}.lock")):
             if not (final / "meta.json").exists():
                 _build(cfg, seq_len, tok, cache_dir, final, show_progress)
-                return _load_prepared(final, from_cache=False)
+                return _load_tokenized(final, from_cache=False)
     log.info("tokenized data found in cache: %s", final)
-    return _load_prepared(final, from_cache=True)
+    return _load_tokenized(final, from_cache=True)
 
 
 def resolve_tokenizer(cfg: DataConfig, cache_dir: Path, *,
@@ -285,11 +285,11 @@ def _empty_tokenized():
                                       features=_tokenized_features())
 
 
-def _load_prepared(path: Path, *, from_cache: bool) -> Prepared:
+def _load_tokenized(path: Path, *, from_cache: bool) -> Tokenized:
     import datasets
 
     meta = json.loads((path / "meta.json").read_text())
     train, ev = ((datasets.load_from_disk(str(path / s)) if (path / s).exists() else _empty_tokenized())
                  for s in ("train", "eval"))
-    return Prepared(train=train, eval=ev, meta=meta, from_cache=from_cache, path=path)
+    return Tokenized(train=train, eval=ev, meta=meta, from_cache=from_cache, path=path)
 

@@ -352,7 +352,7 @@ def reference_spec(model: str, *, nodes: int = 1, gpus_per_node: int = 8, strate
                  precision=PrecisionConfig(name=precision),
                  checkpointing=CheckpointingConfig(mode=ac),
                  cluster=ClusterConfig(kind="slurm", nodes=nodes, gpus_per_node=gpus_per_node,
-                                       time_min=60, device_memory_gb=device_memory_gb),
+                                       timeout_min=60, device_memory_gb=device_memory_gb),
                  data=DataConfig(), train=TrainConfig(batch_size=batch, seq_len=seq_len),
                  output_dir="outputs/plan", resume="none")
     return build_spec(cfg, output_dir="outputs/plan")

@@ -22,12 +22,12 @@ BASE = ["tracking.enabled=false", "eval.every_steps=0", f"train.max_steps={STEPS
 def _runs(rank, world, cases):
     """Each case: (overrides, defer, stop_at); stop_at: rank 1 asks to stop from that step."""
     from llama_fsdp.stopping import USER
-    from llama_fsdp.worker import DistEnv, Run
+    from llama_fsdp.worker import DistEnv, RankRun
 
     out = {}
     for name, (overrides, defer, stop_at) in cases.items():
         spec = make_spec([*BASE, *overrides], output_dir=f"/tmp/llama_fsdp_test/log_reads/{name}")
-        run = Run.build(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
+        run = RankRun.build(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
         context = run.loop_context
 
         seen = []  # (step, how many losses were logged) as the step-end hooks see it

@@ -305,13 +305,13 @@ def _hf_model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
 
 def test_driver_uses_the_model_tokenizer_and_refuses_one_too_large(toks, cache, tmp_path,
                                                                      spec_factory):
-    from llama_fsdp.prepare import PrepareError, prepare_data
+    from llama_fsdp.prepare import PrepareError, check_data
 
     f = _jsonl(tmp_path / "chat.jsonl", CHATS)
     model = _hf_model_dir(tmp_path / "m512", toks["bl-chatml"], 512)
     spec = spec_factory([f"cache_dir={cache}", "data=jsonl", f"data.path={f}",
                          f"model.path={model}"])
-    dm = prepare_data(spec)
+    dm = check_data(spec)
     assert (dm.info.tokenizer, dm.info.tokenizer_source) == (str(model), "model.path")
     tok = AutoTokenizer.from_pretrained(str(model))
     assert dm.train.store.record(0)[0].tolist() in [_reference_ids(tok, r["messages"])
@@ -321,4 +321,4 @@ def test_driver_uses_the_model_tokenizer_and_refuses_one_too_large(toks, cache, 
                          f"model.path={small}", "model.vocab_size=256"])
     with pytest.raises(PrepareError, match=r"^data: tokenizer .*m256 \(model.path\) has \d+ "
                                            r"tokens but model.vocab_size=256"):
-        prepare_data(spec)
+        check_data(spec)

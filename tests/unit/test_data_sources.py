@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llama_fsdp.config import DataConfig
-from llama_fsdp.data import build_data, prepare_data
+from llama_fsdp.data import build_data, tokenize_splits
 
 RECS = [{"instruction": f"Name thing {i}.", "input": "cat dog" if i % 2 else "",
          "output": f"sun {i}", "extra": i} for i in range(40)]
@@ -123,10 +123,10 @@ def test_second_build_reads_the_cache(tmp_path, cache, caplog):
     assert edited.stats["tokenized_from_cache"] == 0.0 and edited.stats["train_records"] == 26
 
 
-def test_prepare_data_then_build_uses_it(tmp_path, cache):
+def test_tokenize_splits_then_build_uses_it(tmp_path, cache):
     f = _jsonl(tmp_path / "p.jsonl", RECS)
     cfg = DataConfig(name="jsonl", path=str(f), eval_records=4)
-    assert not prepare_data(cfg, seq_len=80, cache_dir=cache).from_cache
+    assert not tokenize_splits(cfg, seq_len=80, cache_dir=cache).from_cache
     dm = build_data(cfg, seq_len=80, micro_batch=2, dp_rank=0, dp_world=1, seed=0, cache_dir=cache,
                     vocab_size=512)
     assert dm.stats["tokenized_from_cache"] == 1.0
@@ -244,7 +244,7 @@ def _spec(spec_factory, cache, *overrides):
 def test_small_alpaca_json_array_trains_with_the_defaults(spec_factory, tmp_path, cache, caplog):
     """102 records, a JSON array, every default (2 ranks x batch 8, seq_len 128): builds, holds
     out a few records for eval, and says what it did."""
-    from llama_fsdp.prepare import prepare_data as driver_prepare
+    from llama_fsdp.prepare import check_data as driver_prepare
 
     f = tmp_path / "alpaca_data.json"
     f.write_text(json.dumps(alpaca_records(102), ensure_ascii=False, indent=2))
@@ -296,7 +296,7 @@ def test_nested_layout_is_refused_before_launch_with_the_columns_and_the_fix(spe
                                                                               tmp_path, cache):
     """Self-Instruct's seed_tasks.jsonl: the answers are nested in a list."""
     from llama_fsdp.prepare import PrepareError
-    from llama_fsdp.prepare import prepare_data as driver_prepare
+    from llama_fsdp.prepare import check_data as driver_prepare
 
     f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
     spec = _spec(spec_factory, cache, "data=jsonl", f"data.path={f}")
@@ -312,7 +312,7 @@ def test_nested_layout_is_refused_before_launch_with_the_columns_and_the_fix(spe
 
 
 def test_preprocess_hook_flattens_nested_records(spec_factory, tmp_path, cache):
-    from llama_fsdp.prepare import prepare_data as driver_prepare
+    from llama_fsdp.prepare import check_data as driver_prepare
 
     f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
     hook = tmp_path / "hooks.py"

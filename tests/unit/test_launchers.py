@@ -61,7 +61,7 @@ def test_local_executor_sees_this_hosts_gpus_and_has_no_time_limit(monkeypatch, 
     assert local_parameters(cuda)["visible_gpus"] == (2, 3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a2b,GPU-3c4d")
     assert local_parameters(cuda)["setup"] == ["export CUDA_VISIBLE_DEVICES=GPU-1a2b,GPU-3c4d"]
-    limited = make_spec(["cluster.device=cpu", "cluster.time_min=30"], output_dir=tmp_path)
+    limited = make_spec(["cluster.device=cpu", "cluster.timeout_min=30"], output_dir=tmp_path)
     assert local_parameters(limited)["timeout_min"] == 30
 
 
@@ -277,3 +277,56 @@ def test_tf32_for_fp32_on_cuda_sets_both_apis_alike():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "tf32"]
+
+
+def test_the_sbatch_script_is_previewed_without_slurm(tmp_path, monkeypatch):
+    """A dry run plans on a laptop: the script is written with no srun or sbatch on PATH
+    (submitit's executor refuses to exist there)."""
+    import shutil
+
+    from llama_fsdp.launchers.slurm import sbatch_preview
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    assert shutil.which("srun") is None
+    script = sbatch_preview(make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.device=cpu",
+                                       "cluster.nproc_per_node=8", "cluster.max_restarts=1"],
+                                      output_dir=tmp_path / "run"))
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "srun " in script and "(attempt $attempt of 1 restarts)" in script
+
+
+def test_the_local_controller_gets_the_environment_submitit_gives_it(monkeypatch, tmp_path):
+    """launchers/submitit_compat.start_controller mirrors submitit's: the same variables reach
+    the controller, with a session of its own and the parent-death signal added."""
+    import subprocess
+
+    from submitit.local import local as submitit_local
+
+    from llama_fsdp.launchers import submitit_compat
+
+    seen = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: seen.append((cmd, kw)))
+    args = dict(tasks_per_node=2, cuda_devices="0,1", timeout_min=3.0, signal_delay_s=7,
+                setup=["export A=1"])
+    submitit_local.start_controller(tmp_path, "python -m x", **args)
+    submitit_compat.start_controller(tmp_path, "python -m x", **args)
+    (theirs_cmd, theirs), (ours_cmd, ours) = seen
+    assert ours_cmd == theirs_cmd and ours["shell"] == theirs["shell"]
+    assert {k: v for k, v in ours["env"].items() if k.startswith(("SUBMITIT", "CUDA"))} == \
+        {k: v for k, v in theirs["env"].items() if k.startswith(("SUBMITIT", "CUDA"))}
+    assert callable(ours["preexec_fn"]) and "preexec_fn" not in theirs
+    assert submitit_compat.check_version() is None  # the installed submitit is a tested release
+
+
+def test_the_earlier_name_of_the_time_limit_still_sets_it(tmp_path, caplog):
+    """cluster.time_min (the name before cluster.timeout_min, submitit's) is still read, over
+    the group's default, and says what it became."""
+    old = make_spec(["cluster=slurm", "cluster.device=cpu", "cluster.time_min=240"],
+                    output_dir=tmp_path)
+    assert old.cluster.timeout_min == 240 and old.cluster.time_min is None
+    assert executor_parameters(old)["time"] == 240
+    assert "read as cluster.timeout_min=240" in caplog.text
+    new = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path)
+    assert executor_parameters(new)["time"] == 60

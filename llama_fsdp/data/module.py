@@ -1,4 +1,5 @@
-"""This rank's share of the packed rows: resumable train batches, lockstep eval batches."""
+"""DataModule: this rank's share of the packed rows (resumable train batches, lockstep eval
+batches)."""
 from __future__ import annotations
 
 import logging
