@@ -74,19 +74,11 @@ def failure_message(job_id: str, reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# glibc malloc for CPU ranks, whose activations, gradients and collective buffers all live in
-# the process heap. By default glibc gives the free top of the heap back to the kernel as soon as
-# it passes a small, dynamically raised threshold; a step's tensors, freed and allocated again
-# every step among long-lived allocations, then come back as fresh pages, each a page fault.
-# Measured on 2 CPU ranks, tiny model, batch 8 x 128, rank 0, steps 10-35 (ru_minflt/ru_stime
-# per step, 3 runs each): 3,100-4,200 minor faults and 33-38 ms of system time by default,
-# 280-460 faults and 24-31 ms with these two settings (the wall-time gain, ~1.5%, is below this
-# VM's run-to-run noise); peak RSS unchanged (0.77-0.79 GB). Keeping up to 256 MiB of free heap
-# for reuse, and mmap only for buffers over 32 MiB (glibc's largest threshold), is glibc's way to
-# what PyTorch's CPU launcher (torch.backends.xeon.run_cpu) gets by preloading tcmalloc or
-# jemalloc, without a library the machine may lack. One setting without the other is worse than
-# neither: a fixed trim threshold also fixes the mmap threshold at 128 KiB (120,000 faults per
-# step). Not set when the user chose an allocator or glibc malloc settings (see _user_malloc).
+# glibc malloc for CPU ranks: keep up to 256 MiB of freed heap for the next step and mmap only
+# buffers over 32 MiB, instead of giving pages back to the kernel and faulting them in again
+# every step (about 90% fewer page faults: benchmarks/cpu_runtime.md). Both or neither: a fixed
+# trim threshold alone also pins the mmap threshold at 128 KiB. Not set when the user chose an
+# allocator or glibc malloc settings (``_user_malloc``).
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 _PRELOADED_ALLOCATORS = ("malloc", "hoard")  # jemalloc, tcmalloc, mimalloc, snmalloc, ...
 

@@ -20,11 +20,8 @@
     holding token c0, under the exact block-causal mask of that window. Short records make
     every window a little wider than its chunk: the scores computed fall from s² (SDPA's mask)
     to about s·(chunk + record); long ones give causal's s²/2. The chunk size is chosen per
-    batch by a cost model (``chunk_plan``). Measured on one CPU core (forward + backward of one
-    attention call, benchmarks/attention_cpu.md): seq 2048 with records of 50-400 tokens, 8.4x
-    faster than SDPA's mask and 5.4x faster than causal attention over the whole row at batch
-    1 (the windows are the union over the batch's rows: less at batch 4); records of 1500-2048
-    tokens, 2x and 1.1x; the tiny default's rows, 1.6x.
+    batch by a cost model (``chunk_plan``). Faster than SDPA's mask and than causal attention
+    over the whole row, most for short records (benchmarks/attention_cpu.md).
 - ``auto`` (the default): ``varlen`` for packed rows on CUDA in 16-bit with a torch that has
   ``varlen_attn`` (``resolve_cuda``) and on CPU (spec.resolve_attention); ``sdpa`` otherwise.
 - any other name transformers knows (``eager``, ``flex_attention``, ``flash_attention_2``) is

@@ -76,17 +76,16 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
       once. The head is resharded after its own backward, its reduce-scatter overlaps the
       layers' backward, and nothing vocabulary-sized is held through the whole step. The price:
       the head stays gathered through the loss (one vocab x hidden tensor in the compute dtype
-      more at the loss-phase peak: +2-6% at micro-batch 4 on CPU, where micro-batch 1 peaks
-      are 2-22% lower; benchmarks/plan_vs_measured_cpu.md), instead of an all-gather that
-      nothing overlaps when backward starts. plan.phase_peaks models both groupings.
+      at the loss-phase peak; benchmarks/cpu_runtime.md), instead of an all-gather that nothing
+      overlaps when backward starts. plan.phase_peaks models both groupings.
     - A tied embedding (``tie_word_embeddings``, the 1B/3B shapes) is one parameter used at both
       ends: it cannot sit in two groups, so the embedding, norm and head stay in the root. The
       root is left at FSDP2's default, as torchtitan leaves it: not resharded after forward, so
       it is gathered once per step and held until its own backward, instead of being gathered
       a second time when the logits' grad arrives, before any other backward work can overlap
-      it. Measured on CPU (gloo, 2 ranks, the 1b shape cut to 1 layer, micro-batch 1 x 64):
-      15.7 -> 11.7 s per step. The price is the root held through backward (one vocab x hidden
-      tensor in the compute dtype), which plan.phase_peaks counts.
+      it (a quarter less time per step: benchmarks/cpu_runtime.md). The price is the root held
+      through backward (one vocab x hidden tensor in the compute dtype), which
+      plan.phase_peaks counts.
 
     Returns the FSDP units (``fsdp_units``); raises if the grouping is not what was asked.
     """
@@ -197,10 +196,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     Works on the local shards: one ``_foreach_norm`` per group of gradients that share a mesh
     and placements, the squared sum all-reduced over the mesh dims the gradient is sharded on
     (a replicated dim holds the same values and is not summed), one in-place ``_foreach_mul_``
-    to clip. ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients gives the same numbers but
-    dispatches every per-tensor op through DTensor and stacks the norms as DTensors: measured on
-    2 CPU ranks with the tiny model (sharding=full), 3.3 ms per call against 1.7 ms here. Returns
-    a 0-d fp32 tensor on the gradients' device (no host sync).
+    to clip. ``torch.nn.utils.clip_grad_norm_`` gives the same numbers on DTensor gradients at
+    twice the cost (it dispatches every per-tensor op through DTensor;
+    benchmarks/cpu_runtime.md). Returns a 0-d fp32 tensor on the gradients' device (no host
+    sync).
     """
     from torch.distributed.tensor import DTensor
 

@@ -41,9 +41,8 @@ from ..config import CheckpointingConfig, ModelConfig
 # keeps a compute-dtype copy of the b x s x s mask; both are saved for backward per layer:
 #   k, v repeated from g to h wide                                      -> 2c·(h - g)
 #   the mask in compute dtype, one row of s per token                   -> c·s
-# per token and saved layer, i.e. layers x b x s x (2c(h - g) + c·s) bytes. Measured on CPU
-# gloo ranks (benchmarks/plan_vs_measured_cpu.md, AC none): +8.7 MB (fp32, b=4, s=256),
-# +12.7 MB (fp32, b=2, s=512), +6.4 MB (bf16, b=2, s=512), as this formula gives. It counts where
+# per token and saved layer, i.e. layers x b x s x (2c(h - g) + c·s) bytes (measured on CPU
+# gloo ranks: benchmarks/plan_vs_measured_cpu.md). It counts where
 # the layer's other activations count: not for a checkpointed layer (which keeps its input
 # only), once more for the layer recomputed in backward. The s term makes it quadratic in the
 # sequence: at s=8192 it is GBs over a layer stack.
@@ -55,8 +54,7 @@ from ..config import CheckpointingConfig, ModelConfig
 # CPU (block-sparse SDPA) nothing is repeated (SDPA takes grouped-query heads and saves views of
 # k and v), but the chunks' outputs (saved by each chunk's SDPA) and their concatenation (o_proj's
 # input) are two tensors where SDPA's one output serves both: c·h per token and saved layer
-# (measured +4.4 MB = 4 layers x 1,024 tokens x 4 bytes x h=256, fp32, b=4, s=256; the packed
-# rows of benchmarks/plan_vs_measured_cpu.md). The chunks' masks are made once per micro-batch,
+# (the packed rows of benchmarks/plan_vs_measured_cpu.md). The chunks' masks are made once per micro-batch,
 # as additive masks in the compute dtype, and every layer's SDPA saves those same tensors (a
 # bool mask would be converted, and the copy saved, in every layer): b x (sum of chunk x
 # window) x c bytes, at most c·(s/2 + min(s, 2048)/2) per token (attention.chunk_plan; one

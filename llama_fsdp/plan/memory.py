@@ -98,9 +98,8 @@ def memory_breakdown(spec: RunSpec) -> Memory:
 # Peak per phase of a training step
 #
 # The predicted peak is the largest of what is live in each phase of a step, from the second
-# step on (with optimizer state). Measured against real CPU gloo ranks in
-# benchmarks/plan_vs_measured_cpu.md (66 configs: measured / max over phases 0.92 to 1.01);
-# tests/multirank/test_plan_memory.py checks it on every run.
+# step on (with optimizer state), checked against real CPU gloo ranks in
+# benchmarks/plan_vs_measured_cpu.md and by tests/multirank/test_plan_memory.py.
 
 PHASES = ("forward", "loss", "layers", "root", "optimizer")
 
@@ -211,8 +210,7 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
               all-gather: the embedding's backward needs only the token ids);
     optimizer params, grads, both moments and foreach AdamW's temporary.
 
-    Fitted to the 40 untied FSDP configs of benchmarks/plan_vs_measured_cpu.md: every phase
-    within a few % of the measured one, the peak at 0.975-1.000 of the prediction."""
+    Checked against the untied FSDP configs of benchmarks/plan_vs_measured_cpu.md."""
     m, pol, t, mesh = spec.model, spec.policy, spec.train, spec.mesh
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
     tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
@@ -251,9 +249,9 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
             + rs_copies * layer * r),
         # the embedding's grad (no all-gather: its backward needs only the ids), then its
         # reduce-scatter input and gloo's copy, beside the sharded grads. ``grads`` holds the
-        # new shard already; one shard more covers what is measured beside them (2.1 of its
-        # 4.2 MB at 2 ranks fp32, 1.2 of 2.1 at 4; not identified), and with
-        # accumulation the new shard is added to the old one out of place
+        # new shard already; one shard more covers a buffer measured beside them and not yet
+        # identified (benchmarks/plan_vs_measured_cpu.md), and with accumulation the new
+        # shard is added to the old one out of place
         "root": state + grads + embed * c + rs_copies * embed * r
         + embed_shard * (2 if accumulated else 1),
         "optimizer": state + grads + params,
