@@ -109,6 +109,8 @@ def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
     (one over the prompts, then one per new token), so ranks stay in lockstep under FSDP."""
     from transformers import DynamicCache
 
+    from .compat import cache_kwarg
+
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -117,13 +119,13 @@ def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
         mask[i, longest - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache = {cache_kwarg(): DynamicCache()}
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new = []
     for _ in range(steps):
         with standard_attention(model):  # a padding mask and a KV cache: not varlen's inputs
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = logits.argmax(-1).masked_fill(done, tok.pad_token_id)
         done |= nxt == tok.eos_token_id
         new.append(nxt)

@@ -1,8 +1,28 @@
 """What every rank runs: process group -> mesh -> sharded model -> data -> loop -> result.
 
-``run_worker(spec)`` is the entry point the launchers hand to each rank (rank, world size and
-master address come from the environment). It builds a typed :class:`RankRun` and trains it. The
-driver has already prepared everything that needs no process group (tokenized data in the
+From the command line to one optimizer step, the functions on the way:
+
+    python -m llama_fsdp                       __main__.py -> cli.main
+      cli._hydra_main -> cli.run_one           compose conf/, then:
+        spec.build_spec                        the validated RunSpec
+        plan.make_plan, plan.check_fits        memory and FLOPs against the device
+        prepare.prepare                        tracking store, weights, data cache, MLflow run
+        launchers.launch                       launchers/local.py or launchers/slurm.py
+          launchers.rank.RankEntry             per rank: a supervisor (submitit's task) ...
+            launchers.child.main               ... starts this worker process, which calls
+    worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
+      init_distributed                         process group (gloo, or nccl + gloo)
+      train_on_rank -> RankRun.build           build_model (model.build_meta_model,
+                                               parallel.parallelize, model.init_weights or
+                                               checkpoint.load_hf_weights), data.build_data,
+                                               train.build_optimizer, checkpoint.Checkpointer
+                                               (resume), tracking.open_tracker
+        RankRun.train -> train.run_loop        the loop; each step is
+          train.train_step                     micro-batches: attention.model_inputs,
+                                               train.loss_sum, backward;
+                                               parallel.clip_grad_norm, optimizer.step
+
+The driver has already prepared everything that needs no process group (tokenized data in the
 cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never touch a hub.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Held-out evaluation: exact match of greedy answers (KV-cached generation in lockstep)."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -27,8 +28,8 @@ class Oracle(torch.nn.Module):
             self.table[tuple(x[:p].tolist())] = x[p:].tolist()
         self.wrong, self.calls, self.seqs = wrong, 0, []
 
-    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache,
-                logits_to_keep):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep,
+                **cache):
         self.calls += 1
         if input_ids.shape[1] == attention_mask.shape[1]:  # the prompts: a new batch
             self.seqs = [input_ids[i][attention_mask[i].bool()].tolist()
@@ -82,7 +83,8 @@ def test_cached_batched_generation_equals_transformers_generate(dm, attn):
     tok, store = dm.tokenizer, dm.eval.store
     prompts = [store.record(i)[0][: int(store.prompt_len[i])] for i in range(6)]
     assert len({len(p) for p in prompts}) > 1  # the batch needs padding
-    batched = greedy_generate(model, prompts, tok, device=torch.device("cpu"), steps=5)
+    with _no_deprecations():  # our calls into transformers use its current API
+        batched = greedy_generate(model, prompts, tok, device=torch.device("cpu"), steps=5)
     assert model.config._attn_implementation == attn
     model.config._attn_implementation = "sdpa"  # transformers' generate, for the reference
     for p, got in zip(prompts, batched):
@@ -93,3 +95,25 @@ def test_cached_batched_generation_equals_transformers_generate(dm, attn):
         if tok.eos_token_id in ref:
             ref = ref[:ref.index(tok.eos_token_id)]
         assert got == tok.decode(ref, skip_special_tokens=True).strip()
+
+
+@contextlib.contextmanager
+def _no_deprecations():
+    """Warnings are errors, and so is a deprecation transformers reports through its logger
+    (``warning_once``: "`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")."""
+    import logging
+    import warnings
+
+    class Raise(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "deprecat" in record.getMessage().lower():
+                raise AssertionError(f"deprecated call: {record.getMessage()}")
+
+    handler, logger = Raise(), logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    finally:
+        logger.removeHandler(handler)
