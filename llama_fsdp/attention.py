@@ -116,14 +116,30 @@ class Bounds:
     positions: Optional[weakref.ref] = None
 
 
-# The batch a varlen model is running, by id of its config (every module of a transformers
-# model shares it), with a weak reference that tells a live config from a reused id. Not a
-# keyword argument of the forward, on purpose: FSDP2's root moves every tensor argument to the
-# device (the longest record would come back with a host sync per layer), and a compiled layer
-# guards on its arguments (a new record count or length every batch, a recompile each). Set by
-# model_inputs before the forward; the backward's recomputation (activation checkpointing)
-# reads it again, before the next batch replaces it.
-_RUNNING: dict[int, tuple[weakref.ref, Bounds]] = {}
+class RunningBatch:
+    """The records of the batch a varlen model is running: one per model, reachable from each
+    of its modules (``running_batch``). Not a keyword argument of the forward, on purpose:
+    FSDP2's root moves every tensor argument to the device (the longest record would come back
+    with a host sync per layer), and a compiled layer guards on its arguments (a new record
+    count or length every batch, a recompile each); a compiled layer guards on this holder only
+    by identity, and the bounds are read inside the kernel, which the compiler does not trace.
+    Set by model_inputs before the forward; the backward's recomputation (activation
+    checkpointing) reads it again, before the next batch replaces it."""
+
+    ATTR = "_llama_fsdp_running_batch"
+
+    def __init__(self) -> None:
+        self.bounds: Optional[Bounds] = None
+
+
+def running_batch(model: nn.Module) -> RunningBatch:
+    """The model's holder, made and handed to all its modules at the first call."""
+    holder = model.__dict__.get(RunningBatch.ATTR)
+    if holder is None:
+        holder = RunningBatch()
+        for m in model.modules():  # the attention modules among them (any wrappers too)
+            m.__dict__[RunningBatch.ATTR] = holder
+    return holder
 
 
 def document_bounds(position_ids: torch.Tensor) -> Bounds:
@@ -273,17 +289,8 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
         if not _use_flash(device):  # the block-sparse SDPA will run
             bounds.chunks = _chunks(model.config, pos, device)
         bounds.positions = weakref.ref(out["position_ids"])
-        key = id(model.config)
-        # the entry goes with the model (its config): no device tensor outlives it
-        _RUNNING[key] = (weakref.ref(model.config, lambda _, k=key: _RUNNING.pop(k, None)),
-                         bounds)
+        running_batch(model).bounds = bounds  # goes with the model: no global outlives it
     return out
-
-
-def running_bounds(config: Any) -> Optional[Bounds]:
-    """The bounds model_inputs set for the model of this config, if any."""
-    entry = _RUNNING.get(id(config))
-    return entry[1] if entry is not None and entry[0]() is config else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +339,7 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     d]; returns [b, s, heads, d]."""
     if dropout:
         raise ValueError(f"varlen attention has no dropout (got {dropout})")
-    return _records_attention(module.config, kwargs.get("position_ids"), query, key, value,
+    return _records_attention(module, kwargs.get("position_ids"), query, key, value,
                               scaling), None
 
 
@@ -341,9 +348,10 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 # kernel is opaque to the compiler anyway; the graph breaks around it, and the rest of the
 # layer stays compiled with its fixed shapes.
 @torch.compiler.disable
-def _records_attention(config, position_ids, query, key, value, scaling):
+def _records_attention(module, position_ids, query, key, value, scaling):
     b, heads, s, d = query.shape
-    bounds = running_bounds(config)
+    holder = module.__dict__.get(RunningBatch.ATTR)
+    bounds = holder.bounds if holder is not None else None
     # A model called without model_inputs is refused, not run on records read from its
     # position_ids: transformers hands a registered kernel without a mask function no padding
     # mask (it drops it), so a padded batch would run as if unpadded, in silence.
