@@ -7,18 +7,18 @@ as checkpoints, so a run killed mid-save leaves the previous one to resume from.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
+from .. import manifest
+from ..manifest import MANIFEST  # noqa: F401 - a checkpoint's file list, written last
 from ..rundir import CHECKPOINTS, RunDir
 
 METADATA = ".metadata"  # DCP writes it last, on rank 0: its presence marks a complete write
 TMP_SUFFIX = ".tmp"
-MANIFEST = "manifest.json"  # file -> size, written last before publishing
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -78,28 +78,13 @@ def resume_candidates(resume: str, output_dir: str | Path) -> list[Path]:
 def write_manifest(path: Path) -> None:
     """Every file of a finished checkpoint with its size, written before it is published: a
     missing or truncated file (a partial copy, a disk that filled up) is caught on load."""
-    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
-             if f.is_file() and f.name != MANIFEST}
-    (path / MANIFEST).write_text(json.dumps(files, indent=0))
+    manifest.write_manifest(path)
 
 
 def verify(path: Path) -> Optional[str]:
     """None if the checkpoint's files are all there at their written sizes, else what is
     wrong (checkpoints written before manifests existed are not checked)."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return None
-    try:
-        files = json.loads(manifest.read_text())
-    except (OSError, ValueError) as e:
-        return f"its {MANIFEST} is unreadable ({e})"
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} were written"
-    return None
+    return manifest.verify_manifest(path)
 
 
 def expired(output_dir: str | Path, keep_last: int) -> list[Path]:

@@ -61,8 +61,9 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
     problem = vocab_problem(tok, choice, vocab_size)
     if problem:
         raise ValueError(problem)
+    # the announcing process (the driver) checks the cache's digests before any rank reads it
     prep = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
-                        show_progress=dp_rank == 0)
+                           show_progress=dp_rank == 0, verify_digests=announce)
     pad = tok.pad_token_id
     train = Packed.build(TokenStore(prep.train), seq_len, pad, cfg.packing)
     ev = Packed.build(TokenStore(prep.eval), seq_len, pad, cfg.packing)

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..config import DataConfig
+from ..manifest import MANIFEST, verify_manifest, write_manifest
 from .formats import Encoder, detect_format
 from .packing import record_lengths
 from .sources import Split, hook_fingerprint, load_sources
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 # Bump when tokenization or the cached layout changes: it is part of the cache key.
 # 2: chat records tokenized whole (as apply_chat_template), eval hold-out by fraction, length /
 #    character statistics in meta.json, records without targets left out.
-_CACHE_VERSION = 2
+# 3: a manifest (every file's size and SHA-256) marks a complete entry.
+_CACHE_VERSION = 3
 # Columns the encoder adds for statistics and filtering; not stored.
 _WORK_COLUMNS = ("full_len", "targets", "chars", "keep")
 
@@ -50,12 +52,16 @@ class Tokenized:
 
 
 def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=None,
-                 model_path: Optional[str] = None, show_progress: bool = True) -> Tokenized:
+                    model_path: Optional[str] = None, show_progress: bool = True,
+                    verify_digests: bool = False) -> Tokenized:
     """Tokenize both splits into ``cache_dir/data/<key>`` or find them there.
 
     ``tokenizer``: the one to use (default: ``resolve_tokenizer`` with ``model_path``).
-    Rank-safe: the first process to take the lock builds into a temporary directory and
-    renames it into place; the others wait for the lock and load the result.
+    Rank-safe: the first process to take the lock builds into a temporary directory, writes
+    its manifest and renames it into place; the others wait for the lock and load the result.
+    An entry whose files do not match their manifest (sizes; with ``verify_digests``, as the
+    driver checks before the ranks start, SHA-256 too) is rebuilt, with a warning naming the
+    file.
     """
     cfg, cache_dir = as_config(cfg), Path(cache_dir)
     tok = tokenizer if tokenizer is not None else build_tokenizer(cfg, cache_dir,
@@ -63,16 +69,30 @@ def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer
     key = _cache_key(cfg, seq_len, tok)
     root = cache_dir / "data"
     final = root / f"{cfg.name}-{key[:20]}"
-    if not (final / "meta.json").exists():
+    if not cached_entry(final, verify_digests):
         from filelock import FileLock
 
         root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(root / f"{final.name}.lock")):
-            if not (final / "meta.json").exists():
+            if not cached_entry(final, verify_digests, warn=True):
                 _build(cfg, seq_len, tok, cache_dir, final, show_progress)
                 return _load_tokenized(final, from_cache=False)
     log.info("tokenized data found in cache: %s", final)
     return _load_tokenized(final, from_cache=True)
+
+
+def cached_entry(final: Path, verify_digests: bool, *, warn: bool = False) -> bool:
+    """Whether ``final`` is a complete cache entry whose files match its manifest; a damaged
+    one is removed (``warn``: under the build lock, saying what was wrong) so it is rebuilt."""
+    if not (final / MANIFEST).is_file():
+        return False
+    problem = verify_manifest(final, digests=verify_digests, required=True)
+    if problem is None:
+        return True
+    if warn:
+        log.warning("the cached tokenized data is damaged (%s): tokenizing again", problem)
+        shutil.rmtree(final, ignore_errors=True)
+    return False
 
 
 def resolve_tokenizer(cfg: DataConfig, cache_dir: Path, *,
@@ -140,6 +160,8 @@ def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
     import datasets
 
     meta: dict[str, Any] = {"name": cfg.name, "seq_len": seq_len, "tokenizer": tok.name_or_path}
+    for stale in final.parent.glob(f".{final.name}-*"):  # builds killed midway (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     was_enabled = datasets.is_progress_bar_enabled()
     if not show_progress:
@@ -155,6 +177,8 @@ def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
                     datasets.enable_progress_bars()
             meta[split_name] = info
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp, digests=True)  # last: it marks the entry complete
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one (no manifest)
         os.replace(tmp, final)
     finally:
         if was_enabled:

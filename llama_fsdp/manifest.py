@@ -1,0 +1,55 @@
+"""Manifests of finished directories (checkpoints, tokenized data, trained tokenizers): every
+file with its size, and for caches its SHA-256, written last before the directory is published,
+so a missing, truncated or altered file is caught before anything reads it."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path, *, digests: bool = False) -> None:
+    """Record every file under ``path`` with its size (and its SHA-256 with ``digests``)."""
+    files = {}
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            entry: dict = {"size": f.stat().st_size}
+            if digests:
+                entry["sha256"] = _sha256(f)
+            files[str(f.relative_to(path))] = entry
+    (Path(path) / MANIFEST).write_text(json.dumps(files, indent=0))
+
+
+def verify_manifest(path: Path, *, digests: bool = False,
+                    required: bool = False) -> Optional[str]:
+    """None if every recorded file is there at its recorded size (and, with ``digests``, its
+    recorded SHA-256), else what is wrong, naming the file. A directory without a manifest
+    passes unless ``required`` (checkpoints written before manifests existed are not checked)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing" if required else None
+    try:
+        files = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    for name, entry in files.items():
+        size = entry if isinstance(entry, int) else entry["size"]  # sizes alone: older manifests
+        f = Path(path) / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, {size} were written"
+        if digests and isinstance(entry, dict) and "sha256" in entry and _sha256(f) != entry["sha256"]:
+            return f"{f} does not match the SHA-256 recorded when it was written"
+    return None
