@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .common import Entry, Interrupted, LaunchError, RankFailure
 
@@ -37,10 +37,12 @@ def preflight(spec: RunSpec) -> list[str]:
     return []
 
 
-def launch(spec: RunSpec, entry: Entry, *, stream: bool = True) -> Any:
+def launch(spec: RunSpec, entry: Entry, *, stream: bool = True,
+           on_submitted: Optional[Callable[[str, bool], None]] = None) -> Any:
     """Run `entry(spec)` on every rank; local runs wait, SLURM runs wait if cluster.wait.
     ``stream``: copy rank 0's log to this terminal while the job runs (callers that read the
-    logs themselves, as the tests do, pass False)."""
+    logs themselves, as the tests do, pass False). ``on_submitted(job_id, detached)``: told a
+    SLURM job's id once submitted (detached: this call returns without waiting for it)."""
     from .submitit_compat import check_version
 
     if (warning := check_version()) is not None:
@@ -53,7 +55,7 @@ def launch(spec: RunSpec, entry: Entry, *, stream: bool = True) -> Any:
         case "slurm":
             from .slurm import launch_slurm
 
-            return launch_slurm(spec, entry, stream=stream)
+            return launch_slurm(spec, entry, stream=stream, on_submitted=on_submitted)
         case other:
             raise ValueError(f"cluster.kind={other!r} is not one of local, slurm")
 

@@ -233,6 +233,11 @@ def watch(job: Any, output_dir: str, *, max_restarts: int = 0, restarts_inside: 
     last = read_reports(dirs[-1]) if dirs and dirs[-1].name not in seen else []
     if last:
         raise RankFailure(job_id, last)
+    controller = local_controller(job)
+    if controller is not None and (code := controller.poll()) is not None and code < 0:
+        raise LaunchError(f"job {job_id}'s controller (pid {controller.pid} on "
+                          f"{socket.gethostname()}) was killed by signal {-code} "
+                          f"({signal.Signals(-code).name}); its ranks went with it")
     try:
         return job.results()
     except Exception as e:  # submitit raises with the task's traceback or the job state

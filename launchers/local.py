@@ -18,7 +18,7 @@ from .common import (
     worker_env,
 )
 from ..rundir import RunDir
-from .rank import ATTEMPT_ENV
+from .rank import ATTEMPT_ENV, RUN_DIR_ENV
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -71,7 +71,7 @@ def launch_local(spec: RunSpec, entry: Entry, *, stream: bool = True) -> list[An
     executor = _executor(spec)
     restarts = spec.cluster.max_restarts
     # the controller passes its environment to the ranks; this process's is restored after
-    env = worker_env(spec.output_dir, spec.device)
+    env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir}
     with scoped_environ({**env, ATTEMPT_ENV: "0"}), \
             SignalGuard(saving=spec.save.every_steps > 0) as guard:
         for attempt in range(restarts + 1):

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ..spec import RunSpec
 
 ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
+RUN_DIR_ENV = "LLAMA_FSDP_RUN_DIR"  # the run directory, for the local controller's reports
 PREEMPTED = "preempted"  # RunResult.status after a preemption checkpoint
 CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
 # Errors a rank raises because another rank went away first: reported after the cause.
@@ -80,7 +81,12 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("signal") == signal.SIGKILL:
         how += ": the kernel's OOM killer sends this when memory runs out (see dmesg), or "\
                "someone ran kill -9"
-    lines = [f"rank {r['rank']} on {r['host']} (pid {r['pid']}): {how}"]
+    who = (f"rank {r['rank']}'s supervisor" if r.get("process") == "supervisor"
+           else f"rank {r['rank']}")
+    lines = [f"{who} on {r['host']} (pid {r['pid']}): {how}"]
+    if r.get("process") == "supervisor":
+        lines.append("the rank's supervisor process died without reporting, and its training "
+                     "process with it (it dies with its parent)")
     if r.get("traceback"):
         lines.append(r["traceback"].rstrip())
     if r.get("log_tail"):
@@ -103,6 +109,12 @@ class RankEntry:
     def __call__(self) -> Any:
         import submitit
         from submitit.helpers import TorchDistributedEnvironment
+
+        from .submitit_compat import set_parent_death_signal
+
+        # the supervisor goes when what started it goes (the local controller, srun's step):
+        # a killed launcher leaves no rank behind
+        set_parent_death_signal(signal.SIGKILL)
 
         dist_env = TorchDistributedEnvironment()
         job = submitit.JobEnvironment()
@@ -143,7 +155,7 @@ class Supervisor:
         files["in"].write_bytes(pickle.dumps((entry, spec)))
         self._install_signals()
         self.child = subprocess.Popen([sys.executable, "-u", "-m", CHILD_MODULE, *map(str, (
-            files["in"], files["out"], files["traceback"]))])
+            files["in"], files["out"], files["traceback"]))], preexec_fn=_dies_with_parent)
         code = self._wait()
         files["in"].unlink(missing_ok=True)
         if code == 0 and files["out"].exists():
@@ -190,6 +202,14 @@ class Supervisor:
                 "time": tb.get("time", time.time()), "traceback": text,
                 "echo": any(e in text for e in ECHO_ERRORS), "attempt": self.attempt,
                 "log_tail": _tail(self.logs, 12)}
+
+
+def _dies_with_parent() -> None:
+    """The worker's preexec_fn: SIGKILL when its supervisor dies (Linux), so a supervisor
+    killed by anything leaves no training process running on its own."""
+    from .submitit_compat import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
 
 
 def _close_mlflow_run(spec: RunSpec) -> None:

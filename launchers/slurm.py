@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .common import (
     Entry,
@@ -85,14 +85,18 @@ def sbatch_preview(spec: RunSpec) -> str:
     return sbatch_text(make_executor(spec, preview=True))
 
 
-def launch_slurm(spec: RunSpec, entry: Entry, *, stream: bool = True) -> Any:
-    """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait."""
+def launch_slurm(spec: RunSpec, entry: Entry, *, stream: bool = True,
+                 on_submitted: Optional[Callable[[str, bool], None]] = None) -> Any:
+    """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait.
+    ``on_submitted(job_id, detached)`` is told the job id once SLURM has it."""
     executor = make_executor(spec)
     try:
         job = executor.submit(rank_entry(spec, entry))
     except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
         msg = re.sub(r"\s+", " ", str(e)).strip()
         raise LaunchError(f"SLURM refused the job: {msg}") from e
+    if on_submitted is not None:
+        on_submitted(str(job.job_id), not spec.cluster.wait)
     paths = job.paths
     log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 err: %s",
              job.job_id, spec.nodes, spec.nproc_per_node, paths.stdout, paths.stderr)

@@ -71,8 +71,9 @@ def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
                      cuda_devices: str = "", timeout_min: float = 5.0,
                      signal_delay_s: int = 30, stderr_to_stdout: bool = False,
                      setup: Sequence[str] = ()) -> subprocess.Popen:
-    """submitit.local.local.start_controller (1.5.x: the same environment, the same controller
-    module), started in a session of its own and killed when this process dies."""
+    """submitit.local.local.start_controller (1.5.x: the same environment; the controller is
+    submitit's, subclassed in launchers/controller.py), started in a session of its own and
+    killed when this process dies."""
     env = dict(os.environ)
     env.update(
         SUBMITIT_LOCAL_NTASKS=str(tasks_per_node),
@@ -86,7 +87,8 @@ def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
         CUDA_VISIBLE_DEVICES=cuda_devices,
         SUBMITIT_LOCAL_WITH_SHELL="1" if setup else "",
     )
-    cmd: Any = [sys.executable, "-m", "submitit.local._local", str(folder)]
+    # submitit's controller (submitit.local._local), with reports for supervisors that die
+    cmd: Any = [sys.executable, "-m", "llama_fsdp.launchers.controller", str(folder)]
     if setup:
         cmd = " && ".join([*setup, shlex.join(cmd)])
     return subprocess.Popen(cmd, shell=bool(setup), env=env, preexec_fn=_die_with_parent())

@@ -10,6 +10,7 @@ library imports this module: it is the entry point only.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -217,9 +218,28 @@ def finished_point(spec: RunSpec) -> bool:
     return done
 
 
-def run_one(cfg: DictConfig) -> Any:
-    """The whole path for one composed config (one point of a sweep)."""
+def finished_run(spec: RunSpec) -> bool:
+    """A single run launched again into its directory (resume=auto) whose last attempt finished
+    every step it is asked for now: nothing to start. A larger train.max_steps trains on."""
+    from .rundir import read_run_status
+
+    if spec.sweep_id is not None or spec.resume != "auto":
+        return False
+    status = read_run_status(spec.output_dir)
+    target = spec.train.stop_after or spec.train.max_steps
+    if status.get("status") != "finished" or int(status.get("step", 0)) < target:
+        return False
+    log.info("this run finished at step %d (train.max_steps=%d) in %s: nothing to train, "
+             "nothing launched. Raise train.max_steps to train on from its last checkpoint, or "
+             "give a new output_dir", status["step"], spec.train.max_steps, spec.output_dir)
+    return True
+
+
+def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
+    """The whole path for one composed config (one point of a sweep); ``held`` keeps the run
+    directory owned until the caller is done with the run."""
     from .launchers import launch, preflight
+    from .owner import own
     from .plan import check_fits, fixes_text
     from .prepare import prepare
 
@@ -236,8 +256,18 @@ def run_one(cfg: DictConfig) -> Any:
     problems = preflight(spec)
     if problems:
         raise ConfigError(problems)
+    owner = held.enter_context(own(spec.output_dir, command=command_line()))
+    if owner.previous:
+        log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
+                    "(killed, or its host went down): taking it over%s", spec.output_dir,
+                    owner.previous.get("pid"), owner.previous.get("host"),
+                    "; resume=auto continues from its newest checkpoint"
+                    if spec.resume == "auto" else "")
+    if finished_run(spec):
+        return None
     prepared = prepare(spec, command=command_line())
-    results = launch(prepared.spec, "llama_fsdp.worker:run_worker")
+    results = launch(prepared.spec, "llama_fsdp.worker:run_worker",
+                     on_submitted=owner.slurm_job)
     if spec.cluster.kind == "local" or spec.cluster.wait:
         rank0 = next(r for r in results if r is not None and r.rank == 0)
         log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))
@@ -271,6 +301,10 @@ def _remove_if_empty(output_dir: str) -> None:
     chain = [path, *path.parents]
     chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
              else chain[:2])
+    from .owner import LOCK
+
+    if [p.name for p in path.iterdir()] == [LOCK] if path.is_dir() else False:
+        (path / LOCK).unlink(missing_ok=True)  # a launch refused after it took the directory
     for d in chain:
         try:
             d.rmdir()
@@ -288,7 +322,13 @@ def _failed(code: int) -> Optional[PointFailed]:
 
 @hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
+    with contextlib.ExitStack() as held:  # the run directory stays owned to the very end
+        return _run_and_report(cfg, held)
+
+
+def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     from .launchers import Interrupted, LaunchError
+    from .owner import RunDirBusy
     from .plan import PlanError
     from .prepare import PrepareError
 
@@ -296,14 +336,14 @@ def _hydra_main(cfg: DictConfig) -> Any:
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
     try:
-        result = run_one(cfg)
+        result = run_one(cfg, held)
         launched = result is not None
         if launched and (cfg.cluster.kind == "local" or cfg.cluster.wait):
             _finish_tracking(output_dir, status="", deadline_s=final_s)
             if any(r is not None and r.status != "finished" for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result
-    except (ConfigError, PlanError, PrepareError) as e:
+    except (ConfigError, PlanError, PrepareError, RunDirBusy) as e:
         log.error("%s", e)
         return _failed(2)
     except Interrupted as e:
@@ -318,6 +358,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
         return _failed(1)
     finally:
         if not launched:
+            held.close()  # let the directory go first: a run that never started leaves nothing
             _remove_if_empty(output_dir)
 
 
