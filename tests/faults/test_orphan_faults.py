@@ -66,7 +66,7 @@ def test_a_killed_supervisor_is_named_and_the_run_restarts_from_its_checkpoint(t
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     first = out.index("the first rank to fail:")
-    assert f"rank 1's supervisor on " in out[first:first + 300]
+    assert "rank 1's supervisor on " in out[first:first + 300]
     assert f"(pid {victim.pid}): killed by signal 9 (SIGKILL)" in out[first:first + 400]
     assert "restarting every rank from the newest checkpoint (restart 1 of 1)" in out
     assert "status         finished" in out
