@@ -100,6 +100,74 @@ def signal_launcher(sig: signal.Signals, twice: bool = False) -> dict:
             "checkpoints": ckpts}
 
 
+def _processes(cwd: Path) -> int:
+    return len(leftovers(str(cwd)))
+
+
+def launcher_sigkill() -> dict:
+    """SIGKILL to the launcher: how long until no process of the run is left; the newest
+    checkpoint intact."""
+    from llama_fsdp.checkpoint.layout import latest_checkpoint, verify
+
+    cwd = _tmp()
+    proc = start_cli(cwd, "train.max_steps=400", "save.every_steps=2",
+                     "train.callbacks=[tests.faults.hooks:slow]", env={hooks.SLOW: "0.2"})
+    run = wait_for_step(cwd, 5, proc)
+    before = _processes(cwd)
+    t0 = time.monotonic()
+    proc.kill()
+    proc.wait(timeout=60)
+    left = no_leftovers(str(cwd), within_s=60)
+    newest = latest_checkpoint(run)
+    return {"before": before, "all_gone_s": time.monotonic() - t0, "left": left,
+            "intact": newest is not None and verify(newest) is None,
+            "newest": newest.name if newest else None}
+
+
+def supervisor_sigkill() -> dict:
+    """SIGKILL to rank 1's supervisor with cluster.max_restarts=1: named, restarted, finished."""
+    import psutil
+
+    cwd = _tmp()
+    proc = start_cli(cwd, "train.max_steps=20", "save.every_steps=5", "cluster.max_restarts=1",
+                     "train.callbacks=[tests.faults.hooks:slow]", env={hooks.SLOW: "0.2"})
+    run = wait_for_step(cwd, 12, proc)
+    victim = next(p for p in psutil.process_iter(["cmdline"])
+                  if "submitit.core._submit" in " ".join(p.info["cmdline"] or [])
+                  and str(cwd) in " ".join(p.info["cmdline"] or [])
+                  and p.environ().get("SUBMITIT_LOCAL_GLOBALID") == "1")
+    victim.kill()
+    t_kill = time.time() * 1000
+    out, _ = proc.communicate(timeout=600)
+    times = _spool_times(run)
+    resumed = sorted(s for s, t in times.items() if t > t_kill and s > 10)
+    return {"code": proc.returncode, "named": "rank 1's supervisor on" in out,
+            "recover_s": (times[resumed[0]] - t_kill) / 1000 if resumed else None,
+            "left": no_leftovers(str(cwd), within_s=30)}
+
+
+def second_launch() -> dict:
+    """A second launch into a live run's directory: refused, in how long."""
+    cwd = _tmp()
+    proc = start_cli(cwd, "train.max_steps=400", "train.callbacks=[tests.faults.hooks:slow]",
+                     env={hooks.SLOW: "0.2"})
+    run = wait_for_step(cwd, 2, proc)
+    code, out, seconds = run_cli(cwd, f"output_dir={run}")
+    proc.kill()
+    no_leftovers(str(cwd), within_s=60)
+    return {"code": code, "seconds": seconds, "named": f"pid {proc.pid} on" in out}
+
+
+def damaged_cache() -> dict:
+    """A truncated tokenized split in the cache: named and rebuilt."""
+    cwd = _tmp()
+    run_cli(cwd, "train.max_steps=2", "tracking.enabled=false")
+    arrow = next((cwd / "outputs" / "cache" / "data").glob("synthetic-*/train/*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    code, out, seconds = run_cli(cwd, "train.max_steps=2", "tracking.enabled=false")
+    return {"code": code, "seconds": seconds, "rebuilt": "is damaged" in out and str(arrow) in out}
+
+
 def server_outage() -> dict:
     cwd = _tmp()
     server = MlflowServer(cwd).start()
@@ -160,6 +228,8 @@ def markdown(rows: dict, command: str) -> str:
     k0, k1, ints, term, hup = (rows[k] for k in ("kill", "kill_restart", "int", "term", "hup"))
     dint, srv, unr, full, bad = (rows[k] for k in ("int2", "server", "unreachable", "disk",
                                                    "corrupt"))
+    lk, sk, second, cache = (rows[k] for k in ("launcher_kill", "supervisor_kill", "second",
+                                               "cache"))
 
     def s(v):
         return "-" if v is None else f"{v:.1f} s"
@@ -215,6 +285,27 @@ def markdown(rows: dict, command: str) -> str:
         "| 8 jobs on one fresh sqlite store | parallel schema migrations broke the store "
         "(`table _alembic_tmp_params already exists`) | first open serialized; every metric "
         "delivered (tests/faults/test_tracking_faults.py) | - | nothing |",
+        f"| the launcher SIGKILLed (`timeout -s KILL`, the OOM killer) | controller, "
+        f"supervisors and ranks trained on to the last step with nobody waiting (all alive "
+        f"120 s later) | the chain follows its parent (parent-death signal): processes left "
+        f"{len(lk['left'])} of {lk['before']}; newest checkpoint {lk['newest']} intact: "
+        f"{lk['intact']} | {s(lk['all_gone_s'])} until no process is left | the steps since "
+        "the last checkpoint |",
+        f"| rank 1's supervisor SIGKILLed, `cluster.max_restarts=1` | rank 1's training process "
+        f"ran on as an orphan; the launcher ended with `has not produced any output`, exit 1 | "
+        f"named (`rank 1's supervisor … killed by signal 9`: {sk['named']}), every rank "
+        f"restarted from the newest checkpoint, exit {sk['code']}; processes left "
+        f"{len(sk['left'])} | {s(sk['recover_s'])} from the kill to the first step after the "
+        "restart | the steps since the last checkpoint |",
+        f"| a second launch into a live run's directory | waited silently on the tracking lock "
+        f"as long as the first run lived (99 s), then started its ranks against the finished "
+        f"run | refused at once with the owner's host, pid and start (named: "
+        f"{second['named']}), exit {second['code']} | {s(second['seconds'])} (whole command) "
+        "| nothing |",
+        f"| a tokenized split in the cache truncated | `Expected to be able to read … bytes`, "
+        f"exit 2, nothing rebuilt | named in a warning and tokenized again (rebuilt: "
+        f"{cache['rebuilt']}), exit {cache['code']} | {s(cache['seconds'])} (whole run) | "
+        "nothing |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -227,7 +318,9 @@ def main() -> None:
             "int": signal_launcher(signal.SIGINT), "int2": signal_launcher(signal.SIGINT, True),
             "term": signal_launcher(signal.SIGTERM), "hup": signal_launcher(signal.SIGHUP),
             "server": server_outage(), "unreachable": unreachable(), "disk": disk_full(),
-            "corrupt": corrupt_newest()}
+            "corrupt": corrupt_newest(), "launcher_kill": launcher_sigkill(),
+            "supervisor_kill": supervisor_sigkill(), "second": second_launch(),
+            "cache": damaged_cache()}
     for name, row in rows.items():
         print(name, row)
     assert not leftovers("reliability-"), leftovers("reliability-")
