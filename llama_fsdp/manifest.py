@@ -53,3 +53,22 @@ def verify_manifest(path: Path, *, digests: bool = False,
         if digests and isinstance(entry, dict) and "sha256" in entry and _sha256(f) != entry["sha256"]:
             return f"{f} does not match the SHA-256 recorded when it was written"
     return None
+
+
+def cached_entry_ok(path: Path, *, digests: bool, damaged: Optional[str] = None) -> bool:
+    """Whether ``path`` is a complete cache entry (its manifest is there) whose files match the
+    manifest. ``damaged``: a caller holding the entry's build lock removes a damaged entry, so
+    that it is built again, and logs ``damaged`` with what was wrong (e.g. "the cached
+    tokenizer is damaged ({problem}): training it again")."""
+    if not (Path(path) / MANIFEST).is_file():
+        return False
+    problem = verify_manifest(path, digests=digests, required=True)
+    if problem is None:
+        return True
+    if damaged is not None:
+        import logging
+        import shutil
+
+        logging.getLogger("llama_fsdp.cache").warning(damaged.format(problem=problem))
+        shutil.rmtree(path, ignore_errors=True)
+    return False

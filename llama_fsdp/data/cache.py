@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..config import DataConfig
-from ..manifest import MANIFEST, verify_manifest, write_manifest
+from ..manifest import cached_entry_ok, write_manifest
 from .formats import Encoder, detect_format
 from .packing import record_lengths
 from .sources import Split, hook_fingerprint, load_sources
@@ -69,30 +69,17 @@ def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer
     key = _cache_key(cfg, seq_len, tok)
     root = cache_dir / "data"
     final = root / f"{cfg.name}-{key[:20]}"
-    if not cached_entry(final, verify_digests):
+    if not cached_entry_ok(final, digests=verify_digests):
         from filelock import FileLock
 
         root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(root / f"{final.name}.lock")):
-            if not cached_entry(final, verify_digests, warn=True):
+            if not cached_entry_ok(final, digests=verify_digests, damaged=(
+                    "the cached tokenized data is damaged ({problem}): tokenizing again")):
                 _build(cfg, seq_len, tok, cache_dir, final, show_progress)
                 return _load_tokenized(final, from_cache=False)
     log.info("tokenized data found in cache: %s", final)
     return _load_tokenized(final, from_cache=True)
-
-
-def cached_entry(final: Path, verify_digests: bool, *, warn: bool = False) -> bool:
-    """Whether ``final`` is a complete cache entry whose files match its manifest; a damaged
-    one is removed (``warn``: under the build lock, saying what was wrong) so it is rebuilt."""
-    if not (final / MANIFEST).is_file():
-        return False
-    problem = verify_manifest(final, digests=verify_digests, required=True)
-    if problem is None:
-        return True
-    if warn:
-        log.warning("the cached tokenized data is damaged (%s): tokenizing again", problem)
-        shutil.rmtree(final, ignore_errors=True)
-    return False
 
 
 def resolve_tokenizer(cfg: DataConfig, cache_dir: Path, *,

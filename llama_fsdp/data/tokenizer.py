@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional
 
 from filelock import FileLock
 
-from ..manifest import MANIFEST, verify_manifest, write_manifest
+from ..manifest import cached_entry_ok, write_manifest
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -194,11 +194,12 @@ def project_tokenizer_dir(cache_dir: Path, corpus: Callable[[], Iterable[str]],
     key = hashlib.sha256(json.dumps([_RECIPE_VERSION, vocab_size, lines]).encode()).hexdigest()
     root = Path(cache_dir) / "tokenizers"
     final = root / f"project-{vocab_size}-{key[:16]}"
-    if _intact(final):
+    if cached_entry_ok(final, digests=True):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{final.name}.lock")):
-        if _intact(final, warn=True):
+        if cached_entry_ok(final, digests=True, damaged=(
+                "the cached project tokenizer is damaged ({problem}): training it again")):
             return final
         log.info("training the project tokenizer (SentencePiece BPE, %d pieces) on %d lines -> %s",
                  vocab_size, len(lines), final)
@@ -213,20 +214,6 @@ def project_tokenizer_dir(cache_dir: Path, corpus: Callable[[], Iterable[str]],
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _intact(path: Path, *, warn: bool = False) -> bool:
-    """A trained tokenizer whose files all match their manifest (size and SHA-256: a few small
-    files); a damaged one is removed (``warn``: under the lock, saying what was wrong)."""
-    if not (path / MANIFEST).is_file():
-        return False
-    problem = verify_manifest(path, digests=True, required=True)
-    if problem is None:
-        return True
-    if warn:
-        log.warning("the cached project tokenizer is damaged (%s): training it again", problem)
-        shutil.rmtree(path, ignore_errors=True)
-    return False
 
 
 def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size: int) -> None:
