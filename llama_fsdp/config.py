@@ -281,6 +281,48 @@ class EvalConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """What trains (conf/finetune/): every weight (full), or low-rank adapters beside a frozen
+    base (lora), the base stored in 4-bit NF4 (qlora: torchao's NF4Tensor, sharded and
+    all-gathered in 4 bits by FSDP2)."""
+
+    METHODS = ("full", "lora", "qlora")  # valid values (a class attribute, not a config key)
+
+    method: str = "full"
+    # LoRA: W x + (alpha / rank) * B A dropout(x) for each target projection; A (rank x in) and
+    # B (out x rank, zero at the start) train, W is frozen.
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # The projections that get adapters (names of the Linear modules in every decoder layer).
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # qlora: NF4 quantization blocks (elements per scale; scales per double-quantized group).
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+    # At the end, besides the PEFT adapter: the base with the adapters merged in, as an HF model
+    # (qlora: over the dequantized base).
+    export_merged: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (conf/optim/): AdamW with its moments in the parameters' dtype (adamw), or
+    in 8 or 4 bits with block-wise scales (torchao's low-bit AdamW). Its hyperparameters stay
+    in train (lr, beta1, beta2, eps, weight_decay)."""
+
+    NAMES = ("adamw", "adamw8bit", "adamw4bit")  # valid values (a class attribute)
+
+    name: str = "adamw"
+    # Low-bit moments: elements per scale (null: torchao's default, 256 for 8-bit, 128 for 4-bit).
+    block_size: Optional[int] = None
+    # bf16 parameters updated by stochastic rounding (fp32 math, no extra memory).
+    bf16_stochastic_round: bool = False
+    # Run the low-bit step without torch.compile (slower steps, no compile at the start).
+    eager: bool = False
+
+
+@dataclass
 class SaveConfig:
     """Weight checkpoints (llama_fsdp/checkpoint.py); resume is the root ``resume`` key."""
 
@@ -327,6 +369,8 @@ class Config:
     checkpointing: CheckpointingConfig = MISSING
     cluster: ClusterConfig = MISSING
     data: DataConfig = MISSING
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     save: SaveConfig = field(default_factory=SaveConfig)

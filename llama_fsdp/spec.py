@@ -26,8 +26,10 @@ from .config import (
     ClusterConfig,
     Config,
     DataConfig,
+    FinetuneConfig,
     EvalConfig,
     ModelConfig,
+    OptimConfig,
     PrecisionConfig,
     SaveConfig,
     ShardingConfig,
@@ -75,6 +77,8 @@ class RunSpec:
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
     data: DataConfig
+    finetune: FinetuneConfig
+    optim: OptimConfig
     train: TrainConfig
     eval: EvalConfig
     save: SaveConfig
@@ -125,6 +129,11 @@ class RunSpec:
             "precision": self.precision.name,
             "attention": self.model.attn_implementation,
             "activation_checkpointing": self.checkpointing.mode,
+            "finetune": self.finetune.method + (
+                f" (rank {self.finetune.rank}, alpha {self.finetune.alpha:g}, "
+                f"{', '.join(self.finetune.target_modules)})"
+                if self.finetune.method != "full" else ""),
+            "optimizer": self.optim.name,
             "device": f"{self.device} ({self.backend})",
             "world_size": f"{self.world_size} = {self.nodes} node(s) x {self.nproc_per_node}",
             "mesh": " x ".join(f"{n}={s}" for n, s in zip(self.mesh.dim_names, self.mesh.shape)),
@@ -214,6 +223,8 @@ def _check_choices(cfg: Config, problems: list[str]) -> None:
         ("checkpointing.mode", cfg.checkpointing.mode, AC_MODES),
         ("cluster.kind", cfg.cluster.kind, CLUSTERS),
         ("cluster.device", cfg.cluster.device, DEVICES),
+        ("finetune.method", cfg.finetune.method, FinetuneConfig.METHODS),
+        ("optim.name", cfg.optim.name, OptimConfig.NAMES),
     ):
         if value not in choices:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -421,12 +432,17 @@ def point_name(values: dict[str, str]) -> str:
 
 def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int,
               device: str) -> str:
-    """What a single run is, short enough for the MLflow table: "tiny full fp32 2xcpu b8"."""
+    """What a single run is, short enough for the MLflow table: "tiny full fp32 2xcpu b8", with
+    the method and the optimizer where they are not the defaults ("70b qlora full bf16 ...")."""
     nodes = f"{cfg.cluster.nodes}x" if cfg.cluster.nodes > 1 else ""
     parts = [cfg.model.name, strategy, precision, f"{nodes}{nproc}x{device}",
              f"b{cfg.train.batch_size}"]
     if cfg.checkpointing.mode != "none":
         parts.insert(3, f"ac={cfg.checkpointing.mode}")
+    if cfg.optim.name != "adamw":
+        parts.insert(3, cfg.optim.name)
+    if cfg.finetune.method != "full":
+        parts.insert(1, cfg.finetune.method)
     return " ".join(parts)
 
 
@@ -482,7 +498,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     global_batch = obj.train.batch_size * obj.train.grad_accum * world
     return RunSpec(
         model=model, sharding=obj.sharding, precision=precision,
-        checkpointing=obj.checkpointing, cluster=obj.cluster, data=obj.data, train=obj.train,
+        checkpointing=obj.checkpointing, cluster=obj.cluster, data=obj.data,
+        finetune=obj.finetune, optim=obj.optim, train=obj.train,
         eval=obj.eval, save=obj.save, tracking=obj.tracking, resume=obj.resume,
         dry_run=obj.dry_run, force=obj.force,
         strategy=strategy, device=device, backend="nccl" if device == "cuda" else "gloo", gpu=gpu,

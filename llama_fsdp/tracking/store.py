@@ -16,7 +16,8 @@ VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
                                                      "mfu", "peak_memory_gb",
                                                      "predicted_peak_memory_gb", "final_loss",
                                                      "eval_loss")),
-                *(f"params.`{p}`" for p in ("model.name", "sharding.strategy", "precision.name",
+                *(f"params.`{p}`" for p in ("model.name", "finetune.method", "optim.name",
+                                            "sharding.strategy", "precision.name",
                                             "train.batch_size")),
                 "tags.`derived.world_size`"]
 
