@@ -463,6 +463,11 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     problems: list[str] = []
     _check_choices(obj, problems)
     _check_positive(obj, problems)
+    # (placeholders until the methods are built: never train something other than asked)
+    if obj.finetune.method != "full":
+        problems.append(f"finetune.method={obj.finetune.method} is not available yet")
+    if obj.optim.name != "adamw":
+        problems.append(f"optim.name={obj.optim.name} is not available yet")
     _check_model(obj.model, obj.train, problems)
     from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
 
