@@ -192,9 +192,9 @@ SHRINK = Append(f"{CPU} {STEPS}", "CPU pinned as in every CPU test; 2 steps, no 
                                   "eval")
 SYNTH = Append("data.num_records=400", "400 synthetic records instead of 4000: enough rows for "
                                        "one global batch, a tenth of the tokenizing")
-TINY = Append("model=tiny", "model=1b's shape needs the 1.2B-parameter weights; the tiny Llama "
-                            "under the hub name has the tiny shape (model.path is checked "
-                            "against the group)")
+TINY = Replace("model=1b", "model=tiny", "model=1b's shape needs the 1.2B-parameter weights; "
+                                        "the tiny Llama under the hub name has model=tiny's "
+                                        "shape (model.path is checked against the group)")
 NO_SLURM = Env("PATH", "{bin}", "no SLURM commands on PATH: the dry run plans on a machine "
                                 "without SLURM, and needs none")
 HUB = (Env("HF_HUB_CACHE", "{hub}", "the hub cache holding a tiny Llama (and its tokenizer) "
@@ -251,8 +251,10 @@ REGISTRY: dict[str, Entry] = {
         "llama_fsdp against the bare FSDP2 floor, one round: the table has both rows and a "
         "ratio, the report is written",
         (Replace(".venv/bin/python", "{python}", "this environment's python"),
-         Replace("--rounds 3 --steps 30", "--rounds 1 --steps 4 --warmup 1",
-                 "one round of 4 steps, the first left out (--steps must be >= warmup + 3)"),
+         Replace("--rounds 3 --steps 30", "--rounds 1 --steps 8",
+                 "one round of 8 steps, 3 of them past the harness's 5 warm-up steps (fewer than "
+                 "7 cannot run the framework: its LR warm-up of 6 steps must be shorter than "
+                 "the run)"),
          Replace("--out benchmarks/throughput.md", "--out {work}/throughput.md",
                  "the checked-in report stays as measured"),
          Append("--runners llama_fsdp,bare_fsdp2 --bench-venv {venv} --work-dir {work}/bench",
@@ -288,14 +290,14 @@ REGISTRY: dict[str, Entry] = {
         "alpaca", f"{LOCAL}::test_alpaca_records_with_a_hub_model",
         "meta-llama/Llama-3.2-1B resolves from the hub cache (weights and tokenizer); the "
         "instruction records train: status finished, the hub model's tokenizer is used",
-        (*HUB, Replace("model=1b", "model=tiny", TINY.why), SHRINK,
+        (*HUB, TINY, SHRINK,
          Append("train.batch_size=1", "one 512-token row per rank per step"))),
     "python -m llama_fsdp data=jsonl data.path='chats/*.jsonl' model=1b "
     "model.path=meta-llama/Llama-3.2-1B-Instruct train.seq_len=1024": Entry(
         "chats", f"{LOCAL}::test_chat_records_with_a_hub_model",
         "the chat files of the glob, tokenized with the Instruct tokenizer's chat template: "
         "status finished",
-        (*HUB, Replace("model=1b", "model=tiny", TINY.why), SHRINK,
+        (*HUB, TINY, SHRINK,
          Append("train.batch_size=1", "one 1024-token row per rank per step"))),
     "python -m llama_fsdp data=hf data.path=HuggingFaceH4/ultrachat_200k data.split=train_sft "
     "data.eval_split=test_sft model=1b model.path=meta-llama/Llama-3.2-1B-Instruct": Entry(
@@ -306,7 +308,7 @@ REGISTRY: dict[str, Entry] = {
         (*HUB, Env("HF_DATASETS_OFFLINE", "1", "datasets loads the cached copy (a tiny "
                                               "ultrachat_200k with its four splits, prepared by "
                                               "datasets' own parquet builder under the hub name)"),
-         Replace("model=1b", "model=tiny", TINY.why), SHRINK,
+         TINY, SHRINK,
          Append("train.seq_len=256 train.batch_size=1", "rows of 256 tokens, one per rank"))),
     "python -m llama_fsdp data=jsonl data.path=seed_tasks.jsonl "
     "data.preprocess=hooks.py:self_instruct": Entry(

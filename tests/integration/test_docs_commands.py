@@ -10,6 +10,7 @@ The SLURM commands that run on a cluster are in test_slurm_docs_commands.py.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -78,8 +79,11 @@ def fill(work: Path, **more: str) -> dict[str, str]:
             "work": str(work), "repo": str(REPO), **more}
 
 
-def run_doc(id: str, cwd: Path, *, timeout: float = 600, **placeholders: str) -> docs.Ran:
-    cmd, env = docs.command(id, **fill(cwd, **placeholders))
+def run_doc(id: str, cwd: Path, *, timeout: float = 600, work: Path | None = None,
+            **placeholders: str) -> docs.Ran:
+    """Docs command ``id`` as the registry runs it, in ``cwd`` (``work``: the module's folder,
+    when that is not ``cwd``)."""
+    cmd, env = docs.command(id, **fill(work or cwd, **placeholders))
     return docs.run(cmd, cwd, env, timeout=timeout)
 
 
@@ -190,11 +194,14 @@ def test_sweep(work):
     # on one host (2 ranks) hybrid is full, and each hybrid point says so
     assert r.output.count("sharding=hybrid with one shard group of all 2 ranks") == 3
     table = r.output.split(" summary:\n", 1)[1].splitlines()
-    header, rows = table[0], table[2:8]
-    assert "batch_size" in header and "sharding" in header and "status" in header
-    points = {tuple(row.split()[:2]) for row in rows}
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    assert len(rows) == 6, table  # one row per point
+    b, s = header.index("train.batch_size"), header.index("sharding.strategy")
+    points = {(row[b], row[s]) for row in rows}
     assert points == {(b, s) for b in ("1", "2", "4") for s in ("full", "hybrid")}, table
-    assert all(row.split()[-1] == "FINISHED" for row in rows), table
+    assert all(row[header.index("status")] == "FINISHED" for row in rows), table
 
 
 # --- docs/benchmarks.md -------------------------------------------------------------------------
@@ -219,7 +226,7 @@ def test_setup_peers(work):
 
 
 def test_throughput(work):
-    r = run_doc("throughput", REPO, work=str(work), timeout=900)
+    r = run_doc("throughput", REPO, work=work, timeout=900)
     assert r.returncode == 0, str(r)
     rows = [line for line in r.output.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| runner |")
