@@ -6,6 +6,7 @@ take the cluster down. Each command comes from the docs through the registry
 test_docs_commands.py."""
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_slurm_block(tmp_path, state_dir):
     script = "\n".join([
         up,
         f'[ "$SLURM_CONF" = "{state_dir}/slurm.conf" ] || {{ echo "no SLURM_CONF"; exit 90; }}',
+        f"cp {state_dir}/cluster.json {tmp_path}/cluster.json",  # what it made (down deletes it)
         "sinfo -h -N -o '%N %T'",
         job,
         'echo "job command exit $?"',
@@ -76,4 +78,5 @@ def test_slurm_block(tmp_path, state_dir):
     assert run.data.tags["rank_hosts"].split(",") == ["node1", "node1", "node2", "node2"]
     # down: nothing of the cluster is left
     assert "down exit 0" in out
-    assert slurm_cluster_mod.leftovers(slurm_cluster_mod.Cluster.load(state_dir)) == []
+    made = slurm_cluster_mod.Cluster.from_json(json.loads((tmp_path / "cluster.json").read_text()))
+    assert slurm_cluster_mod.leftovers(made) == []
