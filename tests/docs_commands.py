@@ -207,8 +207,9 @@ REGISTRY: dict[str, Entry] = {
         "make_run", f"{LOCAL}::test_make_run_installs_and_runs_the_default",
         "the recipe is scripts/install.sh then `.venv/bin/python -m llama_fsdp`; that command "
         "runs in test_default_command",
-        (Replace("make run", "make -n run", "print the recipe: installing a second venv is CI's "
-                                            "(make test installs with the same script)"),)),
+        (Replace("make run", "make -n run", "print the recipe instead of running it: a venv "
+                                            "from scratch is CI's to install (its make test "
+                                            "runs the same scripts/install.sh)"),)),
     "make test": Entry(
         "make_test", f"{LOCAL}::test_make_test_is_what_ci_runs",
         "the recipe is scripts/install.sh then pytest -n 2 --dist loadscope",
@@ -355,9 +356,8 @@ REGISTRY: dict[str, Entry] = {
         "slurm_run", f"{SLURM}::test_slurm_block",
         "on that cluster: the job's 4 ranks on node1 and node2 (mesh 2x2), rank 0's log "
         "streamed, status finished, the MLflow run FINISHED",
-        (Replace("cluster=slurm", f"{STEPS} data.num_records=400 cluster=slurm",
-                 "2 steps, no eval, 400 records (put before the cluster keys: the same "
-                 "overrides)"),)),
+        (Append(STEPS, "2 steps, no warm-up, no eval (the nodes have no GPU: without "
+                       "cluster.gpus_per_node the job runs 2 CPU ranks per node)"), SYNTH)),
     "scripts/slurm_cluster.sh down": Entry(
         "slurm_down", f"{SLURM}::test_slurm_block",
         "stops every daemon: nothing of the cluster is left",
@@ -414,7 +414,8 @@ class Ran:
     seconds: float
 
     def __str__(self) -> str:
-        return f"$ {self.command}\n(exit {self.returncode} after {self.seconds:.0f}s)\n{self.output[-6000:]}"
+        return (f"$ {self.command}\n(exit {self.returncode} after {self.seconds:.0f}s)\n"
+                f"{self.output[-6000:]}")
 
 
 def user_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
