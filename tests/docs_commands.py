@@ -1,0 +1,649 @@
+"""Every command of the docs, and how a test runs it.
+
+``doc_commands()`` reads each ```bash block of README.md and docs/*.md: a backslash-newline
+continues the line, a ``# comment`` (outside quotes) is dropped, runs of blanks outside quotes
+become one space, blank lines are skipped. ``REGISTRY`` maps each such command, exactly as
+normalized, to an :class:`Entry`: the test that runs it, what that test checks, and every change
+made to the command to run it here (each with its reason). tests/unit/test_docs_registry.py
+fails when a docs command has no entry or an entry's command left the docs;
+tests/integration/test_docs_commands.py and test_slurm_docs_commands.py run them, through
+``command(id, **fill)``, so an edited example is what runs.
+
+Also here: running a command as a user types it (bash, with the environment's bin/ first on
+PATH, as after ``source .venv/bin/activate``), and the files and caches the examples name
+(a tiny Llama and its tokenizer in a Hugging Face hub cache under the hub names, a tiny
+ultrachat_200k in the datasets cache, the data files of docs/data.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+DOC_FILES = ("README.md", "docs/*.md")
+LOCAL = "tests/integration/test_docs_commands.py"
+SLURM = "tests/integration/test_slurm_docs_commands.py"
+# the environment's bin/: `python`, `llama-fsdp`, `mlflow` as a user with it activated has them
+BIN = Path(sys.executable).parent
+
+
+# --- the commands of the docs -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DocCommand:
+    file: str  # relative to the repository
+    line: int  # where the command starts (1-based)
+    command: str  # normalized
+
+
+def _scan(line: str) -> str:
+    """``line`` without its ``# comment``, blanks outside quotes collapsed to one space."""
+    out: list[str] = []
+    quote: Optional[str] = None
+    i = 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            out.append(ch)
+            if ch == "\\" and quote == '"' and i + 1 < len(line):
+                out.append(line[i + 1])
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+            out.append(ch)
+        elif ch == "\\" and i + 1 < len(line):
+            out.extend(line[i:i + 2])
+            i += 1
+        elif ch == "#" and (not out or out[-1] == " "):
+            break
+        elif ch.isspace():
+            if out and out[-1] != " ":
+                out.append(" ")
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out).strip()
+
+
+def normalize(line: str) -> str:
+    return _scan(line)
+
+
+def bash_blocks(text: str, lang: str = "bash") -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of each ```lang fenced block."""
+    blocks, current, start = [], None, 0
+    for n, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if current is None and stripped == f"```{lang}":
+            current, start = [], n + 1
+        elif current is not None and stripped.startswith("```"):
+            blocks.append((start, current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def commands_in(text: str) -> list[tuple[int, str]]:
+    """(line, normalized command) of every command in the ```bash blocks of ``text``."""
+    out = []
+    for start, lines in bash_blocks(text):
+        joined, first = "", None
+        for n, line in enumerate(lines, start):
+            if first is None:
+                first = n
+            if _scan(line).endswith("\\"):  # continued (a backslash inside a comment is not)
+                joined += line.rstrip()[:-1] + " "
+                continue
+            command = normalize(joined + line)
+            if command:
+                out.append((first, command))
+            joined, first = "", None
+        if joined.strip() and (command := normalize(joined)):
+            out.append((first, command))
+    return out
+
+
+def doc_files(root: Path = REPO) -> list[Path]:
+    return [p for pattern in DOC_FILES for p in sorted(root.glob(pattern))]
+
+
+def doc_commands(root: Path = REPO) -> list[DocCommand]:
+    return [DocCommand(str(f.relative_to(root)), n, c) for f in doc_files(root)
+            for n, c in commands_in(f.read_text(encoding="utf-8"))]
+
+
+def code_block(path: Path, first_line: str, lang: str = "python") -> str:
+    """The ```lang block of ``path`` whose first line is ``first_line`` (e.g. "# hooks.py")."""
+    for _, lines in bash_blocks(path.read_text(encoding="utf-8"), lang):
+        if lines and lines[0].strip() == first_line:
+            return "\n".join(lines) + "\n"
+    raise LookupError(f"no ```{lang} block starting with {first_line!r} in {path}")
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Append:
+    """Arguments added at the end of the command."""
+    text: str
+    why: str
+
+    def describe(self) -> str:
+        return f"+ {self.text}  ({self.why})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Replace:
+    """``old`` (which must occur in the command exactly once) becomes ``new``."""
+    old: str
+    new: str
+    why: str
+
+    def describe(self) -> str:
+        return f"{self.old} -> {self.new}  ({self.why})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Env:
+    """An environment variable the command runs with (the command itself is unchanged)."""
+    name: str
+    value: str
+    why: str
+
+    def describe(self) -> str:
+        return f"env {self.name}={self.value}  ({self.why})"
+
+
+Change = Append | Replace | Env
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    id: str  # the handle tests use: command(id)
+    test: str  # the test that runs it: "<file>::<function>"
+    how: str  # what runs, and what the test checks that a user would notice
+    changes: tuple[Change, ...] = ()
+    ci: Optional[str] = None  # run by CI rather than by ``test``: why
+
+    def describe(self) -> str:
+        changes = "; ".join(c.describe() for c in self.changes) or "run as written"
+        where = f"CI ({self.ci}); here {self.test}" if self.ci else self.test
+        return f"{self.how} [{changes}] -> {where}"
+
+
+# Shared changes. Placeholders in braces are filled by the test (command(id, **fill)).
+CPU = "cluster.device=cpu"
+STEPS = "train.max_steps=2 train.warmup_steps=0 eval.every_steps=0 eval.task_prompts=0"
+SHRINK = Append(f"{CPU} {STEPS}", "CPU pinned as in every CPU test; 2 steps, no warm-up, no "
+                                  "eval")
+SYNTH = Append("data.num_records=400", "400 synthetic records instead of 4000: enough rows for "
+                                       "one global batch, a tenth of the tokenizing")
+TINY = Replace("model=1b", "model=tiny", "model=1b's shape needs the 1.2B-parameter weights; "
+                                        "the tiny Llama under the hub name has model=tiny's "
+                                        "shape (model.path is checked against the group)")
+NO_SLURM = Env("PATH", "{bin}", "no SLURM commands on PATH: the dry run plans on a machine "
+                                "without SLURM, and needs none")
+HUB = (Env("HF_HUB_CACHE", "{hub}", "the hub cache holding a tiny Llama (and its tokenizer) "
+                                    "under each hub name, as a download leaves it"),
+       Env("HF_HUB_OFFLINE", "1", "no network here: the hub client serves its cache"))
+
+REGISTRY: dict[str, Entry] = {
+    # --- README.md -------------------------------------------------------------------------
+    "make run": Entry(
+        "make_run", f"{LOCAL}::test_make_run_installs_and_runs_the_default",
+        "the recipe is scripts/install.sh then `.venv/bin/python -m llama_fsdp`; that command "
+        "runs in test_default_command",
+        (Replace("make run", "make -n run", "print the recipe instead of running it: a venv "
+                                            "from scratch is CI's to install (its make test "
+                                            "runs the same scripts/install.sh)"),)),
+    "make test": Entry(
+        "make_test", f"{LOCAL}::test_make_test_is_what_ci_runs",
+        "the recipe is scripts/install.sh then pytest -n 2 --dist loadscope",
+        (Replace("make test", "make -n test", "print the recipe: the suite cannot run itself"),),
+        ci=".ci/run runs `make test`: the whole suite, this module included"),
+    "python -m llama_fsdp": Entry(
+        "default", f"{LOCAL}::test_default_command",
+        "trains on 2 CPU ranks: the summary says status finished and steps 2, its MLflow run "
+        "is FINISHED with a loss per step", (SHRINK, SYNTH)),
+    "python -m llama_fsdp sharding=hybrid cluster.nproc_per_node=4 sharding.shard_size=2": Entry(
+        "hybrid", f"{LOCAL}::test_hybrid_two_by_two",
+        "4 CPU ranks on a replicate=2 x shard=2 mesh, status finished", (SHRINK, SYNTH)),
+    "python -m llama_fsdp precision=mixed checkpointing=full train.compile=true": Entry(
+        "mixed_compile", f"{LOCAL}::test_mixed_precision_checkpointing_compile",
+        "mixed precision, every layer checkpointed, compiled: status finished",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp model=70b sharding=hybrid cluster=slurm cluster.nodes=4 "
+    "cluster.gpus_per_node=8 dry_run=true": Entry(
+        "readme_70b_dry", f"{LOCAL}::test_readme_70b_dry_run",
+        "prints the 70b plan for 4 x 8 H100s (it does not fit: the fixes), then the sbatch "
+        "script (4 nodes, 8 GPUs each); leaves no run directory", (NO_SLURM,)),
+    "python -m llama_fsdp -m train.batch_size=1,2,4 sharding=full,hybrid": Entry(
+        "sweep", f"{LOCAL}::test_sweep",
+        "six points, each finished; the hybrid points say they are full on one host; the "
+        "summary table has a row per point", (SHRINK, SYNTH)),
+    # --- docs/benchmarks.md ---------------------------------------------------------------
+    "bash benchmarks/setup_peers.sh": Entry(
+        "setup_peers", f"{LOCAL}::test_setup_peers",
+        "not run by default: it downloads torch, accelerate, torchtitan (with tensorboard, "
+        "grpcio) and triton, about 1 GB, into .venv-bench. The bench venv it makes is what the "
+        "peer runners run in: test_throughput runs the floor peer (bare_fsdp2) in the main venv, "
+        "whose torch and transformers are the very versions setup_peers.sh pins. Here the script "
+        "must parse (bash -n); with LLAMA_FSDP_DOCS_INSTALL=1 it runs into a temporary VENV and "
+        "the venv must hold the main venv's torch and transformers plus accelerate",
+        (Env("VENV", "{work}/venv-bench", "a temporary bench venv (only with "
+                                          "LLAMA_FSDP_DOCS_INSTALL=1)"),)),
+    ".venv/bin/python benchmarks/throughput.py --device cpu --ranks 2 --rounds 3 --steps 30 "
+    "--out benchmarks/throughput.md": Entry(
+        "throughput", f"{LOCAL}::test_throughput",
+        "llama_fsdp against the bare FSDP2 floor, one round: the table has both rows and a "
+        "ratio, the report is written",
+        (Replace(".venv/bin/python", "{python}", "this environment's python"),
+         Replace("--rounds 3 --steps 30", "--rounds 1 --steps 8",
+                 "one round of 8 steps, 3 of them past the harness's 5 warm-up steps (fewer than "
+                 "7 cannot run the framework: its LR warm-up of 6 steps must be shorter than "
+                 "the run)"),
+         Replace("--out benchmarks/throughput.md", "--out {work}/throughput.md",
+                 "the checked-in report stays as measured"),
+         Append("--runners llama_fsdp,bare_fsdp2 --bench-venv {venv} --work-dir {work}/bench",
+                "the framework and the floor only: the floor runs in the main venv (the same "
+                "torch and transformers setup_peers.sh pins), the other peers need its downloads; "
+                "run directories in the test's folder"))),
+    # --- docs/configuration.md ------------------------------------------------------------
+    "python -m llama_fsdp experiment=llama3_1b_alpaca model.path=/models/Llama-3.2-1B "
+    "data.path=data/alpaca_data.json": Entry(
+        "preset", f"{LOCAL}::test_experiment_preset",
+        "the preset's choices (mixed precision, full activation checkpointing, export_hf) on "
+        "Alpaca records with the model's own tokenizer: status finished and the exported HF "
+        "directory loads in transformers",
+        (Replace("model.path=/models/Llama-3.2-1B", "model.path={models}/Llama-3.2-1B",
+                 "a tiny Llama directory made by the test"),
+         Append(f"model=tiny {CPU} train.max_steps=2 train.warmup_steps=0 train.seq_len=128 "
+                "train.batch_size=1 train.grad_accum=1 eval.every_steps=0 eval.task_prompts=0 "
+                "save.every_steps=0",
+                "the tiny directory's shape; the preset's cluster.device=cuda pinned to the CPU; "
+                "2 steps of 1 x 128 tokens instead of 1000 of 4 x 4 x 2048; no eval, no "
+                "intermediate checkpoint (the export at the end stays)"))),
+    "mkdir -p my_conf/experiment && $EDITOR my_conf/experiment/my_run.yaml": Entry(
+        "my_conf_edit", f"{LOCAL}::test_own_config_folder",
+        "makes my_conf/experiment/my_run.yaml",
+        (Env("EDITOR", "cp {preset}", "the editor 'writes' a preset of the documented form: "
+                                      "sharding=grad_op, the CPU, 2 steps, no eval"),)),
+    "llama-fsdp --config-dir my_conf experiment=my_run": Entry(
+        "my_conf_run", f"{LOCAL}::test_own_config_folder",
+        "runs with the preset from my_conf (sharding grad_op, 2 steps): status finished"),
+    # --- docs/data.md -----------------------------------------------------------------------
+    "python -m llama_fsdp data=jsonl data.path=alpaca_data.json model=1b "
+    "model.path=meta-llama/Llama-3.2-1B train.seq_len=512": Entry(
+        "alpaca", f"{LOCAL}::test_alpaca_records_with_a_hub_model",
+        "meta-llama/Llama-3.2-1B resolves from the hub cache (weights and tokenizer); the "
+        "instruction records train: status finished, the hub model's tokenizer is used",
+        (*HUB, TINY, SHRINK,
+         Append("train.batch_size=1", "one 512-token row per rank per step"))),
+    "python -m llama_fsdp data=jsonl data.path='chats/*.jsonl' model=1b "
+    "model.path=meta-llama/Llama-3.2-1B-Instruct train.seq_len=1024": Entry(
+        "chats", f"{LOCAL}::test_chat_records_with_a_hub_model",
+        "the chat files of the glob, tokenized with the Instruct tokenizer's chat template: "
+        "status finished",
+        (*HUB, TINY, SHRINK,
+         Append("train.batch_size=1", "one 1024-token row per rank per step"))),
+    "python -m llama_fsdp data=hf data.path=HuggingFaceH4/ultrachat_200k data.split=train_sft "
+    "data.eval_split=test_sft model=1b model.path=meta-llama/Llama-3.2-1B-Instruct": Entry(
+        "ultrachat", f"{LOCAL}::test_hub_dataset_with_a_hub_model",
+        "HuggingFaceH4/ultrachat_200k's train_sft and test_sft load from the datasets cache "
+        "(as after a download), the model from the hub cache: status finished, eval split "
+        "test_sft",
+        (*HUB, Env("HF_DATASETS_OFFLINE", "1", "datasets loads the cached copy (a tiny "
+                                              "ultrachat_200k with its four splits, prepared by "
+                                              "datasets' own parquet builder under the hub name)"),
+         TINY, SHRINK,
+         Append("train.seq_len=256 train.batch_size=1", "rows of 256 tokens, one per rank"))),
+    "python -m llama_fsdp data=jsonl data.path=seed_tasks.jsonl "
+    "data.preprocess=hooks.py:self_instruct": Entry(
+        "hook", f"{LOCAL}::test_preprocess_hook",
+        "Self-Instruct tasks reshaped by the docs' own hooks.py (one record per instance): "
+        "status finished, the split counts the instances", (SHRINK,)),
+    # --- docs/mlflow.md ---------------------------------------------------------------------
+    "mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db": Entry(
+        "mlflow_ui", f"{LOCAL}::test_mlflow_ui",
+        "serves this module's store: the runs page answers, and its API lists the runs",
+        (Append("--port {port}", "a free port: 5000 may be taken"),)),
+    "python -m llama_fsdp.tracking outputs/runs/<date>/<time>": Entry(
+        "deliver", f"{LOCAL}::test_deliver_later",
+        "a run trained while its tracking server was down (metrics spooled on disk); with the "
+        "server up (the mlflow ui above) the command delivers them: the run is FINISHED there "
+        "with its 2 losses",
+        (Replace("outputs/runs/<date>/<time>", "{run_dir}", "that run's directory"),)),
+    # --- docs/planner.md ----------------------------------------------------------------------
+    "python -m llama_fsdp model=70b sharding=hybrid cluster=slurm cluster.nodes=2 "
+    "cluster.gpus_per_node=8 precision=bf16 dry_run=true": Entry(
+        "planner_dry", f"{LOCAL}::test_planner_dry_run",
+        "prints the plan (bf16, 2 x 8 H100s, its verdict) and the sbatch script", (NO_SLURM,)),
+    # --- docs/slurm.md ------------------------------------------------------------------------
+    "python -m llama_fsdp cluster=slurm cluster.nodes=2 cluster.gpus_per_node=8 "
+    "cluster.partition=gpu cluster.account=myacct cluster.timeout_min=240 "
+    "'cluster.setup=[module load cuda]' sharding=hybrid": Entry(
+        "slurm_gpu", f"{LOCAL}::test_slurm_gpu_job",
+        "as written without SLURM: the one-line refusal, nothing left behind; with dry_run=true "
+        "the sbatch script has the partition, account, time, 8 GPUs per node and the setup line",
+        (NO_SLURM, Append("dry_run=true", "16 GPUs and a partition 'gpu' do not exist here (run "
+                                          "as written too: refused in one line)"))),
+    "bash .ci/slurm_deps.sh": Entry(
+        "slurm_deps", f"{SLURM}::test_slurm_deps",
+        "with SLURM installed it returns at once (exit 0) and every binary is there"),
+    'eval "$(scripts/slurm_cluster.sh up --nodes 2)"': Entry(
+        "slurm_up", f"{SLURM}::test_slurm_block",
+        "the block in one shell: up exports SLURM_CONF, sinfo shows 2 idle nodes",
+        (Replace("scripts/slurm_cluster.sh up --nodes 2",
+                 "{repo}/scripts/slurm_cluster.sh up --nodes 2 --state-dir {state_dir}",
+                 "run from a scratch folder; a private state folder instead of the machine-wide "
+                 "/tmp/llama-fsdp-slurm"),)),
+    "python -m llama_fsdp cluster=slurm cluster.nodes=2 cluster.partition=debug sharding=hybrid "
+    "cluster.wait=true": Entry(
+        "slurm_run", f"{SLURM}::test_slurm_block",
+        "on that cluster: the job's 4 ranks on node1 and node2 (mesh 2x2), rank 0's log "
+        "streamed, status finished, the MLflow run FINISHED",
+        (Append(STEPS, "2 steps, no warm-up, no eval (the nodes have no GPU: without "
+                       "cluster.gpus_per_node the job runs 2 CPU ranks per node)"), SYNTH)),
+    "scripts/slurm_cluster.sh down": Entry(
+        "slurm_down", f"{SLURM}::test_slurm_block",
+        "stops every daemon: nothing of the cluster is left",
+        (Replace("scripts/slurm_cluster.sh down",
+                 "{repo}/scripts/slurm_cluster.sh down --state-dir {state_dir}",
+                 "the same state folder as up"),)),
+}
+
+
+def entry(id: str) -> tuple[str, Entry]:
+    """The registered docs command with this id, and its entry."""
+    for cmd, e in REGISTRY.items():
+        if e.id == id:
+            return cmd, e
+    raise KeyError(f"no registry entry with id {id!r}")
+
+
+def apply(cmd: str, e: Entry, **fill: str) -> tuple[str, dict[str, str]]:
+    """The command with the entry's changes, placeholders filled; and the environment it adds."""
+    env: dict[str, str] = {}
+    for c in e.changes:
+        if isinstance(c, Append):
+            cmd = f"{cmd} {c.text.format(**fill)}"
+        elif isinstance(c, Replace):
+            if cmd.count(c.old) != 1:
+                raise ValueError(f"{e.id}: {c.old!r} does not occur exactly once in {cmd!r}")
+            cmd = cmd.replace(c.old, c.new.format(**fill))
+        else:
+            env[c.name] = c.value.format(**fill)
+    return cmd, env
+
+
+def command(id: str, **fill: str) -> tuple[str, dict[str, str]]:
+    """The docs command ``id`` as the test runs it; fails when it is no longer in the docs."""
+    cmd, e = entry(id)
+    if cmd not in {c.command for c in doc_commands()}:
+        raise AssertionError(f"{cmd!r} (registry id {id!r}) is not in the docs any more: "
+                             "update its REGISTRY key in tests/docs_commands.py")
+    return apply(cmd, e, **fill)
+
+
+def describe_registry() -> str:
+    return "\n".join(f"{cmd}\n    {e.describe()}" for cmd, e in REGISTRY.items())
+
+
+# --- running a command as a user does ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Ran:
+    command: str
+    returncode: int
+    output: str  # stdout and stderr, interleaved as a terminal shows them
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"$ {self.command}\n(exit {self.returncode} after {self.seconds:.0f}s)\n"
+                f"{self.output[-6000:]}")
+
+
+def user_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """os.environ with this environment activated (its bin/ first on PATH); ``extra`` last."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(BIN.parent)}
+    env.pop("PYTHONHOME", None)
+    return {**env, **(extra or {})}
+
+
+def start(cmd: str, cwd: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """``cmd`` in bash, in its own session (stopped as a whole)."""
+    return subprocess.Popen(["/bin/bash", "-c", cmd], cwd=cwd, env=user_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the command's session, SIGKILL after ``grace``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(cmd: str, cwd: Path, env: Optional[dict[str, str]] = None,
+        timeout: float = 600) -> Ran:
+    t0 = time.monotonic()
+    proc = start(cmd, cwd, env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout:.0f}s: $ {cmd}\n{(out or '')[-6000:]}")
+    return Ran(cmd, proc.returncode, out, time.monotonic() - t0)
+
+
+def summary_value(output: str, key: str) -> str:
+    """A value of the run summary (``status``, ``steps``, ``run dir``, ``mlflow run``, ...)."""
+    m = re.search(rf"^\s+{re.escape(key)}\s+(.+)$", output, re.M)
+    assert m, f"no '{key}' line in the run's summary:\n{output[-3000:]}"
+    return m.group(1).strip()
+
+
+def run_dirs(cwd: Path) -> set[Path]:
+    return set((cwd / "outputs" / "runs").glob("*/*"))
+
+
+# --- what the examples name ------------------------------------------------------------------
+
+
+def instruction_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Alpaca-layout records (instruction, input, output) of the synthetic task."""
+    from llama_fsdp.data import synthetic_records
+
+    return [{k: r[k] for k in ("instruction", "input", "output")}
+            for r in synthetic_records(n, seed, "train")]
+
+
+def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Two-turn user/assistant conversations (the chat layout of docs/data.md)."""
+    out = []
+    for r in instruction_records(n, seed):
+        out.append([{"role": "user", "content": f"{r['instruction']} {r['input']}"},
+                    {"role": "assistant", "content": r["output"]}])
+    return out
+
+
+def write_data_files(cwd: Path) -> None:
+    """The files docs/data.md and docs/configuration.md name, in their documented layouts."""
+    records = instruction_records(120)
+    (cwd / "alpaca_data.json").write_text(json.dumps(records, indent=1))  # a JSON array
+    (cwd / "data").mkdir(exist_ok=True)
+    (cwd / "data" / "alpaca_data.json").write_text(json.dumps(records, indent=1))
+    (cwd / "chats").mkdir(exist_ok=True)
+    chats = conversations(120, seed=1)
+    for i, part in enumerate((chats[:60], chats[60:])):
+        (cwd / "chats" / f"part{i}.jsonl").write_text(
+            "".join(json.dumps({"messages": m}) + "\n" for m in part))
+    # Self-Instruct's seed_tasks.jsonl: the answers sit one level deeper, in "instances"
+    by_kind: dict[str, list[dict[str, str]]] = {}
+    for r in instruction_records(120, seed=2):
+        by_kind.setdefault(r["instruction"], []).append(r)
+    tasks = []
+    for instruction, rs in sorted(by_kind.items()):
+        for i in range(0, len(rs), 3):
+            tasks.append({"id": f"seed_task_{len(tasks)}", "name": f"{instruction.lower()}_{i}",
+                          "instruction": instruction,
+                          "instances": [{"input": x["input"], "output": x["output"]}
+                                        for x in rs[i:i + 3]],
+                          "is_classification": False})
+    (cwd / "seed_tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    # docs/data.md's hooks.py, as the docs print it
+    (cwd / "hooks.py").write_text(code_block(REPO / "docs" / "data.md", "# hooks.py"))
+
+
+def seed_instances(cwd: Path) -> int:
+    return sum(len(json.loads(line)["instances"])
+               for line in (cwd / "seed_tasks.jsonl").read_text().splitlines())
+
+
+HUB_MODELS = {"meta-llama/Llama-3.2-1B": False, "meta-llama/Llama-3.2-1B-Instruct": True}
+HUB_DATASET = "HuggingFaceH4/ultrachat_200k"
+ULTRACHAT_SPLITS = {"train_sft": 60, "test_sft": 8, "train_gen": 20, "test_gen": 4}
+
+
+def tiny_llama_dir(out: Path, tokenizer_cache: Path, *, chat: bool, seed: int = 0) -> Path:
+    """A tiny Llama as an HF directory (model=tiny's shape, safetensors) with the project
+    tokenizer saved beside it as an ordinary HF tokenizer: with its chat template for an
+    Instruct model, without one for a base model."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.config import DataConfig
+    from llama_fsdp.data import build_tokenizer
+    from llama_fsdp.model import llama_config
+    from tests.conftest import make_spec
+
+    spec = make_spec()
+    assert spec.model.name == "tiny"
+    torch.manual_seed(seed)
+    LlamaForCausalLM(llama_config(spec.model)).save_pretrained(out)
+    tok = build_tokenizer(DataConfig(name="synthetic"), tokenizer_cache)
+    if not chat:
+        tok.chat_template = None
+    tok.save_pretrained(out)
+    return out
+
+
+def _hub_repo(root: Path, kind: str, name: str, files: Path, revision: str) -> Path:
+    """``files`` as the hub cache keeps a download: blobs by content hash, a snapshot of
+    symlinks to them, refs/main naming the snapshot."""
+    import hashlib
+
+    repo = root / f"{kind}--{name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in files.rglob("*") if p.is_file()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        link = snapshot / f.relative_to(files)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def make_hub_cache(hub: Path, scratch: Path, tokenizer_cache: Path) -> dict[str, Path]:
+    """A Hugging Face hub cache (HF_HUB_CACHE) holding a tiny Llama under each hub model name
+    the docs use; returns name -> snapshot."""
+    out = {}
+    for i, (name, chat) in enumerate(HUB_MODELS.items()):
+        files = tiny_llama_dir(scratch / name.replace("/", "--"), tokenizer_cache, chat=chat)
+        out[name] = _hub_repo(hub, "models", name, files, revision=f"{i + 1:040x}")
+    return out
+
+
+def make_dataset_cache(datasets_cache: Path, scratch: Path, hub: Path) -> Path:
+    """A tiny HuggingFaceH4/ultrachat_200k, as ``datasets.load_dataset`` leaves it after a
+    download: the repo's parquet files (data/<split>-00000-of-00001.parquet, its four splits,
+    its columns prompt / prompt_id / messages) in the hub cache, prepared by datasets' parquet
+    builder under the hub name into ``datasets_cache`` (the cache_dir llama_fsdp passes,
+    outputs/cache/hf_datasets). Offline, load_dataset(HUB_DATASET, split=...) finds it there."""
+    import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    files = scratch / "ultrachat_200k"
+    (files / "data").mkdir(parents=True, exist_ok=True)
+    for i, (split, n) in enumerate(ULTRACHAT_SPLITS.items()):
+        rows = []
+        for j, m in enumerate(conversations(n, seed=10 + i)):
+            rows.append({"prompt": m[0]["content"], "prompt_id": f"{split}-{j:04d}",
+                         "messages": m})
+        datasets.Dataset.from_list(rows).to_parquet(
+            str(files / "data" / f"{split}-00000-of-00001.parquet"))
+    revision = "8049631c405ae6576f93f445c6b8166f76f5505a"
+    snapshot = _hub_repo(hub, "datasets", HUB_DATASET, files, revision)
+    return prepare_hub_dataset(datasets_cache, hub, HUB_DATASET, revision,
+                               {split: [f"data/{split}-00000-of-00001.parquet"]
+                                for split in ULTRACHAT_SPLITS})
+
+
+def prepare_hub_dataset(datasets_cache: Path, hub: Path, name: str, revision: str,
+                        splits: dict[str, list[str]]) -> Path:
+    """What ``datasets.load_dataset(name)`` does online for a parquet repository: the parquet
+    builder named after the repository (repo_id, config "default", the commit as its hash) over
+    the repository's files as hf:// URLs, downloaded through ``hf_hub_download`` (here: from the
+    hub cache, as a second download finds them) and prepared into ``datasets_cache``. The one
+    step left out is ``HfFileSystem.resolve_path``, which asks the hub whether the revision
+    exists."""
+    from datasets import DownloadConfig, DownloadManager
+    from datasets.data_files import DataFilesDict, DataFilesList
+    from datasets.load import configure_builder_class
+    from datasets.packaged_modules.parquet.parquet import Parquet, ParquetConfig
+    from datasets.utils.track import tracked_str
+    from huggingface_hub import hf_hub_download
+
+    base = f"hf://datasets/{name}@{revision}"
+
+    class FromHubCache(DownloadManager):
+        def _download_single(self, url: str, download_config: DownloadConfig) -> str:
+            out = tracked_str(hf_hub_download(name, url.removeprefix(base + "/"),
+                                              repo_type="dataset", revision=revision,
+                                              cache_dir=str(hub), local_files_only=True))
+            out.set_origin(url)
+            return out
+
+    data_files = DataFilesDict({
+        split: DataFilesList([f"{base}/{f}" for f in paths], [(name, revision)] * len(paths))
+        for split, paths in splits.items()})
+    # the repository's one config, "default", as its README's configs (or the file names) make it
+    cls = configure_builder_class(Parquet, [ParquetConfig(name="default", data_files=data_files)],
+                                  default_config_name="default", dataset_name=name.split("/")[1])
+    builder = cls(cache_dir=str(datasets_cache), dataset_name=name.split("/")[1], repo_id=name,
+                  hash=revision, base_path=base)
+    builder.download_and_prepare(dl_manager=FromHubCache(
+        dataset_name=builder.dataset_name, base_path=base, record_checksums=False,
+        download_config=DownloadConfig(cache_dir=str(Path(datasets_cache) / "downloads"))))
+    return Path(builder.cache_dir)

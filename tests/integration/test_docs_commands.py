@@ -1,0 +1,431 @@
+"""Every command of README.md and docs/ that needs no SLURM cluster, run as a user types it.
+
+Each test takes its command from the docs through the registry (tests/docs_commands.py:
+``docs.command(id)``), with only the changes the registry states for it, and runs it in bash
+with this environment activated, in one working directory shared by the module (one
+``outputs/``: one MLflow store, one tokenizer and data cache), holding the files the examples
+name and a Hugging Face hub cache with a tiny Llama under the hub names. It checks what the
+user would see: the run summary, the plan, the sbatch script, the table, the MLflow record.
+The SLURM commands that run on a cluster are in test_slurm_docs_commands.py.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from llama_fsdp.launchers.common import free_port
+from tests import docs_commands as docs
+
+pytestmark = [pytest.mark.slow]
+
+REPO = docs.REPO
+# a preset "of the documented form" (docs/configuration.md): what $EDITOR writes
+MY_RUN = """\
+# @package _global_
+# my_run: ZeRO-2 (sharding=grad_op) on the CPU, two steps, no eval
+defaults:
+  - override /sharding: grad_op
+  - _self_
+cluster:
+  device: cpu
+train:
+  max_steps: 2
+  warmup_steps: 0
+eval:
+  every_steps: 0
+  task_prompts: 0
+data:
+  num_records: 400
+"""
+
+
+# --- the shared working directory ---------------------------------------------------------------
+
+# session scope: under xdist a worker may run another module's tests between these, which would
+# tear a module fixture down and make it all again
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    """The directory the commands run in, with the files the examples name."""
+    cwd = tmp_path_factory.mktemp("docs")
+    docs.write_data_files(cwd)
+    (cwd / "my_run_preset.yaml").write_text(MY_RUN)
+    return cwd
+
+
+@pytest.fixture(scope="session")
+def hub(work) -> Path:
+    """The hub cache: a tiny Llama (with the project tokenizer; the Instruct one with its chat
+    template) under each hub name of the docs, and ultrachat_200k, also prepared in the datasets
+    cache the runs read (outputs/cache/hf_datasets)."""
+    hub = work / "hub"
+    docs.make_hub_cache(hub, work / "scratch", work / "outputs" / "cache")
+    docs.make_dataset_cache(work / "outputs" / "cache" / "hf_datasets", work / "scratch", hub)
+    return hub
+
+
+def fill(work: Path, **more: str) -> dict[str, str]:
+    return {"bin": str(docs.BIN), "python": str(docs.BIN / "python"), "venv": str(docs.BIN.parent),
+            "work": str(work), "repo": str(REPO), **more}
+
+
+def run_doc(id: str, cwd: Path, *, timeout: float = 600, work: Path | None = None,
+            **placeholders: str) -> docs.Ran:
+    """Docs command ``id`` as the registry runs it, in ``cwd`` (``work``: the module's folder,
+    when that is not ``cwd``)."""
+    cmd, env = docs.command(id, **fill(work or cwd, **placeholders))
+    return docs.run(cmd, cwd, env, timeout=timeout)
+
+
+def client(work: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{work}/outputs/mlflow.db")
+
+
+def finished(r: docs.Ran, work: Path, steps: int = 2, logged: list[int] | None = None):
+    """The run finished all its steps, says so in its summary, and MLflow has it FINISHED with a
+    loss per logged step (every step unless ``logged`` says which); returns the MLflow run."""
+    assert r.returncode == 0, str(r)
+    assert docs.summary_value(r.output, "status") == "finished", str(r)
+    assert docs.summary_value(r.output, "steps") == str(steps), str(r)
+    run_id = docs.summary_value(r.output, "mlflow run").split()[0]
+    c = client(work)
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    losses = [m.step for m in c.get_metric_history(run_id, "loss")]
+    assert losses == (logged or list(range(1, steps + 1))), losses
+    return run
+
+
+def printed(output: str, key: str) -> str:
+    """A value of the spec summary printed before the plan ("[hh:mm:ss] key   value")."""
+    m = re.search(rf"^\[[\d:]+\] {re.escape(key)}\s+(.+)$", output, re.M)
+    assert m, f"no '{key}' line before the plan:\n{output[-3000:]}"
+    return m.group(1).strip()
+
+
+# --- README.md ------------------------------------------------------------------------------------
+
+
+def _recipe(id: str) -> list[str]:
+    r = run_doc(id, REPO, timeout=60)
+    assert r.returncode == 0, str(r)
+    return r.output.splitlines()
+
+
+def test_make_run_installs_and_runs_the_default():
+    lines = _recipe("make_run")
+    assert lines.index("bash scripts/install.sh") < lines.index(".venv/bin/python -m llama_fsdp")
+
+
+def test_make_test_is_what_ci_runs():
+    lines = _recipe("make_test")
+    pytest_line = next(line for line in lines if " -m pytest " in line)
+    assert lines.index("bash scripts/install.sh") < lines.index(pytest_line)
+    assert pytest_line.startswith(".venv/bin/python -m pytest") and "-n 2" in pytest_line
+    assert "\nmake test\n" in (REPO / ".ci" / "run").read_text()
+
+
+@pytest.fixture(scope="session")
+def default_run(work):
+    return run_doc("default", work)
+
+
+def test_default_command(work, default_run):
+    r = default_run
+    run = finished(r, work)
+    assert "train: 100%" in r.output  # rank 0's progress bar
+    assert run.data.params["model.name"] == "tiny"
+    assert Path(docs.summary_value(r.output, "run dir")).is_relative_to(work / "outputs" / "runs")
+    assert docs.summary_value(r.output, "compare runs").startswith(
+        f"mlflow ui --backend-store-uri sqlite:///{work}/outputs/mlflow.db")
+
+
+def test_hybrid_two_by_two(work):
+    r = run_doc("hybrid", work)
+    run = finished(r, work)
+    assert printed(r.output, "mesh") == "replicate=2 x shard=2"
+    assert run.data.tags["derived.mesh"] == "2x2" and run.data.tags["world_size"] == "4"
+
+
+def test_mixed_precision_checkpointing_compile(work):
+    r = run_doc("mixed_compile", work)
+    run = finished(r, work)
+    assert printed(r.output, "precision") == "mixed"
+    assert printed(r.output, "activation_checkpointing") == "full"
+    assert "4 layer(s) checkpointed, compile=True" in r.output
+    assert run.data.params["train.compile"] == "True"
+
+
+def _dry_run_checks(r: docs.Ran, work: Path, before: set[Path]) -> str:
+    """A dry run printed the plan and the sbatch script, launched nothing, left nothing."""
+    assert r.returncode == 0, str(r)
+    assert "plan (per device):" in r.output and "predicted peak" in r.output
+    assert "dry_run=true: nothing launched. Would run:\n#!/bin/bash" in r.output
+    assert docs.run_dirs(work) == before  # no run directory left behind
+    return r.output.split("Would run:\n", 1)[1]
+
+
+def test_readme_70b_dry_run(work):
+    before = docs.run_dirs(work)
+    r = run_doc("readme_70b_dry", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    assert printed(r.output, "world_size") == "32 = 4 node(s) x 8"
+    # 70b hybrid on 4 x 8 H100s needs more than an H100 has: the plan says so, with the fixes
+    assert "DOES NOT FIT" in r.output and "Cheapest fixes" in r.output
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
+        assert line in script
+    assert "\nsrun " in script
+
+
+def test_sweep(work):
+    r = run_doc("sweep", work, timeout=900)
+    assert r.returncode == 0, str(r)
+    assert r.output.count("status         finished") == 6, str(r)
+    # on one host (2 ranks) hybrid is full, and each hybrid point says so
+    assert r.output.count("sharding=hybrid with one shard group of all 2 ranks") == 3
+    table = r.output.split(" summary:\n", 1)[1].splitlines()
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    assert len(rows) == 6, table  # one row per point
+    b, s = header.index("train.batch_size"), header.index("sharding.strategy")
+    points = {(row[b], row[s]) for row in rows}
+    assert points == {(b, s) for b in ("1", "2", "4") for s in ("full", "hybrid")}, table
+    assert all(row[header.index("status")] == "FINISHED" for row in rows), table
+
+
+# --- docs/benchmarks.md -------------------------------------------------------------------------
+
+
+def test_setup_peers(work):
+    cmd, env = docs.command("setup_peers", **fill(work))
+    parse = subprocess.run(["bash", "-n", "benchmarks/setup_peers.sh"], cwd=REPO,
+                           capture_output=True, text=True)
+    assert parse.returncode == 0, parse.stderr
+    if os.environ.get("LLAMA_FSDP_DOCS_INSTALL") != "1":
+        pytest.skip("bash benchmarks/setup_peers.sh downloads about 1 GB (torch, accelerate, "
+                    "torchtitan, triton): run with LLAMA_FSDP_DOCS_INSTALL=1 to run it")
+    r = docs.run(cmd, REPO, {**env, "MAIN_VENV": str(docs.BIN.parent)}, timeout=1800)
+    assert r.returncode == 0, str(r)
+    import importlib.metadata as md
+
+    versions = dict(line.split(None, 1) for line in r.output.splitlines()[-5:])
+    assert versions["torch"] == md.version("torch")
+    assert versions["transformers"] == md.version("transformers")
+    assert versions["accelerate"] != "not installed"
+
+
+def test_throughput(work):
+    r = run_doc("throughput", REPO, work=work, timeout=900)
+    assert r.returncode == 0, str(r)
+    rows = [line for line in r.output.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| runner |")
+    framework = next(row for row in rows if row.startswith("| llama_fsdp (sharding=full)"))
+    floor = next(row for row in rows if row.startswith("| bare FSDP2 loop (floor)"))
+    for row in (framework, floor):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) > 0 and cells[-1] == "3"  # median ms/step; 3 steady steps
+    assert f"written to {work}/throughput.md" in r.output
+    report = (work / "throughput.md").read_text()
+    assert "## Results" in report and "CPU:" in report
+
+
+# --- docs/configuration.md ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def models(work) -> Path:
+    """/models/Llama-3.2-1B of the docs: a tiny Llama directory with its tokenizer."""
+    out = work / "models"
+    docs.tiny_llama_dir(out / "Llama-3.2-1B", work / "outputs" / "cache", chat=False)
+    return out
+
+
+def test_experiment_preset(work, models):
+    r = run_doc("preset", work, models=str(models))
+    run = finished(r, work, logged=[2])  # the preset logs every 10 steps, and the last
+    assert printed(r.output, "precision") == "mixed"
+    assert printed(r.output, "activation_checkpointing") == "full"
+    assert run.data.tags["derived.tokenizer_source"] == "model.path"
+    # the preset exports the trained model as an HF directory; it loads in transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = Path(docs.summary_value(r.output, "run dir")) / "export"
+    AutoModelForCausalLM.from_pretrained(export)
+    assert len(AutoTokenizer.from_pretrained(export)) == 512
+
+
+def test_own_config_folder(work):
+    edit = run_doc("my_conf_edit", work, preset=str(work / "my_run_preset.yaml"))
+    assert edit.returncode == 0, str(edit)
+    assert (work / "my_conf" / "experiment" / "my_run.yaml").read_text() == MY_RUN
+    r = run_doc("my_conf_run", work)
+    run = finished(r, work)
+    assert printed(r.output, "strategy") == "grad_op"
+    assert run.data.params["sharding.strategy"] == "grad_op"
+
+
+# --- docs/data.md -------------------------------------------------------------------------------
+
+
+def _data_line(output: str) -> str:
+    m = re.search(r"^\[[\d:]+\] data (jsonl|hf): (.+)$", output, re.M)
+    assert m, output[-3000:]
+    return m.group(2)
+
+
+def _tokenizer_of(r: docs.Ran, name: str) -> str:
+    """The run tokenized with the hub model's own tokenizer, and its ranks loaded the hub
+    model's weights, both from the hub cache's snapshot."""
+    snapshot = f"models--{name.replace('/', '--')}/snapshots/"
+    assert re.search(rf"data: tokenizer \S*{snapshot}\S* \(model.path\)", r.output), str(r)
+    assert re.search(rf"loaded \d+ tensors from \S*{snapshot}", r.output), str(r)
+    return snapshot
+
+
+def test_alpaca_records_with_a_hub_model(work, hub):
+    r = run_doc("alpaca", work, hub=str(hub))
+    run = finished(r, work)
+    _tokenizer_of(r, "meta-llama/Llama-3.2-1B")
+    assert "format instruction" in _data_line(r.output)
+    assert "114 training and 6 eval records" in _data_line(r.output)
+    assert run.data.tags["derived.tokenizer_source"] == "model.path"
+
+
+def test_chat_records_with_a_hub_model(work, hub):
+    r = run_doc("chats", work, hub=str(hub))
+    finished(r, work)
+    _tokenizer_of(r, "meta-llama/Llama-3.2-1B-Instruct")
+    line = _data_line(r.output)
+    assert line.startswith("chats/*.jsonl: 114 training and 6 eval"), line  # both files' 120
+    assert "format chat" in line
+
+
+def test_hub_dataset_with_a_hub_model(work, hub):
+    r = run_doc("ultrachat", work, hub=str(hub))
+    finished(r, work)
+    _tokenizer_of(r, "meta-llama/Llama-3.2-1B-Instruct")
+    line = _data_line(r.output)
+    assert line.startswith(f"{docs.HUB_DATASET} [train_sft]: 60 training and 8 eval records"), line
+    assert "data.eval_split=test_sft" in line and "format chat" in line
+
+
+def test_preprocess_hook(work):
+    r = run_doc("hook", work)
+    finished(r, work)
+    n = docs.seed_instances(work)
+    m = re.search(r"seed_tasks.jsonl: (\d+) training and (\d+) eval records", _data_line(r.output))
+    assert m and int(m.group(1)) + int(m.group(2)) == n > 40, _data_line(r.output)
+
+
+# --- docs/planner.md, docs/slurm.md: SLURM jobs for GPUs, planned here ---------------------------
+
+
+def test_planner_dry_run(work):
+    before = docs.run_dirs(work)
+    r = run_doc("planner_dry", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    assert printed(r.output, "precision") == "bf16"
+    assert printed(r.output, "world_size") == "16 = 2 node(s) x 8"
+    assert re.search(r"parameters \(sharded, bfloat16\)", r.output)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+
+
+def test_slurm_gpu_job(work):
+    as_written, e = docs.entry("slurm_gpu")
+    _, env = docs.apply(as_written, e, **fill(work))
+    before = docs.run_dirs(work)
+    refused = docs.run(as_written, work, env, timeout=300)
+    assert refused.returncode == 2, str(refused)
+    assert "cluster=slurm but sbatch is not on PATH" in refused.output
+    assert docs.run_dirs(work) == before
+    r = run_doc("slurm_gpu", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=myacct", "#SBATCH --time=240"):
+        assert line in script, script
+    assert "\nmodule load cuda\n" in script
+
+
+# --- docs/mlflow.md -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def offline_run(work, port, default_run):
+    """A run whose tracking server was down: with tracking.allow_offline=true it trains, and
+    its events wait in its run directory (the situation docs/mlflow.md describes)."""
+    r = docs.run(f"python -m llama_fsdp {docs.SHRINK.text} {docs.SYNTH.text} "
+                 f"tracking.uri=http://127.0.0.1:{port} tracking.allow_offline=true "
+                 "tracking.final_delivery_s=1", work)
+    assert r.returncode == 0, str(r)
+    assert "training anyway (tracking.allow_offline=true)" in r.output
+    assert "not in MLflow yet" in r.output
+    return Path(docs.summary_value(r.output, "run dir"))
+
+
+@pytest.fixture(scope="session")
+def mlflow_ui(work, port, offline_run):
+    """`mlflow ui` of docs/mlflow.md, on its free port, until the session ends."""
+    cmd, env = docs.command("mlflow_ui", **fill(work, port=str(port)))
+    proc = docs.start(cmd, work, env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow ui did not answer in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        docs.stop(proc)
+
+
+def test_mlflow_ui(work, default_run, mlflow_ui):
+    run_id = docs.summary_value(default_run.output, "mlflow run").split()[0]
+    exp = client(work).get_run(run_id).info.experiment_id
+    # the runs page the summary names, on this port
+    page = docs.summary_value(default_run.output, "compare runs").split("then open ")[1]
+    assert page.startswith(f"http://127.0.0.1:5000/#/experiments/{exp}/runs")
+    with urllib.request.urlopen(page.replace("127.0.0.1:5000", mlflow_ui.split("//")[1]),
+                                timeout=30) as answer:
+        assert answer.status == 200 and "<title>MLflow</title>" in answer.read().decode()
+    # what the page shows comes from the server's API: the runs of this store
+    body = json.dumps({"experiment_ids": [exp], "max_results": 1000}).encode()
+    req = urllib.request.Request(f"{mlflow_ui}/ajax-api/2.0/mlflow/runs/search", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as answer:
+        runs = json.loads(answer.read())["runs"]
+    assert run_id in {r["info"]["run_id"] for r in runs}
+
+
+def test_deliver_later(work, offline_run, mlflow_ui):
+    r = run_doc("deliver", work, run_dir=str(offline_run.relative_to(work)))
+    assert r.returncode == 0, str(r)
+    m = re.search(rf"delivered \d+ bytes of events to {re.escape(mlflow_ui)} \(run (\w+)\); 0 left",
+                  r.output)
+    assert m, str(r)
+    c = client(work)
+    run = c.get_run(m.group(1))
+    assert run.info.status == "FINISHED"
+    assert [x.step for x in c.get_metric_history(run.info.run_id, "loss")] == [1, 2]
