@@ -1,6 +1,7 @@
 """The planner: parameter counts, FLOPs, per-device memory, fits-or-not, auto strategy."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -133,6 +134,7 @@ MEASURED_LOSS_PEAK = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _planned_loss_peak(case) -> int:
     from benchmarks.plan_vs_measured import overrides
 
