@@ -10,8 +10,9 @@ tests/multirank/test_plan_memory.py.
 
 Asserted: plan.predicted_peak_bytes (the per-phase model, llama_fsdp.plan.phase_peaks with
 NCCL, i.e. no gloo reduce-scatter copy) is within 10% of the measured peak: that measurement is
-the check (comparing the prediction with phase_peak_bytes would compare the plan with itself). The batches are
-unpacked input_ids, so the specs set data.packing=false (no 4-D document mask term).
+the check (comparing the prediction with phase_peak_bytes would compare the plan with itself).
+The batches are unpacked input_ids, so the specs set data.packing=false (no 4-D document mask
+term).
 """
 from __future__ import annotations
 
