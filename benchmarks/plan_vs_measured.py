@@ -358,6 +358,14 @@ FULL_CASES = (
     + [(2, "full", "bf16", "full", 4, False, 1, "varlen"), (2, "no_shard", "fp32", "none", 4,
                                                              False, 1, "varlen"),
        (2, "grad_op", "mixed", "none", 1, True, 2, "varlen")]
+    # SELECTIVE_AND_MASK_CASES: layer-selective AC (every 2nd of the 4 layers) and SDPA's
+    # dense mask in 16-bit and under activation checkpointing
+    + [(2, "full", "fp32", "selective", 4), (2, "full", "bf16", "selective", 4),
+       (2, "grad_op", "mixed", "selective", 1), (2, "no_shard", "fp32", "selective", 4),
+       (2, "full", "mixed", "selective", 1, True, 2), (4, "full", "fp32", "selective", 1),
+       (2, "full", "bf16", "none", 4, False, 1, "sdpa"),
+       (2, "full", "fp32", "selective", 4, False, 1, "sdpa"),
+       (2, "full", "fp32", "full", 4, False, 1, "sdpa")]
 )
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),
@@ -521,7 +529,7 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "CUDA in 16-bit, keeps no such mask (on CPU its chunks' masks, made once per "
         "micro-batch, are counted at their bound of s bools per token): the *packed* rows above "
         "measure both.",
-        "- `tests/multirank/test_plan_memory.py` checks 11 of these configs on every run: measured "
+        "- `tests/multirank/test_plan_memory.py` checks 13 of these configs on every run: measured "
         "within [0.88, 1.02] x `predicted_peak_bytes` (the phase model), measured <= the sum "
         "and >= 0.55 x the sum, and the heap at the start of step 2 equal to params + AdamW "
         "moments (1 MB + 1%).",
@@ -560,6 +568,9 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cases")
+    ap.add_argument("--only", action="append", default=None, metavar="TEXT",
+                    help="only the full sweep's cases whose name contains TEXT (repeatable); "
+                    "prints their table rows (no RSS runs)")
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS runs")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown here")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw measurements")
@@ -575,7 +586,13 @@ def main() -> None:
         lib = build_memtrack()
         if lib is None:
             sys.exit("needs a C compiler (cc) on Linux to build the malloc shim")
-        rows = run_cases(QUICK_CASES if args.quick else FULL_CASES, lib)
+        cases = QUICK_CASES if args.quick else FULL_CASES
+        if args.only:
+            cases = [c for c in cases if any(t in case_name(*c) for t in args.only)]
+            if not cases:
+                sys.exit(f"no case of the full sweep matches {args.only}")
+            args.no_rss = True
+        rows = run_cases(cases, lib)
         for r in rows:
             print(f"{r['name']:<40} sum {_gb(r['plan'].memory.total)}  measured "
                   f"{_gb(r['measured'])}  predicted {_gb(r['plan'].predicted_peak_bytes)}",
@@ -589,7 +606,9 @@ def main() -> None:
                    for k, v in (("rows", rows), ("rss", rss))}
             args.json.write_text(json.dumps({**raw, "seconds": seconds}))
     command = ("python benchmarks/plan_vs_measured.py" + (" --quick" if args.quick else "")
-               + (" --no-rss" if args.no_rss else "") + (f" --out {args.out}" if args.out else ""))
+               + "".join(f" --only '{t}'" for t in args.only or ())
+               + (" --no-rss" if args.no_rss and not args.only else "")
+               + (f" --out {args.out}" if args.out else ""))
     text = markdown(rows, rss, command)
     if seconds is not None:
         text += f"\nWall time: {seconds:.0f} s.\n"

@@ -29,7 +29,12 @@ def run_cli(cwd: Path, *overrides: str, env: Optional[dict] = None,
             timeout: float = 600) -> tuple[int, str, float]:
     t0 = time.monotonic()
     p = start_cli(cwd, *overrides, env=env)
-    out, _ = p.communicate(timeout=timeout)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # fail the test, and leave no run behind
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"still running after {timeout:.0f} s:\n{out[-3000:]}") from None
     return p.returncode, out, time.monotonic() - t0
 
 

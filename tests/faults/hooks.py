@@ -14,6 +14,7 @@ CRASH = "LLAMA_FSDP_TEST_CRASH"  # "rank=R,step=S": rank R raises after step S
 SIGNAL = "LLAMA_FSDP_TEST_SIGNAL"  # "rank=R,step=S,sig=KILL": rank R sends itself a signal
 MARK = "LLAMA_FSDP_TEST_MARK"  # a file: its first line says whether this fault already fired
 SLOW = "LLAMA_FSDP_TEST_STEP_SLEEP"  # seconds every rank sleeps after each step
+SLOW_FIRST = "LLAMA_FSDP_TEST_STEP_SLEEP_FIRST_ATTEMPT"  # "1": only until a restart or requeue
 EXIT_CODE = 86
 
 
@@ -78,10 +79,15 @@ def self_signal(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any
 
 
 def slow(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
-    """Every rank sleeps after each step (so a test can act while a run is mid-way)."""
+    """Every rank sleeps after each step (so a test can act while a run is mid-way); with
+    SLOW_FIRST=1 only in the run's first attempt (not once restarted or requeued by SLURM)."""
     import time
 
     seconds = float(os.environ[SLOW])
+    restarted = any(int(os.environ.get(v) or 0) > 0
+                    for v in ("LLAMA_FSDP_ATTEMPT", "SLURM_RESTART_COUNT"))
+    if restarted and os.environ.get(SLOW_FIRST) == "1":
+        return lambda state: None
     return lambda state: time.sleep(seconds)
 
 

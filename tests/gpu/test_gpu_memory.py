@@ -9,8 +9,10 @@ workspaces) is the process overhead and is subtracted too, as in
 tests/multirank/test_plan_memory.py.
 
 Asserted: plan.predicted_peak_bytes (the per-phase model, llama_fsdp.plan.phase_peaks with
-NCCL, i.e. no gloo reduce-scatter copy) is within 10% of the measured peak. The batches are
-unpacked input_ids, so the specs set data.packing=false (no 4-D document mask term).
+NCCL, i.e. no gloo reduce-scatter copy) is within 10% of the measured peak: that measurement is
+the check (comparing the prediction with phase_peak_bytes would compare the plan with itself).
+The batches are unpacked input_ids, so the specs set data.packing=false (no 4-D document mask
+term).
 """
 from __future__ import annotations
 
@@ -109,14 +111,13 @@ def _measure(spec) -> tuple[int, int]:
 @pytest.mark.parametrize("strategy,precision,ac,batch", CASES)
 def test_cuda_peak_is_within_tolerance_of_the_plan(one_rank_group, strategy, precision, ac,
                                                    batch):
-    from llama_fsdp.plan import make_plan, phase_peak_bytes
+    from llama_fsdp.plan import make_plan
 
     spec = _spec(strategy, precision, ac, batch)
     plan = make_plan(spec)
     peak, overhead = _measure(spec)
     measured = peak - overhead
     predicted, total = plan.predicted_peak_bytes, plan.memory.total
-    assert predicted == phase_peak_bytes(spec, gloo=False)  # NCCL on CUDA
     text = (f"{strategy} {precision} AC {ac} b={batch}: measured {measured / GB:.3f} GB "
             f"(overhead {overhead / GB:.3f}), predicted {predicted / GB:.3f} GB "
             f"({measured / predicted:.3f}, peak in {plan.peak_phase}), sum of components "

@@ -86,16 +86,37 @@ def test_each_option_trains_on_gpus(tmp_path, name):
           f"{m['summary/peak_memory_gb']:.3f} GB (plan {m['summary/predicted_peak_memory_gb']:.3f})")
 
 
+PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def _logits(model) -> torch.Tensor:
+    """fp32 logits of the probe batch on the CPU (as tests/multirank/test_checkpoint.py)."""
+    with torch.no_grad():
+        return model.float().eval()(input_ids=PROBE).logits.float()
+
+
 def test_hf_weights_in_export_out_and_resume(tmp_path):
     """Export a trained model, fine-tune from it (model.path: per-shard HF load), stop in the
     middle with a checkpoint, resume it (no second HF read), export again."""
     from transformers import LlamaForCausalLM
 
-    code, log = _run(tmp_path, *SHORT, "save.export_hf=true")
+    from llama_fsdp.checkpoint import layout, read_model_state
+
+    # the final checkpoint (save.every_steps=12) holds the trained weights, read apart from the
+    # export's gather: the exported model must give their logits, and differ from the start
+    code, log = _run(tmp_path, *SHORT, "save.export_hf=true", "save.every_steps=12")
     assert code == 0, log[-4000:]
     _, first = _run_record(tmp_path)
     export = Path(first.data.tags["export_dir"])
-    assert LlamaForCausalLM.from_pretrained(export) is not None
+    exported = LlamaForCausalLM.from_pretrained(export)
+    trained = LlamaForCausalLM(exported.config)
+    missing, unexpected = trained.load_state_dict(
+        read_model_state(layout.step_dir(Path(first.data.tags["output_dir"]), 12)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    trained.tie_weights()
+    torch.testing.assert_close(_logits(exported), _logits(trained), rtol=1e-5, atol=1e-5)
+    untrained = LlamaForCausalLM(exported.config)  # another init: the export is not a fresh model
+    assert not torch.allclose(_logits(exported), _logits(untrained), atol=1e-3)
     run_dir = tmp_path / "from_hf"
     common = [*SHORT, f"model.path={export}", "save.every_steps=4", f"output_dir={run_dir}",
               "save.export_hf=true"]

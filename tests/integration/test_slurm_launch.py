@@ -118,12 +118,24 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
 
 
+# Seconds every rank sleeps after each step of the preempted job (tests.faults.hooks:slow): the
+# signal goes out once MLflow shows 7 losses, so the job's last 23 steps take at least 11.5 s,
+# however fast the node (unpaced, a fast node can finish them before the signal arrives, and the
+# resume asserts fail); metrics reach MLflow within about a second, the signal another second.
+# The requeued job is not paced (nothing waits on it).
+PREEMPT_STEP_SLEEP_S = 0.5
+
+
 def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster):
+    from tests.faults import hooks
+
     # the only checkpoint a run of 30 steps saving every 100 steps can have is the one the
     # preemption signal makes
     steps, every = 30, 100
     out = _cli(tmp_path, slurm_cluster, "cluster.nproc_per_node=2", f"train.max_steps={steps}",
-               f"save.every_steps={every}", "cluster.wait=false", *FAST)
+               f"save.every_steps={every}", "cluster.wait=false", *FAST,
+               "train.callbacks=[tests.faults.hooks:slow]",
+               env_extra={hooks.SLOW: str(PREEMPT_STEP_SLEEP_S), hooks.SLOW_FIRST: "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     job_id = (out.stdout + out.stderr).split("submitted SLURM job ")[1].split(":")[0].strip()
     client = _client(tmp_path)

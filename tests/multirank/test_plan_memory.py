@@ -9,7 +9,7 @@ whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another
 already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
 behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
-Tolerances, from the 66-config sweep in benchmarks/plan_vs_measured_cpu.md:
+Tolerances, from the 75-config sweep in benchmarks/plan_vs_measured_cpu.md:
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
   forward / loss / layers / root / optimizer of what is live in each, with gloo's reduce-scatter
   copy on CPU; an untied model in torchtitan's FSDP groups, parallel.apply_fsdp, has its own
@@ -25,8 +25,13 @@ Tolerances, from the 66-config sweep in benchmarks/plan_vs_measured_cpu.md:
   embedding from being gathered together).
 - At the start of the second step the heap holds exactly the sharded params and both AdamW
   moments the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets.
+
+Without a C compiler the test skips; CI sets LLAMA_FSDP_REQUIRE_MEMTRACK=1 (.ci/run), which
+makes that a failure, as LLAMA_FSDP_REQUIRE_SLURM / _UI do for the SLURM and UI tests.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -41,25 +46,36 @@ MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
 PLAN_LOOSEST = 0.55
 PREDICTED_BAND = (0.88, 1.02)
 # (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum,
-# packed]): every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks
-# in the loss phase and in the root's reduce-scatter at the end of backward; no_shard (DDP) in
-# fp32 and under autocast (mixed); packed records through the CPU default attention (varlen's
-# block-sparse SDPA: its chunks' outputs beside their concatenation, and the chunks' masks).
+# packed]): every strategy, AC none, selective and full, fp32 / bf16 / mixed, micro-batch 1, 2
+# and 4; no_shard (DDP) in fp32 and under autocast (mixed); packed records through SDPA's dense
+# mask (a compute-dtype b x s x s copy and k/v repeated to every head, saved per layer: +3% of
+# the peak here, so a plan without packed_mask_bytes is out of the band) and through the CPU
+# default attention (varlen's block-sparse SDPA: its chunks' outputs beside their concatenation,
+# and the chunks' masks). The peaks are in the loss phase, except "full, mixed, AC full, b=1",
+# whose peak is the root's reduce-scatter at the end of backward with gloo's copy of its input
+# (without that copy, which the plan counts on CPU only, the prediction is 7% under the
+# measured peak: out of the band).
 CASES = {
-    2: [("full", "fp32", "none", 4), ("grad_op", "bf16", "full", 4),
+    2: [("full", "fp32", "none", 4, False, 1, "sdpa"), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),
         ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4),
-        ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen")],
+        ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen"),
+        ("full", "fp32", "selective", 4), ("full", "mixed", "full", 1)],
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
         ("full", "fp32", "full", 1)],
 }
+REQUIRE_ENV = "LLAMA_FSDP_REQUIRE_MEMTRACK"  # CI (.ci/run): no C compiler fails, not skips
 
 
 @pytest.fixture(scope="session")
 def memtrack(tmp_path_factory):
     lib = B.build_memtrack(tmp_path_factory.mktemp("memtrack"))
     if lib is None:
-        pytest.skip("needs a C compiler (cc) on Linux to build the malloc shim")
+        reason = "needs a C compiler (cc) on Linux to build the malloc shim"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but the planned-against-measured test cannot run: "
+                        f"{reason}", pytrace=False)
+        pytest.skip(reason)
     return lib
 
 
@@ -76,7 +92,6 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
     for name, spec in specs.items():
         plan = make_plan(spec)
         predicted, total = plan.predicted_peak_bytes, plan.memory.total
-        assert predicted == B.phase_peak_bytes(spec, gloo=True)  # gloo on CPU
         state = plan.memory.params + plan.memory.optimizer
         if spec.mesh.ddp:  # no_shard: the grads stay in DDP's buckets between steps
             state += plan.memory.grads

@@ -43,10 +43,18 @@ def _run(rank, world, specs, measure):
     from llama_fsdp.data import build_data
     from llama_fsdp.worker import DistEnv, build_model, train_on_rank
 
+    from torch._dynamo.utils import counters
+
     out = {}
     for name, spec in specs.items():
+        counters.clear()
         r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
-        out[name] = {"losses": r.losses}
+        # what TorchDynamo compiled during this run: frames turned into graphs, and the
+        # AOTAutograd (forward + backward) compilations of them
+        compiled = {"frames": counters["frames"]["ok"],
+                    "graphs": counters["stats"]["unique_graphs"],
+                    "aot_autograd": counters["aot_autograd"]["ok"]}
+        out[name] = {"losses": r.losses, "compiled": compiled}
         if name in measure:
             model = build_model(spec, torch.device("cpu"))
             data = build_data(spec.data, seq_len=spec.train.seq_len,
@@ -83,7 +91,14 @@ def test_activation_checkpointing_saves_activation_memory(results):
     assert full < 0.5 * none  # only each layer's input (+ head/loss) is kept
 
 
-def test_compile_keeps_the_loss(results):
+def test_compile_compiles_and_keeps_the_loss(results):
+    # train.compile=true really compiled (a silent no-op would compile nothing), and
+    # nothing is compiled without it
+    compiled = results["compile"]["compiled"]
+    print(f"train.compile=true on rank 0: {compiled}")
+    assert compiled["frames"] > 0 and compiled["graphs"] > 0 and compiled["aot_autograd"] > 0, \
+        compiled
+    assert results["fp32"]["compiled"] == {"frames": 0, "graphs": 0, "aot_autograd": 0}
     torch.testing.assert_close(results["compile"]["losses"], results["fp32"]["losses"],
                                rtol=1e-3, atol=1e-3)
 

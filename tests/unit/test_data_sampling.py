@@ -39,15 +39,18 @@ def test_ranks_take_disjoint_covering_shares(cache, world):
     assert len(seen) == len(set(seen))  # disjoint (packed rows are distinct)
     usable = (n_rows // (2 * world)) * 2 * world
     assert len(seen) == usable and n_rows - usable < 2 * world  # covering up to one global batch
-    # step by step, each global batch is split across ranks
-    steps = [list(zip(*[_epoch(m)[s:s + 1] for m in mods])) for s in range(2)]
-    assert all(len(s[0]) == world for s in steps)
 
 
-def test_all_rows_from_one_rank_equal_union_of_ranks(cache):
-    one = sorted(k for b in _epoch(_dm(cache, micro_batch=4)) for k in _row_keys(b))
-    two = sorted(k for r in range(2) for b in _epoch(_dm(cache, rank=r, world=2)) for k in _row_keys(b))
-    assert one == two  # the same global order, sharded
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_global_batch_is_split_across_ranks(cache, world):
+    """Step by step, the ranks' micro-batches together are the rows one rank with the whole
+    global batch (micro_batch x world) takes at that step: the same global order, sharded."""
+    one = _epoch(_dm(cache, micro_batch=2 * world))
+    ranks = [_epoch(_dm(cache, rank=r, world=world)) for r in range(world)]
+    assert all(len(batches) == len(one) for batches in ranks)
+    for step, whole in enumerate(one):
+        split = sorted(k for batches in ranks for k in _row_keys(batches[step]))
+        assert split == sorted(_row_keys(whole)), f"step {step}"
 
 
 def test_new_epoch_reorders_reproducibly(cache):

@@ -203,10 +203,23 @@ def test_bad_config_values(cache):
 
 
 def test_tokenization_with_several_processes(tmp_path, cache):
-    f = _jsonl(tmp_path / "mp.jsonl", RECS * 5)
-    one = _build(cache, name="jsonl", path=str(f), eval_records=4)
-    two = _build(cache, name="jsonl", path=str(f), eval_records=4, num_proc=2, seq_len=65)
-    assert one.stats["train_tokens"] == two.stats["train_tokens"]
+    """num_proc=2 stores every record of both splits as one process does: the same tokens, loss
+    mask, prompt length and truncation flag, in the same order."""
+    import numpy as np
+
+    recs = [{**r, "instruction": f"{r['instruction']} Part {k}."} for k in range(5) for r in RECS]
+    # two files with the same records: two cache keys (num_proc is not part of the key), so the
+    # second is tokenized again, by two processes, at the same seq_len
+    one = _build(cache, name="jsonl", path=str(_jsonl(tmp_path / "one.jsonl", recs)),
+                 eval_records=4)
+    two = _build(cache, name="jsonl", path=str(_jsonl(tmp_path / "two.jsonl", recs)),
+                 eval_records=4, num_proc=2)
+    assert two.stats["tokenized_from_cache"] == 0.0
+    for split in ("train", "eval"):
+        a, b = getattr(one, split).store, getattr(two, split).store
+        assert len(a) == len(b) == {"train": 196, "eval": 4}[split]
+        for field in ("offsets", "ids", "mask", "prompt_len", "truncated"):
+            assert np.array_equal(getattr(a, field), getattr(b, field)), (split, field)
 
 
 # --- real files with the defaults (issue: real fine-tuning data) ---------------------------------

@@ -97,20 +97,30 @@ def test_ranks_never_reach_a_hub():
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join("/runs/x", "hang", "nccl_trace_rank_")
 
 
-@pytest.mark.parametrize("user", [
-    {}, {"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"},
-    {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
-    {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}])
-def test_cpu_ranks_keep_their_heap_unless_the_user_set_the_allocator(user):
+@pytest.mark.parametrize("user,users_own", [
+    ({}, False),
+    ({"MALLOC_ARENA_MAX": "2"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, True),
+    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2:glibc.malloc.mmap_threshold=1"}, True),
+    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, True),
+    ({"LD_PRELOAD": "/opt/lib/libtcmalloc_minimal.so.4 /opt/lib/libfoo.so"}, True),
+    ({"LD_PRELOAD": "/opt/hoard/libhoard.so"}, True),
+    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, False),
+    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libgomp.so.1"}, False),
+    # a value that merely mentions malloc is no allocator setting
+    ({"HOME": "/home/malloc", "NOTES": "tried MALLOC_ARENA_MAX"}, False),
+])
+def test_cpu_ranks_keep_their_heap_unless_the_user_set_the_allocator(user, users_own):
     """CPU ranks get both malloc settings (one without the other is worse than neither); a
     user's own allocator or glibc malloc setting is left as it is; GPU ranks get neither."""
     from llama_fsdp.launchers.common import CPU_MALLOC_ENV
 
     ours = set(CPU_MALLOC_ENV)
     assert ours == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
-    users_own = any("malloc" in v.lower() or k.startswith("MALLOC_") for k, v in user.items())
     cpu = set(worker_env("/runs/x", "cpu", environ=user))
-    assert ours.isdisjoint(cpu) if users_own else ours <= cpu
+    assert (ours.isdisjoint(cpu) if users_own else ours <= cpu), (
+        f"{user}: the user's own allocator setting is {users_own}, the ranks got "
+        f"{sorted(ours & cpu)}")
     assert ours.isdisjoint(worker_env("/runs/x", "cuda", environ=user))
 
 

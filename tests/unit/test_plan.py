@@ -1,13 +1,13 @@
 """The planner: parameter counts, FLOPs, per-device memory, fits-or-not, auto strategy."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 import pytest
 
 from llama_fsdp import plan as P
-from llama_fsdp.plan import activations as plan_activations
 from llama_fsdp.plan import fit as plan_fit
 from llama_fsdp.config import CheckpointingConfig, model_preset
 from llama_fsdp.devices import BY_KEY
@@ -116,43 +116,99 @@ def test_sharded_numel_pads_dim0_like_fsdp2():
 # --- activations ------------------------------------------------------------------------------
 
 
+# Measured on real CPU gloo ranks: the loss-phase heap high-water mark of the worst rank, bytes
+# above the heap before the model was built (benchmarks/plan_vs_measured.py, torch 2.13 CPU, the
+# run that added the AC selective and packed (sdpa) rows to benchmarks/plan_vs_measured_cpu.md).
+# Keys: the benchmark's cases, (world, strategy, precision, AC, micro-batch, tied, grad_accum,
+# packed attention), whose configs benchmarks.plan_vs_measured.overrides makes. The planned
+# terms below are compared with differences of these measurements, never with their formulas.
+MEASURED_LOSS_PEAK = {
+    (2, "full", "fp32", "none", 4, False, 1, ""): 247_477_480,
+    (2, "full", "fp32", "selective", 4, False, 1, ""): 205_534_296,
+    (2, "full", "fp32", "full", 4, False, 1, ""): 163_590_888,
+    (2, "full", "bf16", "none", 4, False, 1, ""): 178_009_288,
+    (2, "full", "bf16", "selective", 4, False, 1, ""): 154_940_152,
+    (2, "full", "fp32", "none", 4, False, 1, "sdpa"): 256_128_472,
+    (2, "full", "fp32", "selective", 4, False, 1, "sdpa"): 210_252_800,
+    (2, "full", "fp32", "full", 4, False, 1, "sdpa"): 164_115_232,
+    (2, "full", "bf16", "none", 4, False, 1, "sdpa"): 182_334_616,
+    (2, "full", "fp32", "none", 4, False, 1, "varlen"): 251_934_232,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _planned_loss_peak(case) -> int:
+    from benchmarks.plan_vs_measured import overrides
+
+    return P.make_plan(make_spec(*overrides(*case))).phases["loss"]
+
+
 def test_activation_checkpointing_lowers_activations():
     acts = {mode: P.make_plan(make_spec("model=8b", *GPUS, f"checkpointing={mode}",
                                         "train.seq_len=4096", "model.attn_implementation=sdpa")
                               ).memory.activations
             for mode in ("none", "selective", "full")}
     assert acts["none"] > acts["selective"] > acts["full"]
-    m, c = model_preset("8b"), 2  # precision=auto on GPUs: mixed, bf16 compute
-    # default data.packing=true: each saved layer also keeps the repeated k/v and the
-    # compute-dtype document mask; a checkpointed layer keeps its input only
-    per_token = P.layer_activation_bytes(m, c) + P.packed_mask_bytes(m, 4096, c)
-    tokens = 4096 * 8
-    assert acts["none"] - acts["selective"] == pytest.approx(
-        16 * tokens * per_token - 16 * tokens * c * 4096 - tokens * per_token)
     assert list(CheckpointingConfig(mode="selective", every_k=3).wrapped_layers(32)) == list(
         range(2, 32, 3))
 
 
-def test_packed_sequences_add_the_4d_mask_term():
-    """layers x b x s x (2c(h - g) + c s), only with data.packing=true and a masked kernel
-    (sdpa; AC none here)."""
-    m = model_preset("8b")
-    common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2", "train.seq_len=8192",
+@pytest.mark.parametrize("precision,mode", [("fp32", "selective"), ("fp32", "full"),
+                                            ("bf16", "selective")])
+def test_activation_checkpointing_saves_what_is_measured(precision, mode):
+    """What AC saves in the loss phase (every 2nd of the 4 layers, or all of them, keep only
+    their input), planned against measured: within 1% (measured 0.2-0.4% apart); one layer
+    more or less wrapped is 50% of the selective saving."""
+    none = (2, "full", precision, "none", 4, False, 1, "")
+    ac = (2, "full", precision, mode, 4, False, 1, "")
+    measured = MEASURED_LOSS_PEAK[none] - MEASURED_LOSS_PEAK[ac]
+    planned = _planned_loss_peak(none) - _planned_loss_peak(ac)
+    assert planned == pytest.approx(measured, rel=0.01), (planned, measured)
+
+
+# The packed rows' peak holds up to 0.6 MB more than the plan's per-layer terms: about the size of
+# one or two b x s x s bool masks (0.26 MB at b=4, s=256), made once per micro-batch, which the
+# plan does not count (see benchmarks/plan_vs_measured_cpu.md)
+UNCOUNTED_MASK = 600_000
+
+
+@pytest.mark.parametrize("precision,mode", [("fp32", "none"), ("bf16", "none"),
+                                            ("fp32", "selective"), ("fp32", "full")])
+def test_sdpa_packed_mask_term_is_what_is_measured(precision, mode):
+    """Packed rows through SDPA (a 4-D mask: k/v repeated to every head and a compute-dtype
+    b x s x s copy, saved per layer that is not checkpointed): the loss-phase peak grows by
+    8.65 MB (fp32, AC none), 4.33 MB (bf16), 4.72 MB (2 of 4 layers checkpointed) and 0.52 MB
+    (all checkpointed); the plan's term is that, less the uncounted mask."""
+    plain = (2, "full", precision, mode, 4, False, 1, "")
+    packed = plain[:-1] + ("sdpa",)
+    measured = MEASURED_LOSS_PEAK[packed] - MEASURED_LOSS_PEAK[plain]
+    planned = _planned_loss_peak(packed) - _planned_loss_peak(plain)
+    assert 0 <= measured - planned <= UNCOUNTED_MASK, (planned, measured)
+
+
+def test_packed_mask_term_only_with_packing_and_a_masked_kernel():
+    """At 8B on GPUs: the term comes with data.packing=true and SDPA, in every phase that holds
+    the activations of all layers (not the optimizer's), and grows with the sequence faster
+    than the tokens (its c·s per token)."""
+    common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2",
               "model.attn_implementation=sdpa")
-    packed = P.make_plan(make_spec(*common, "data.packing=true"))
-    plain = P.make_plan(make_spec(*common, "data.packing=false"))
-    term = 32 * 2 * 8192 * (2 * 2 * (4096 - 1024) + 2 * 8192)
-    assert P.packed_mask_bytes(m, 8192, 2) * 32 * 2 * 8192 == term
-    assert packed.memory.activations - plain.memory.activations == term
-    # in every phase that holds the activations of all layers
+
+    def extra(seq_len):
+        packed = P.make_plan(make_spec(*common, f"train.seq_len={seq_len}", "data.packing=true"))
+        plain = P.make_plan(make_spec(*common, f"train.seq_len={seq_len}", "data.packing=false"))
+        return {k: packed.phases[k] - plain.phases[k] for k in P.PHASES}
+
+    short, long = extra(4096), extra(8192)
     for phase in ("forward", "loss", "layers"):
-        assert packed.phases[phase] - plain.phases[phase] == term
-    assert packed.phases["optimizer"] == plain.phases["optimizer"]
+        assert short[phase] > 0 and long[phase] > 2 * short[phase]
+    assert short["optimizer"] == long["optimizer"] == 0
 
 
 def test_varlen_attention_drops_the_mask_term():
     """attn_implementation=auto on GPUs with packed rows in bf16 is varlen: no s-wide mask per
-    token; only k/v repeated to every head, where torch's varlen_attn has no enable_gqa."""
+    token. On CPU (block-sparse SDPA) the plan's varlen terms are measured: an upper bound
+    (the chunks' masks at their bound), 18% above the 4.46 MB measured with records of 8-40
+    tokens."""
     common = ("model=8b", *GPUS, "precision=bf16", "train.batch_size=2", "train.seq_len=8192")
     spec = make_spec(*common, "data.packing=true")
     assert spec.model.attn_implementation == "varlen"
@@ -160,14 +216,17 @@ def test_varlen_attention_drops_the_mask_term():
     plain = P.make_plan(make_spec(*common, "data.packing=false"))
     sdpa = P.make_plan(make_spec(*common, "data.packing=true", "model.attn_implementation=sdpa"))
     assert make_spec(*common, "data.packing=false").model.attn_implementation == "sdpa"
-    tokens_layers, kv = 32 * 2 * 8192, 2 * 2 * (4096 - 1024)
-    repeated = kv if plan_activations._varlen_repeats_kv() else 0
-    assert varlen.memory.activations - plain.memory.activations == tokens_layers * repeated
-    # the mask, 2·8192 bytes per token per layer: 8.6 GB saved over the 32 layers at s=8192
-    assert (sdpa.memory.activations - varlen.memory.activations
-            == tokens_layers * (2 * 8192 + kv - repeated))
+    # on CUDA (not measured: the GPU memory test feeds unpacked rows), between no packing
+    # and SDPA's mask
+    assert plain.memory.activations <= varlen.memory.activations < sdpa.memory.activations
     # precision=fp32 on a GPU: flash varlen needs 16-bit, auto stays on SDPA
     assert make_spec("model=8b", *GPUS, "precision=fp32").model.attn_implementation == "sdpa"
+    # on CPU, measured
+    plain = (2, "full", "fp32", "none", 4, False, 1, "")
+    packed = plain[:-1] + ("varlen",)
+    measured = MEASURED_LOSS_PEAK[packed] - MEASURED_LOSS_PEAK[plain]
+    planned = _planned_loss_peak(packed) - _planned_loss_peak(plain)
+    assert measured <= planned <= 1.25 * measured, (planned, measured)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
