@@ -592,7 +592,6 @@ def make_dataset_cache(datasets_cache: Path, scratch: Path, hub: Path) -> Path:
     builder under the hub name into ``datasets_cache`` (the cache_dir llama_fsdp passes,
     outputs/cache/hf_datasets). Offline, load_dataset(HUB_DATASET, split=...) finds it there."""
     import datasets
-    from datasets.packaged_modules.parquet.parquet import Parquet
 
     files = scratch / "ultrachat_200k"
     (files / "data").mkdir(parents=True, exist_ok=True)
@@ -604,7 +603,7 @@ def make_dataset_cache(datasets_cache: Path, scratch: Path, hub: Path) -> Path:
         datasets.Dataset.from_list(rows).to_parquet(
             str(files / "data" / f"{split}-00000-of-00001.parquet"))
     revision = "8049631c405ae6576f93f445c6b8166f76f5505a"
-    snapshot = _hub_repo(hub, "datasets", HUB_DATASET, files, revision)
+    _hub_repo(hub, "datasets", HUB_DATASET, files, revision)
     return prepare_hub_dataset(datasets_cache, hub, HUB_DATASET, revision,
                                {split: [f"data/{split}-00000-of-00001.parquet"]
                                 for split in ULTRACHAT_SPLITS})
