@@ -137,12 +137,39 @@ def _sweep_kwargs() -> dict[str, Any]:
             "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
 
 
+def run_dir_of(cfg: DictConfig) -> str:
+    """The run directory: Hydra's run dir (outputs/runs/<date>/<time>) unless output_dir= points
+    elsewhere (an earlier run, to resume it). Under cluster=torchrun every process of the job
+    and every restart must agree on it, and Hydra's dir is made per process at its start time:
+    output_dir= as given, else outputs/runs/torchrun-<torchrun's run id>."""
+    from .launchers.torchrun import job_run_id
+
+    if cfg.cluster.kind != "torchrun" or "output_dir" in _overridden_keys():
+        return str(Path(cfg.output_dir).resolve())
+    if (run_id := job_run_id()) is None:
+        raise ConfigError(["cluster=torchrun without a torchrun run id (TORCHELASTIC_RUN_ID; a "
+                           "launch by environment variables, as Kubernetes operators do it, has "
+                           "none) needs a run directory every process and restart agrees on: "
+                           "give torchrun --rdzv-id=<name> (outputs/runs/torchrun-<name>) or "
+                           "output_dir=<dir>"])
+    return str((Path.cwd() / "outputs" / "runs" / f"torchrun-{run_id}").resolve())
+
+
+def _overridden_keys() -> set[str]:
+    return {o.key_or_group for a in HydraConfig.get().overrides.task
+            if (o := parse_override(a)) is not None}
+
+
 def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
     """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
+    from .launchers.torchrun import restart_count
     from .plan import make_plan, resolve_auto
 
-    # cfg.output_dir is Hydra's run dir unless the user points it at an earlier run to resume.
-    spec = resolve_auto(build_spec(cfg, launch_dir=Path.cwd(), **_sweep_kwargs()))
+    spec = resolve_auto(build_spec(cfg, output_dir=run_dir_of(cfg), launch_dir=Path.cwd(),
+                                   **_sweep_kwargs()))
+    if spec.cluster.kind == "torchrun" and (restart := restart_count()):
+        # torchrun restarted the job's processes: go on from the newest checkpoint
+        spec = dataclasses.replace(spec, resume="auto", restart=restart)
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
@@ -239,7 +266,6 @@ def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     """The whole path for one composed config (one point of a sweep); ``held`` keeps the run
     directory owned until the caller is done with the run."""
     from .launchers import launch, preflight
-    from .owner import own
     from .plan import check_fits, fixes_text
     from .prepare import prepare
 
@@ -253,16 +279,12 @@ def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         log.info("dry_run=true: nothing launched. Would run:\n%s", _launch_preview(spec))
         return None
     check_fits(spec, plan)
+    if spec.cluster.kind == "torchrun":
+        return _run_torchrun_rank(spec, held)
     problems = preflight(spec)
     if problems:
         raise ConfigError(problems)
-    owner = held.enter_context(own(spec.output_dir, command=command_line()))
-    if owner.previous:
-        log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
-                    "(killed, or its host went down): taking it over%s", spec.output_dir,
-                    owner.previous.get("pid"), owner.previous.get("host"),
-                    "; resume=auto continues from its newest checkpoint"
-                    if spec.resume == "auto" else "")
+    owner = _own(spec, held)
     if finished_run(spec):
         return None
     prepared = prepare(spec, command=command_line())
@@ -272,6 +294,81 @@ def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         rank0 = next(r for r in results if r is not None and r.rank == 0)
         log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))
     return results
+
+
+def _own(spec: RunSpec, held: contextlib.ExitStack) -> Any:
+    """Hold the run directory until ``held`` closes; say so when a dead owner's is taken over."""
+    from .owner import own
+
+    owner = held.enter_context(own(spec.output_dir, command=command_line()))
+    if owner.previous:
+        log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
+                    "(killed, or its host went down): taking it over%s", spec.output_dir,
+                    owner.previous.get("pid"), owner.previous.get("host"),
+                    "; resume=auto continues from its newest checkpoint"
+                    if spec.resume == "auto" else "")
+    return owner
+
+
+def _run_torchrun_rank(spec: RunSpec, held: contextlib.ExitStack) -> Optional[list[Any]]:
+    """cluster=torchrun: this process is a rank. The once-per-job duties run inside the job
+    (launchers/torchrun.py): every node's first rank prepares its node, global rank 0 the job;
+    then every rank trains. Returns this rank's result (None: nothing to train)."""
+    from .launchers.common import worker_env
+    from .launchers.torchrun import NothingToTrain, once_per_job
+    from .prepare import check_data, prepare, resolve_model
+    from .worker import run_worker
+
+    if spec.sweep_id is not None:
+        raise ConfigError(["sweeps (-m) do not run under cluster=torchrun, which starts the "
+                           "processes of one run: start one torchrun job per point, or sweep "
+                           "with cluster=local or cluster=slurm"])
+    command = command_line()
+
+    def job() -> Optional[str]:
+        _own(spec, held)
+        if finished_run(spec):
+            return "finished"
+        prepare(spec, command=command)
+        return None
+
+    def prepared(s: RunSpec, env: Any) -> RunSpec:
+        if once_per_job(env, node=lambda: check_data(resolve_model(s)), job=job):
+            raise NothingToTrain()
+        with _hub_offline():  # the node's first rank fetched what a hub name needs
+            s = resolve_model(s)
+        os.environ.update(_hub_offline.VARS)  # from here on, as a launched rank: no hub
+        return s
+
+    # what the other launchers export to their ranks, but the allocator's settings, which act
+    # only from a process's start (torchrun's environment is the user's to give)
+    exported = worker_env(spec.output_dir, spec.device, environ={})
+    os.environ.update({k: v for k, v in exported.items()
+                       if not k.startswith("MALLOC_") and k not in _hub_offline.VARS})
+
+    try:
+        result = run_worker(spec, prepare=prepared)
+    except NothingToTrain:
+        return None
+    if result.rank == 0:
+        log.info("done\n  %s", "\n  ".join(summary_lines(spec, result)))
+    return [result]
+
+
+class _HubOffline:
+    """Hugging Face hub access off while the block runs (what is needed is in the cache)."""
+
+    VARS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    @contextlib.contextmanager
+    def __call__(self) -> Any:
+        from .launchers.common import scoped_environ
+
+        with scoped_environ(self.VARS):
+            yield
+
+
+_hub_offline = _HubOffline()
 
 
 def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
@@ -312,6 +409,19 @@ def _remove_if_empty(output_dir: str) -> None:
             return
 
 
+def _waits_for_ranks(cfg: DictConfig) -> bool:
+    """Whether this process saw the ranks end (and so closes the run's tracking): a local
+    launch, a SLURM launch that waits, rank 0 of a torchrun job."""
+    from .launchers.torchrun import rank
+
+    match cfg.cluster.kind:
+        case "local":
+            return True
+        case "torchrun":
+            return rank() == 0
+    return bool(cfg.cluster.wait)
+
+
 def _failed(code: int) -> Optional[PointFailed]:
     """End a single run with ``code``; a sweep point hands its failure back instead, and the
     sweep goes on to its other points (SweepCallback collects it)."""
@@ -332,13 +442,18 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     from .plan import PlanError
     from .prepare import PrepareError
 
-    output_dir = str(Path(cfg.output_dir).resolve())
+    from .launchers.torchrun import rank
+
+    if cfg.cluster.kind == "torchrun" and rank() != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the job
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
+    output_dir = str(Path(cfg.output_dir).resolve())  # Hydra's until the spec says
     try:
+        output_dir = run_dir_of(cfg)
         result = run_one(cfg, held)
         launched = result is not None
-        if launched and (cfg.cluster.kind == "local" or cfg.cluster.wait):
+        if launched and _waits_for_ranks(cfg):
             _finish_tracking(output_dir, status="", deadline_s=final_s)
             if any(r is not None and r.status != "finished" for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
@@ -360,6 +475,8 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         if not launched:
             held.close()  # let the directory go first: a run that never started leaves nothing
             _remove_if_empty(output_dir)
+        if str(Path(cfg.output_dir).resolve()) != output_dir:  # Hydra's, made but not used
+            _remove_if_empty(str(Path(cfg.output_dir).resolve()))
 
 
 # --- sweeps -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 PRECISIONS = ("auto", "bf16", "mixed", "fp32")
 AC_MODES = ("none", "full", "selective")
-CLUSTERS = ("local", "slurm")
+CLUSTERS = ("local", "slurm", "torchrun")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -91,9 +91,13 @@ class CheckpointingConfig:
 
 @dataclass
 class ClusterConfig:
+    # local: ranks on this host; slurm: sbatch through submitit; torchrun: this process is one
+    # rank of a job started by torchrun or a Kubernetes operator (its environment says which).
     kind: str = "local"
-    nodes: int = 1
-    # Ranks per node. null: every visible GPU on CUDA, else 2 CPU ranks.
+    # Nodes. null (cluster=torchrun): as many as the environment says.
+    nodes: Optional[int] = 1
+    # Ranks per node. null: every visible GPU on CUDA, else 2 CPU ranks (cluster=torchrun: the
+    # environment's LOCAL_WORLD_SIZE).
     nproc_per_node: Optional[int] = None
     device: str = "auto"
     # Job time limit in minutes. Local: null (none). SLURM: the allocation's --time; SLURM sends

@@ -63,7 +63,7 @@ class Ownership:
         self.detached = False
         self._fd: Optional[int] = None
 
-    def slurm_job(self, job_id: str, *, detached: bool) -> None:
+    def slurm_job(self, job_id: str, detached: bool) -> None:
         """The run now lives in a SLURM job, which outlives this process if it does not wait
         for it (``detached``), or if this process is killed while it waits."""
         self.detached = detached

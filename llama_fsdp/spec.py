@@ -208,6 +208,41 @@ def _resolve_device(cluster: ClusterConfig) -> str:
     return "cuda" if _local_cuda_count() > 0 else "cpu"
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_layout(cluster: ClusterConfig, problems: list[str],
+                    environ: Optional[dict] = None) -> tuple[int, int]:
+    """cluster=torchrun: (nodes, ranks per node) from the environment torchrun or a Kubernetes
+    operator gives each process (WORLD_SIZE, LOCAL_WORLD_SIZE: 1 when unset, as a bare
+    RANK/WORLD_SIZE launch has one process per node; GROUP_WORLD_SIZE), checked against the
+    config's values where it sets them."""
+    e = os.environ if environ is None else environ
+    missing = [v for v in TORCHRUN_VARS if not e.get(v)]
+    if missing:
+        problems.append(
+            f"cluster=torchrun runs in a process started by torchrun or a Kubernetes operator, "
+            f"but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set here: start "
+            "it with `torchrun --nnodes=N --nproc_per_node=G --rdzv-backend=c10d "
+            "--rdzv-endpoint=HOST:PORT -m llama_fsdp cluster=torchrun ...`, or use "
+            "cluster=local on one host")
+        return cluster.nodes or 1, cluster.nproc_per_node or 1
+    world, nproc = int(e["WORLD_SIZE"]), int(e.get("LOCAL_WORLD_SIZE") or 1)
+    nodes = int(e.get("GROUP_WORLD_SIZE") or max(world // max(nproc, 1), 1))
+    if nodes * nproc != world:
+        problems.append(f"the environment has WORLD_SIZE={world} processes, not a whole number "
+                        f"of nodes of LOCAL_WORLD_SIZE={nproc}: give every node the same "
+                        "--nproc_per_node")
+    for key, ours, theirs in (("nodes", cluster.nodes, nodes),
+                              ("nproc_per_node", cluster.nproc_per_node, nproc)):
+        if ours is not None and ours != theirs:
+            problems.append(f"cluster.{key}={ours} but the launcher started {theirs} (from "
+                            f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={nproc}): drop cluster.{key} "
+                            "(cluster=torchrun reads it from the environment) or launch "
+                            f"{ours}")
+    return nodes, nproc
+
+
 def _resolve_nproc(cluster: ClusterConfig, device: str) -> int:
     if cluster.nproc_per_node is not None:
         return cluster.nproc_per_node
@@ -238,7 +273,7 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
         ("train.seq_len", t.seq_len, 2),
         ("train.max_steps", t.max_steps, 1),
         ("train.log_every", t.log_every, 1),
-        ("cluster.nodes", cfg.cluster.nodes, 1),
+        ("cluster.nodes", 1 if cfg.cluster.nodes is None else cfg.cluster.nodes, 1),
         ("checkpointing.every_k", cfg.checkpointing.every_k, 1),
         ("save.keep_last", cfg.save.keep_last, 1),
     ):
@@ -365,7 +400,7 @@ def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
                             "pick one, or set cluster.peak_tflops and cluster.device_memory_gb")
             return None
         return c.gpu_type
-    if c.kind == "local" and (gpu := local_gpu()) is not None:
+    if c.kind in ("local", "torchrun") and (gpu := local_gpu()) is not None:
         acc = by_device_name(gpu[0])
         return acc.key if acc else None
     return DEFAULT_GPU
@@ -380,7 +415,7 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             f"cluster.nodes={c.nodes} with cluster=local: a local run uses this host only; "
             "use cluster=slurm for several nodes, or sharding.shard_size to emulate them"
         )
-    if device == "cuda" and c.kind == "local":
+    if device == "cuda" and c.kind in ("local", "torchrun"):  # (torchrun: this node's GPUs)
         have = _local_cuda_count()
         if have == 0:
             problems.append("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu")
@@ -406,7 +441,7 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
                         "(seconds; 0 leaves undelivered events on disk at once)")
     precision = resolve_precision(cfg.precision.name, device)
     # (a machine with no GPU at all is told so by the launcher's preflight, not this)
-    if device == "cuda" and precision in ("bf16", "mixed") and c.kind == "local" \
+    if device == "cuda" and precision in ("bf16", "mixed") and c.kind in ("local", "torchrun") \
             and _local_cuda_count() > 0 and not _local_bf16():
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
@@ -476,7 +511,16 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     device = _resolve_device(obj.cluster)
-    nproc = _resolve_nproc(obj.cluster, device)
+    if obj.cluster.kind == "torchrun":
+        nodes, nproc = torchrun_layout(obj.cluster, problems)
+        obj = dataclasses.replace(obj, cluster=dataclasses.replace(
+            obj.cluster, nodes=nodes, nproc_per_node=nproc))
+    else:
+        nproc = _resolve_nproc(obj.cluster, device)
+        if obj.cluster.nodes is None:
+            problems.append(f"cluster.nodes=null with cluster={obj.cluster.kind}: set a number "
+                            "of nodes")
+            obj = dataclasses.replace(obj, cluster=dataclasses.replace(obj.cluster, nodes=1))
     world = obj.cluster.nodes * max(nproc, 1)
     _check_devices(obj, device, nproc, problems)
     gpu = _gpu_type(obj, device, problems)

@@ -34,7 +34,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -124,10 +124,12 @@ def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
     CPU ones (CPU offload's gradients, object collectives)."""
     torch.set_num_threads(spec.cluster.threads_per_rank or cpus_for_rank(env))
     timeout = datetime.timedelta(seconds=spec.cluster.init_timeout_s)
+    store = _attempt_store(env, timeout)
     if spec.device == "cuda":
         device = _gpu_for_rank(env)
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout,
+                                **store)
         if spec.policy.compute_dtype == "float32":
             enable_tf32()
             if env.rank == 0:
@@ -135,11 +137,27 @@ def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
                          "fp32 accumulation); MFU is against the TF32 peak")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **store)
     if dist.get_world_size() != spec.world_size:
         raise RuntimeError(f"launched {dist.get_world_size()} ranks but the run expects "
                            f"{spec.world_size}: the launcher and the spec disagree")
     return device
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under torchrun, whose workers share its agent's store across restarts
+    (TORCHELASTIC_USE_AGENT_STORE=True), the process group's keys of each attempt under a
+    prefix of their own: a restarted rank 0 otherwise reads a dead rank's address left by the
+    attempt before and fails to connect (pytorch/pytorch#135712). The attempt is counted per
+    rank in the store (every restart starts every rank once), not by TORCHELASTIC_RESTART_COUNT,
+    which the agents of different nodes count apart. Elsewhere: {} (the env:// default)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          env.world_size, is_master=False, timeout=timeout)
+    attempt = store.add(f"llama_fsdp/starts/rank{env.rank}", 1)
+    return {"store": dist.PrefixStore(f"llama_fsdp/attempt{attempt}/", store),
+            "rank": env.rank, "world_size": env.world_size}
 
 
 def set_train_timeout(spec: RunSpec) -> None:
@@ -367,12 +385,17 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResul
     return RankRun.build(spec, env, device).train()
 
 
-def run_worker(spec: RunSpec) -> RunResult:
-    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
+def run_worker(spec: RunSpec, *,
+               prepare: Optional[Callable[[RunSpec, DistEnv], RunSpec]] = None) -> RunResult:
+    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+    ``prepare``: the job's once-only duties, run once the process group is up (collective), in
+    a job no launcher prepared for (cluster=torchrun: launchers/torchrun.py)."""
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     device = init_distributed(spec, env)
     try:
+        if prepare is not None:
+            spec = prepare(spec, env)
         return train_on_rank(spec, env, device)
     finally:
         dist.destroy_process_group()

@@ -235,6 +235,30 @@ REGISTRY: dict[str, Entry] = {
         "sweep", f"{LOCAL}::test_sweep",
         "six points, each finished; the hybrid points say they are full on one host; the "
         "summary table has a row per point", (SHRINK, SYNTH)),
+    # --- docs/launching.md ----------------------------------------------------------------
+    "torchrun --nproc_per_node=8 --rdzv-id=llama8b -m llama_fsdp cluster=torchrun model=8b": Entry(
+        "torchrun_one_host", f"{LOCAL}::test_torchrun_on_one_host",
+        "torchrun starts 2 CPU ranks that prepare the job once and train: rank 0's summary says "
+        "finished, in outputs/runs/torchrun-llama8b",
+        (Replace("--nproc_per_node=8", "--nproc_per_node=2 --rdzv-backend=c10d "
+                 "--rdzv-endpoint=127.0.0.1:{port}", "2 CPU ranks, not 8 GPUs; a free "
+                 "rendezvous port (the default one may be taken by a parallel test)"),
+         Replace("model=8b", "model=tiny", "8B's shape on 2 CPU ranks would take minutes a "
+                                           "step"), SHRINK, SYNTH)),
+    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=host0:29500 "
+    "--rdzv-id=llama70b -m llama_fsdp cluster=torchrun model=70b sharding=full precision=bf16 "
+    "checkpointing=full train.seq_len=2048 train.batch_size=1 tracking.uri=http://host0:5000": Entry(
+        "torchrun_two_hosts", f"{LOCAL}::test_torchrun_on_two_hosts",
+        "the same command twice, as on each of 2 hosts: 2 agents of 2 CPU ranks meet at the "
+        "rendezvous, train the tiny model fully sharded over 4 ranks in bf16 with every layer "
+        "checkpointed, and report to a real MLflow server",
+        (Replace("--nproc_per_node=8", "--nproc_per_node=2", "2 CPU ranks a host, not 8 GPUs"),
+         Replace("host0:29500", "127.0.0.1:{port}", "both \"hosts\" are this machine; a free "
+                                                   "port"),
+         Replace("model=70b", "model=tiny", "70B's weights cannot live in 4 CPU processes"),
+         Replace("http://host0:5000", "http://127.0.0.1:{ui_port}", "the module's mlflow ui "
+                                                                    "server"),
+         SHRINK, SYNTH)),
     # --- docs/benchmarks.md ---------------------------------------------------------------
     "bash benchmarks/setup_peers.sh": Entry(
         "setup_peers", f"{LOCAL}::test_setup_peers",

@@ -27,7 +27,7 @@ def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
     if c.device_memory_gb is not None:
         return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
     if spec.device == "cuda":
-        local = local_gpu() if c.kind == "local" else None
+        local = local_gpu() if c.kind in ("local", "torchrun") else None
         if local is not None:
             return local[1], f"{local[0]}, torch.cuda.get_device_properties"
         key = spec.gpu or DEFAULT_GPU

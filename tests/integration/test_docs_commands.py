@@ -429,3 +429,31 @@ def test_deliver_later(work, offline_run, mlflow_ui):
     run = c.get_run(m.group(1))
     assert run.info.status == "FINISHED"
     assert [x.step for x in c.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+# --- docs/launching.md ------------------------------------------------------------------------------
+
+
+def test_torchrun_on_one_host(work):
+    r = run_doc("torchrun_one_host", work, port=str(free_port()), timeout=900)
+    finished(r, work)
+    assert docs.summary_value(r.output, "run dir") == str(
+        work / "outputs" / "runs" / "torchrun-llama8b")
+    assert r.output.count("status         finished") == 1  # rank 0 speaks for the job
+
+
+def test_torchrun_on_two_hosts(work, port, mlflow_ui):
+    cmd, env = docs.command("torchrun_two_hosts",
+                            **fill(work, port=str(free_port()), ui_port=str(port)))
+    agents = [docs.start(cmd, work, env) for _ in range(2)]
+    outs = [a.communicate(timeout=900)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    out = "".join(outs)
+    assert out.count("status         finished") == 1
+    assert "world_size                     4 = 2 node(s) x 2" in out
+    run_id = docs.summary_value(out, "mlflow run").split()[0]
+    server = MlflowClient(tracking_uri=mlflow_ui)
+    run = server.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["precision.name"] == "bf16"
+    assert [m.step for m in server.get_metric_history(run_id, "loss")] == [1, 2]

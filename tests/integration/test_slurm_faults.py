@@ -2,6 +2,7 @@
 checkpoint (cluster.max_restarts), within the same allocation and MLflow run."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,41 @@ def test_a_crashed_rank_restarts_the_job_step_from_its_checkpoint(tmp_path, slur
     assert r.info.status == "FINISHED"
     assert r.data.tags["restarts"] == "1" and r.data.tags["resume_step"] == "2"
     assert sorted(set(logged_steps(run))) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_killed_waiting_launcher_leaves_the_job_to_slurm_and_its_directory_owned(
+        tmp_path, slurm_cluster):
+    """cluster.wait=true and the launcher SIGKILLed mid-run: the ranks are SLURM's job (not
+    orphans: squeue has them, scancel ends them, they finish on their own), and a second launch
+    into the run's directory while the job lives is refused, naming the job."""
+    import signal
+    import subprocess as sp
+    import time
+
+    from tests.faults.conftest import wait_for_step
+
+    env = {**os.environ, **slurm_cluster.env, hooks.SLOW: "0.5"}
+    args = [sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+            f"cluster.partition={slurm_cluster.partition}", "cluster.nodes=1",
+            "cluster.nproc_per_node=2", "cluster.wait=true", "train.max_steps=30",
+            "eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1",
+            "train.callbacks=[tests.faults.hooks:slow]"]
+    launcher = sp.Popen(args, cwd=tmp_path, env=env, stdout=sp.PIPE, stderr=sp.STDOUT,
+                        text=True, start_new_session=True)
+    run = wait_for_step(tmp_path, 3, launcher, timeout=300)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=30)
+    owner = json.loads((run / "owner.json").read_text())
+    job = owner["slurm_job"]
+    state = sp.run(["squeue", "--noheader", "--jobs", job, "--format=%T"], env=env,
+                   capture_output=True, text=True).stdout.strip()
+    assert state == "RUNNING", state
+    again = sp.run([*args, f"output_dir={run}"], cwd=tmp_path, env=env, capture_output=True,
+                   text=True, timeout=300)
+    assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"belongs to SLURM job {job} (RUNNING)" in again.stdout + again.stderr
+    deadline = time.monotonic() + 300
+    while sp.run(["squeue", "--noheader", "--jobs", job], env=env, capture_output=True,
+                 text=True).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert max(logged_steps(run)) == 30  # the job trained to its end under SLURM

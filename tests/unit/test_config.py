@@ -19,7 +19,11 @@ def _options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
-def test_every_group_option_composes_into_a_spec(group, option):
+def test_every_group_option_composes_into_a_spec(group, option, monkeypatch):
+    if option == "torchrun":  # the environment torchrun gives each of its 2 processes
+        for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+            monkeypatch.setenv(key, value)
     extra = {"cluster": ["cluster.nproc_per_node=2"], "sharding": ["cluster.nproc_per_node=2"],
              "data": [] if option == "synthetic" else ["data.path=/data/train.jsonl"]}
     overrides = [f"{group}={option}", *extra.get(group, [])]
@@ -231,3 +235,29 @@ def test_hybrid_with_one_shard_group_says_it_is_full_sharding(tmp_path):
     assert "is sharding=full" in out
     assert "one shard group" not in dry("sharding=hybrid", "cluster.nproc_per_node=4",
                                         "sharding.shard_size=2")
+
+
+def test_torchrun_layout_comes_from_the_environment_and_is_checked():
+    """cluster=torchrun: nodes and ranks per node from torchrun's (or an operator's)
+    environment; a config that says otherwise, a missing variable, an uneven world: refused."""
+    from llama_fsdp.config import ClusterConfig
+    from llama_fsdp.spec import torchrun_layout
+
+    base = {"RANK": "3", "WORLD_SIZE": "16", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    c = ClusterConfig(kind="torchrun", nodes=None, nproc_per_node=None)
+    problems: list[str] = []
+    assert torchrun_layout(c, problems, {**base, "LOCAL_WORLD_SIZE": "8",
+                                         "GROUP_WORLD_SIZE": "2"}) == (2, 8)
+    assert torchrun_layout(c, problems, base) == (16, 1)  # an operator's one process a pod
+    assert problems == []
+    torchrun_layout(ClusterConfig(kind="torchrun", nodes=4, nproc_per_node=8), problems,
+                    {**base, "LOCAL_WORLD_SIZE": "8"})
+    assert problems == ["cluster.nodes=4 but the launcher started 2 (from WORLD_SIZE=16, "
+                        "LOCAL_WORLD_SIZE=8): drop cluster.nodes (cluster=torchrun reads it from "
+                        "the environment) or launch 4"]
+    problems.clear()
+    torchrun_layout(c, problems, {**base, "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"})
+    assert problems and "not a whole number of nodes" in problems[0]
+    problems.clear()
+    torchrun_layout(c, problems, {"RANK": "0"})
+    assert problems and "WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set here" in problems[0]

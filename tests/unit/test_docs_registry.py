@@ -61,7 +61,8 @@ def test_entry_names_its_test_and_its_changes_apply(cmd):
     assert function in _test_functions(docs.REPO / file), f"{e.id}: no test {e.test}"
     assert file.startswith("tests/integration/"), e.test
     placeholders = {k: f"<{k}>" for k in ("bin", "python", "venv", "work", "repo", "hub",
-                                          "models", "port", "run_dir", "preset", "state_dir")}
+                                          "models", "port", "ui_port", "run_dir", "preset",
+                                          "state_dir")}
     command, env = docs.apply(cmd, e, **placeholders)  # each Replace finds its text once
     for c in e.changes:
         assert c.why.strip(), f"{e.id}: a change without its reason"
