@@ -16,6 +16,10 @@ assert tops == ["llama_fsdp", next(t for t in tops if t.endswith(".dist-info"))]
 for need in ("llama_fsdp/conf/config.yaml", "llama_fsdp/conf/model/tiny.yaml",
              "llama_fsdp/conf/experiment/llama3_1b_alpaca.yaml", "llama_fsdp/launchers/rank.py"):
     assert need in names, need
+# every package of the checkout is in the wheel (pyproject lists them by hand)
+import pathlib
+for init in sorted(pathlib.Path("llama_fsdp").rglob("__init__.py")):
+    assert init.as_posix() in names, f"{init.parent} is not in the wheel: add it to pyproject.toml's packages"
 print(f"wheel: {len(names)} files under {tops}")
 PY
 VENV="$work/venv" LLAMA_FSDP_PACKAGE="$wheel" bash scripts/install.sh
