@@ -241,7 +241,7 @@ def warm_up(spec, batches: list[list[dict]]) -> None:
     import torch
 
     model = build_model(spec, torch.device("cpu"))
-    optimizer = build_optimizer(model, spec.train)
+    optimizer = build_optimizer(model, spec.train, spec.optim)
     scheduler = build_scheduler(optimizer, spec.train)
     train_step(model, optimizer, scheduler, batches[0], device=torch.device("cpu"),
                max_grad_norm=spec.train.max_grad_norm)
@@ -270,7 +270,7 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
     gc.collect()
     base, rss0, t0 = heap.current(), _rss_bytes(), time.perf_counter()
     model = build_model(spec, device)
-    optimizer = build_optimizer(model, spec.train)
+    optimizer = build_optimizer(model, spec.train, spec.optim)
     scheduler = build_scheduler(optimizer, spec.train)
     init = heap.current() - base
     phase: dict[str, int] = {}
