@@ -165,8 +165,11 @@ class Heap:
 
 
 def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1, packed: str = "") -> list[str]:
-    """``packed``: "" for unpacked input_ids, else the attention over packed records."""
+              tied: bool = False, grad_accum: int = 1, packed: str = "",
+              optim: str = "") -> list[str]:
+    """``packed``: "" for unpacked input_ids, else the attention over packed records;
+    ``optim``: "" for AdamW, else the optim= option and its flags: "adamw8bit", "adamw4bit
+    eager" (optim.eager), "adamw sr" (optim.bf16_stochastic_round)."""
     o = ["tracking.enabled=false", "cluster.device=cpu", f"cluster.nproc_per_node={world}",
          f"sharding={strategy}", f"precision={precision}", f"checkpointing={ac}",
          f"train.batch_size={batch}", f"train.grad_accum={grad_accum}", "train.seq_len=256",
@@ -177,14 +180,18 @@ def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
         o.append("data.packing=false")
     if strategy in ("hybrid", "hybrid_grad_op") and world == 4:
         o.append("sharding.shard_size=2")
+    if optim:
+        name, *flags = optim.split()
+        o += [f"optim={name}", *({"eager": "optim.eager=true",
+                                 "sr": "optim.bf16_stochastic_round=true"}[f] for f in flags)]
     return o
 
 
 def case_name(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1, packed: str = "") -> str:
+              tied: bool = False, grad_accum: int = 1, packed: str = "", optim: str = "") -> str:
     return (f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
             + (f" x {grad_accum}" if grad_accum > 1 else "") + (", tied" if tied else "")
-            + (f", packed ({packed})" if packed else ""))
+            + (f", packed ({packed})" if packed else "") + (f", {optim}" if optim else ""))
 
 
 # --- on each rank -----------------------------------------------------------------------------
@@ -260,10 +267,11 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
 
     from llama_fsdp.model import decoder_layers
     from llama_fsdp.train import build_optimizer, build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.worker import build_model, compile_cache
 
     heap = Heap()
     device = torch.device("cpu")
+    compile_cache(spec, rank)  # a compiled optimizer step's cache, as the worker sets it
     batches = _batches(spec, rank, steps)
     if warm:
         warm_up(spec, batches)
@@ -337,6 +345,20 @@ def peak_of(result: dict) -> int:
 
 # --- driver -----------------------------------------------------------------------------------
 
+# torchao's optimizers (optim=): 8- and 4-bit moments on every strategy, micro-batch 1 with AC
+# (where the optimizer phase and the root's reduce-scatter weigh most) and 4, eager, and AdamW
+# with bf16 stochastic rounding
+LOWBIT_CASES = (
+    [(2, "full", p, ac, b, False, 1, "", o) for o in ("adamw8bit", "adamw4bit")
+     for p, ac, b in (("fp32", "none", 4), ("bf16", "full", 1))]
+    + [(2, "grad_op", "mixed", "full", 1, False, 1, "", "adamw4bit"),
+       (2, "no_shard", "fp32", "none", 2, False, 1, "", "adamw8bit"),
+       (4, "hybrid", "bf16", "full", 1, False, 1, "", "adamw4bit"),
+       (4, "full", "fp32", "full", 1, True, 1, "", "adamw8bit"),
+       (2, "full", "fp32", "full", 1, False, 1, "", "adamw8bit eager"),
+       (2, "full", "bf16", "full", 1, False, 1, "", "adamw4bit eager"),
+       (2, "full", "bf16", "full", 1, False, 1, "", "adamw sr")]
+)
 FULL_CASES = (
     [(w, s, p, ac, 4) for w in (2, 4) for s in ("full", "grad_op", "no_shard", "hybrid")
      for p in ("fp32", "bf16") for ac in ("none", "full") if not (s == "hybrid" and w == 2)]
@@ -358,6 +380,7 @@ FULL_CASES = (
     + [(2, "full", "bf16", "full", 4, False, 1, "varlen"), (2, "no_shard", "fp32", "none", 4,
                                                              False, 1, "varlen"),
        (2, "grad_op", "mixed", "none", 1, True, 2, "varlen")]
+    + LOWBIT_CASES
 )
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),
@@ -560,6 +583,9 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cases")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated parts of case names: only the cases whose name "
+                         "contains one (e.g. --only adamw8bit,adamw4bit)")
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS runs")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown here")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw measurements")
@@ -575,7 +601,11 @@ def main() -> None:
         lib = build_memtrack()
         if lib is None:
             sys.exit("needs a C compiler (cc) on Linux to build the malloc shim")
-        rows = run_cases(QUICK_CASES if args.quick else FULL_CASES, lib)
+        cases = QUICK_CASES if args.quick else FULL_CASES
+        if args.only:
+            parts = args.only.split(",")
+            cases = [c for c in cases if any(p in case_name(*c) for p in parts)]
+        rows = run_cases(cases, lib)
         for r in rows:
             print(f"{r['name']:<40} sum {_gb(r['plan'].memory.total)}  measured "
                   f"{_gb(r['measured'])}  predicted {_gb(r['plan'].predicted_peak_bytes)}",
@@ -589,6 +619,7 @@ def main() -> None:
                    for k, v in (("rows", rows), ("rss", rss))}
             args.json.write_text(json.dumps({**raw, "seconds": seconds}))
     command = ("python benchmarks/plan_vs_measured.py" + (" --quick" if args.quick else "")
+               + (f" --only {args.only}" if args.only else "")
                + (" --no-rss" if args.no_rss else "") + (f" --out {args.out}" if args.out else ""))
     text = markdown(rows, rss, command)
     if seconds is not None:

@@ -38,12 +38,13 @@ def read_optim_meta(checkpoint: Path) -> OptimConfig:
                        bf16_stochastic_round=d["bf16_stochastic_round"])
 
 
-def _overrides(o: OptimConfig) -> str:
-    out = [f"optim={o.name}"]
-    if o.block_size is not None:
-        out.append(f"optim.block_size={o.block_size}")
-    if o.bf16_stochastic_round and not o.lowbit:
-        out.append("optim.bf16_stochastic_round=true")
+def _overrides(saved: OptimConfig, ours: OptimConfig) -> str:
+    """The optim overrides that make ``ours`` read ``saved``'s state."""
+    out = [f"optim={saved.name}"]
+    if saved.lowbit and (saved.block_size is not None or ours.block_size is not None):
+        out.append(f"optim.block_size={saved.block}")
+    if not saved.lowbit and saved.bf16_stochastic_round != ours.bf16_stochastic_round:
+        out.append(f"optim.bf16_stochastic_round={str(saved.bf16_stochastic_round).lower()}")
     return " ".join(out)
 
 
@@ -53,5 +54,5 @@ def optim_mismatch(checkpoint: Path, o: OptimConfig) -> Optional[str]:
     if state_format(saved) == state_format(o):
         return None
     return (f"{checkpoint} holds the state of optim {state_format(saved)!r}, which optim "
-            f"{state_format(o)!r} cannot read: resume with {_overrides(saved)}, or start "
+            f"{state_format(o)!r} cannot read: resume with {_overrides(saved, o)}, or start "
             "afresh with resume=none")

@@ -75,13 +75,6 @@ def optimizer_state_bytes(spec: RunSpec) -> int:
                for n, low in shards(spec))
 
 
-def lowbit_fraction(spec: RunSpec) -> float:
-    """The share of rank 0's parameter elements whose moments are low-bit."""
-    rows = shards(spec)
-    total = sum(n for n, _ in rows)
-    return sum(n for n, low in rows if low) / total if total else 0.0
-
-
 def uses_torchao_step(o: OptimConfig, param_dtype: str) -> bool:
     """Whether the step is torchao's per-parameter one (low-bit moments, or AdamW with bf16
     stochastic rounding of bf16 parameters), not torch's foreach AdamW."""
@@ -106,5 +99,4 @@ def describe(spec: RunSpec) -> str:
     if not o.lowbit:
         return f"AdamW 2 moments, {dtype}"
     bits = "8" if o.name == "adamw8bit" else "4"
-    return (f"AdamW {bits}-bit moments, block {o.block}, {lowbit_fraction(spec):.2%} of "
-            f"elements")
+    return f"AdamW {bits}-bit moments, block {o.block}"
