@@ -11,6 +11,7 @@ loggers drops exactly those messages and lets every other record of those logger
 from __future__ import annotations
 
 import logging
+import warnings
 
 # logger name -> substrings of the messages dropped
 NOISE = {
@@ -31,8 +32,16 @@ class _DropNoise(logging.Filter):
         return not any(n in message for n in self.needles)
 
 
+# warnings (the warnings module) of the same kind: torch's AOTAutograd cache asks torchao's
+# optimizer states for a cache hash they lack; llama_fsdp.optim keeps one inductor cache per
+# optimizer, block size and rank instead (see there)
+WARNINGS = (r"OptimState(8|4)bit does not implement _stable_hash_for_caching",)
+
+
 def install() -> None:
     """Add the filters (once: a second call adds nothing)."""
+    for message in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for name, needles in NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
