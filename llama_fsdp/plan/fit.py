@@ -281,7 +281,10 @@ def _fixes(spec: RunSpec) -> list[str]:
         p = make_plan(with_nodes(with_strategy(spec, LEAST_MEMORY), n))
         lines.append(f"cluster=slurm cluster.nodes={n} sharding={LEAST_MEMORY} "
                      f"({n * spec.nproc_per_node} ranks): {p.predicted_peak_gb:.1f} GB (fits)")
-    singles = [(text, make_plan(v)) for text, v in _variants(spec)]
+    now = make_plan(spec).predicted_peak_bytes
+    # (4-bit moments can peak above 8-bit ones: the step's temporary; listed only if lower)
+    singles = [(text, p) for text, p in ((t, make_plan(v)) for t, v in _variants(spec))
+               if not text.startswith("optim=") or p.predicted_peak_bytes < now]
     lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
                                                           " (not enough alone)")
               for text, p in singles]

@@ -25,9 +25,10 @@ SCALE_BYTES = 4  # one fp32 absmax scale per block
 QMAP_BYTES = {"adamw8bit": 256 * 4, "adamw4bit": 16 * 4}  # fp32 code table per moment tensor
 # The step's temporary memory, in fp32 copies of the largest local parameter: torchao steps one
 # parameter at a time (fp32 math), torch's foreach AdamW all of them at once (one param-sized
-# temporary). Measured on CPU (benchmarks/plan_vs_measured_cpu.md, optimizer phase), compiled:
-# 8-bit 2.0, 4-bit 6.5, AdamW with bf16 stochastic rounding 2.0; eager (optim.eager=true) 14.
-STEP_FP32_COPIES = {"adamw8bit": 2.0, "adamw4bit": 6.5, "adamw": 2.0}
+# temporary). Measured on CPU gloo ranks (benchmarks/plan_vs_measured_cpu.md, optimizer phase
+# less the state), compiled: 8-bit 1.1-1.9, 4-bit 6.0-6.1, AdamW with bf16 stochastic rounding
+# (one fused in-place kernel) none; eager (optim.eager=true) 13.0-13.8. Not measured on CUDA.
+STEP_FP32_COPIES = {"adamw8bit": 2.0, "adamw4bit": 6.5, "adamw": 0.0}
 EAGER_FP32_COPIES = 14.0
 
 
