@@ -150,3 +150,25 @@ def test_torchao_import_noise_is_dropped_and_other_records_pass(caplog):
             "is deprecated and will be an error in a future release.")
         logging.getLogger("torchao").warning("a real torchao warning")
     assert [r.getMessage() for r in caplog.records] == ["a real torchao warning"]
+
+
+def test_the_docs_recipe_commands_plan_what_the_docs_say():
+    """The dry-run commands of docs/optimizer.md and docs/planner.md compose, and plan the
+    peaks the pages state (the pages' numbers are the ones asserted above)."""
+    import shlex
+
+    docs = conftest.REPO / "docs"
+    expected = {"adamw": 88.2, "adamw8bit": 65.1, "adamw4bit": 56.6}
+    seen = 0
+    for page in ("optimizer.md", "planner.md"):
+        text = (docs / page).read_text()
+        for line in text.splitlines():
+            if not (line.startswith("python -m llama_fsdp model=70b cluster=slurm")
+                    and "dry_run=true" in line):
+                continue
+            args = [a for a in shlex.split(line)[3:] if a != "dry_run=true"]
+            spec = make_spec(*args, "cluster.device=auto")
+            peak = round(P.make_plan(spec).predicted_peak_gb, 1)
+            assert peak == expected[spec.optim.name] and f"{peak} GB" in text, (page, line)
+            seen += 1
+    assert seen == 2
