@@ -24,17 +24,15 @@ run of one model, must not share a cache directory (pytorch/pytorch#188390).
 """
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from pathlib import Path
 from typing import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import OptimConfig, TrainConfig
-from .plan.optimizer import lowbit_everywhere
+from .plan.optimizer import lowbit_everywhere, shard_numels
 
 # torchao logs import noise that llama_fsdp.quiet filters (installed by llama_fsdp/__init__.py)
 from torchao.optim import AdamW4bit, AdamW8bit, _AdamW  # noqa: E402
@@ -45,17 +43,18 @@ LOWBIT_STATES = (OptimState8bit, OptimState4bit)
 
 
 def local_numels(p: torch.Tensor) -> list[int]:
-    """The local element count of every rank of a parameter's mesh (uneven splits included);
-    [numel] for a plain tensor."""
+    """The distinct local element counts of a parameter's shards over its mesh ([numel] for
+    a plain tensor): FSDP2 shards dim 0 (Shard(0)) over one mesh dim and replicates over the
+    other, like torch.chunk, which plan/optimizer.py's shard_numels counts."""
     if not isinstance(p, DTensor):
         return [p.numel()]
-    # private, but the one function DTensor itself uses for this (torch 2.11 - 2.13)
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    mesh_shape = tuple(p.device_mesh.shape)
-    return [math.prod(_compute_local_shape_and_global_offset(p.shape, mesh_shape, list(coord),
-                                                             p.placements)[0])
-            for coord in itertools.product(*(range(s) for s in mesh_shape))]
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not shards:
+        return [p.numel()]
+    if len(shards) > 1 or not (isinstance(shards[0][1], Shard) and shards[0][1].dim == 0):
+        raise NotImplementedError(f"low-bit AdamW here knows FSDP2's Shard(0) layout, not "
+                                  f"{p.placements}")
+    return shard_numels(tuple(p.shape), p.device_mesh.size(shards[0][0]))
 
 
 class _FSDPState:
@@ -120,11 +119,6 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], t: TrainConfig,
                        bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
         case _:
             raise ValueError(f"optim.name={o.name!r}: valid: {', '.join(OptimConfig.NAMES)}")
-
-
-def uses_compile(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this optimizer's step is torch.compile'd (torchao's, not in eager mode)."""
-    return isinstance(optimizer, _EagerOption) and not optimizer.eager
 
 
 def compile_cache_dir(cache_dir: str | Path, o: OptimConfig, rank: int) -> Path:

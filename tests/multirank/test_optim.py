@@ -13,8 +13,9 @@ The runs are shared by the tests (module fixture ``runs``), in three process gro
 - 4 ranks, hybrid 2 x 2: 8-bit resumed from the 2-rank step-SAVE checkpoint.
 
 Low-bit steps run eagerly (optim.eager: the same numbers as compiled, without the 30-60 s
-compile per process on CPU) except ``4bit_compiled``. Tolerances are from the prototype's runs
-(REPORT sections 2-3) and the numbers below (benchmarks/lowbit_curves.md has the curves).
+compile per process on CPU) except ``4bit_compiled``. Tolerances: the numbers seen, stated
+beside each (benchmarks/lowbit_curves.md has 60-step curves). Apart from the shared runs,
+``test_uneven_shards_...`` steps a small unevenly sharded model and checkpoints its state.
 """
 from __future__ import annotations
 
