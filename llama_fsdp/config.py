@@ -316,6 +316,8 @@ class OptimConfig:
     in train (lr, beta1, beta2, eps, weight_decay)."""
 
     NAMES = ("adamw", "adamw8bit", "adamw4bit")  # valid values (a class attribute)
+    # torchao's default elements per scale of each low-bit optimizer (class attributes)
+    DEFAULT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 
     name: str = "adamw"
     # Low-bit moments: elements per scale (null: torchao's default, 256 for 8-bit, 128 for 4-bit).
@@ -324,6 +326,43 @@ class OptimConfig:
     bf16_stochastic_round: bool = False
     # Run the low-bit step without torch.compile (slower steps, no compile at the start).
     eager: bool = False
+
+    @property
+    def lowbit(self) -> bool:
+        """Moments in 8 or 4 bits (torchao), not in the parameters' dtype."""
+        return self.name in OptimConfig.DEFAULT_BLOCK
+
+    @property
+    def block(self) -> int:
+        """The low-bit block size in use (0 for adamw: no blocks)."""
+        return (self.block_size or OptimConfig.DEFAULT_BLOCK[self.name]) if self.lowbit else 0
+
+    def problems(self, *, param_dtype: str, cpu_offload: bool, full_state_dict: bool) -> list[str]:
+        """What torchao's optimizers (or this project's use of them) cannot do with this run,
+        each with its fix, for RunSpec's all-at-once report."""
+        out = []
+        if self.block_size is not None and not self.lowbit:
+            out.append(f"optim.block_size={self.block_size} sets the blocks of low-bit moments: "
+                       "drop it, or pick optim=adamw8bit / optim=adamw4bit")
+        elif self.block_size is not None and (self.block_size < 2
+                                              or self.block_size & (self.block_size - 1)):
+            out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
+                       "row of a Llama weight splits in whole blocks), e.g. the default "
+                       f"{OptimConfig.DEFAULT_BLOCK[self.name]}")
+        if self.bf16_stochastic_round and param_dtype != "bfloat16":
+            out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
+                       f"{param_dtype} here: use precision=bf16, or drop it")
+        if self.lowbit and cpu_offload:
+            out.append(f"optim={self.name} with sharding.cpu_offload=true: torchao would step "
+                       "every parameter on the host CPU, one at a time (on CPU 14-27x slower than "
+                       "AdamW's step), and low-bit moments already save most of the state "
+                       "offload would move: drop sharding.cpu_offload, or use optim=adamw")
+        if self.lowbit and full_state_dict:
+            out.append(f"optim={self.name} with save.full_state_dict=true: torchao's low-bit "
+                       "moments cannot be gathered into one file: drop save.full_state_dict "
+                       "(sharded checkpoints reshard on load; `python -m llama_fsdp.convert` "
+                       "makes the consolidated model)")
+        return out
 
 
 @dataclass

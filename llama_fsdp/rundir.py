@@ -27,6 +27,7 @@ LAUNCH = "launch"
 SUBMITIT = "submitit"
 HANG = "hang"
 HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
+OPTIM_META = "optimizer.json"  # inside a DCP checkpoint: the optimizer that wrote its state
 
 
 class RunDir:

@@ -501,8 +501,6 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     # (placeholders until the methods are built: never train something other than asked)
     if obj.finetune.method != "full":
         problems.append(f"finetune.method={obj.finetune.method} is not available yet")
-    if obj.optim.name != "adamw":
-        problems.append(f"optim.name={obj.optim.name} is not available yet")
     _check_model(obj.model, obj.train, problems)
     from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
 
@@ -536,6 +534,9 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     policy = PRECISION_POLICIES.get(precision.name)
     model = obj.model
     if policy is not None:
+        problems.extend(obj.optim.problems(param_dtype=policy.param_dtype,
+                                           cpu_offload=obj.sharding.cpu_offload,
+                                           full_state_dict=obj.save.full_state_dict))
         model = resolve_attention(obj.model, device=device, compute_dtype=policy.compute_dtype,
                                   packing=obj.data.packing, problems=problems)
     if problems:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import model_inputs
-from .config import EvalConfig, TrainConfig
+from .config import EvalConfig, OptimConfig, TrainConfig
 from .data.packing import IGNORE_INDEX
 from .parallel import clip_grad_norm, uses_ddp
 
@@ -49,9 +49,11 @@ class TrainState:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                             weight_decay=t.weight_decay, foreach=True)
+def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer ``o`` names (llama_fsdp/optim.py) with train's hyperparameters."""
+    from .optim import build_optimizer as build  # torchao's optimizers, imported when used
+
+    return build(model.parameters(), t, o)
 
 
 def lr_factor(step: int, *, warmup: int, max_steps: int, min_ratio: float) -> float:
@@ -304,7 +306,7 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     while state.step < end:
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])  # a 0-d tensor for torchao's optimizers
         res = train_step(model, optimizer, scheduler, micro, device=ctx.device,
                          max_grad_norm=t.max_grad_norm)
         state.step += 1

@@ -212,6 +212,23 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
     return model
 
 
+def compile_cache(spec: RunSpec, rank: int) -> None:
+    """A compiled optimizer step (torchao's) gets an inductor cache of its own per optimizer,
+    block size and rank, under cache_dir, so a later run's first step loads it instead of
+    compiling again (llama_fsdp/optim.py says why it is not shared). AdamW changes nothing."""
+    from .plan.optimizer import uses_torchao_step
+
+    if spec.optim.eager or not uses_torchao_step(spec.optim, spec.policy.param_dtype):
+        return
+    from .optim import compile_cache_dir, use_compile_cache
+
+    path = compile_cache_dir(spec.cache_dir, spec.optim, rank)
+    use_compile_cache(path)
+    if rank == 0:
+        log.info("optim=%s: its step is compiled at the first step (cached in %s)",
+                 spec.optim.name, path.parent)
+
+
 def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
     """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
     import importlib
@@ -264,7 +281,8 @@ class RankRun:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         # the driver announced the data's notes already
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
-        optimizer = build_optimizer(model, spec.train)
+        compile_cache(spec, env.rank)
+        optimizer = build_optimizer(model, spec.train, spec.optim)
         scheduler = build_scheduler(optimizer, spec.train)
         tracker = open_tracker(spec) if env.rank == 0 else NullTracker()
         console = Console(total=spec.train.max_steps) if env.rank == 0 else NullConsole()
@@ -274,7 +292,7 @@ class RankRun:
         checkpointer = ckpt_io.Checkpointer(
             spec.save, output_dir=spec.output_dir, device=device,
             app=ckpt_io.AppState(model, optimizer, scheduler, state, data), hf_config=hf_cfg,
-            tokenizer=tokenizer, tracker=tracker)
+            tokenizer=tokenizer, tracker=tracker, optim=spec.optim)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
                   console, checkpointer, state)
         run.resumed_from = checkpointer.resume(resume)

@@ -11,13 +11,14 @@
 #   bash scripts/gpu_session.sh attention   # the same shape: varlen (auto) vs SDPA's dense block mask vs unpacked
 #   bash scripts/gpu_session.sh compile     # the same shape: train.compile=true vs false
 #   bash scripts/gpu_session.sh 8b          # 8b, full activation checkpointing, bf16, one device: plan, then a run
+#   bash scripts/gpu_session.sh optim       # 8b with 8-bit AdamW moments on one device: plan, then its peak vs the plan
 # Everything it reports goes to $OUT (the device tool returns that folder; default
 # outputs/gpu-session). Knobs (env): PY (python3), DEVICE (cuda; cpu runs a stage's commands
 # on this machine, with MODEL=tiny SEQ=128, to check the script itself), MODEL (1b), SEQ (2048),
 # BATCH (4, per rank), PRECISION (mixed), ROUNDS (2), STEPS (30), RANKS (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?"stage: tests | bench | attention | compile | 8b"}
+STAGE=${1:?"stage: tests | bench | attention | compile | 8b | optim"}
 shift
 PY=${PY:-python3}
 OUT=${OUT:-outputs/gpu-session}
@@ -33,7 +34,7 @@ mkdir -p "$OUT"
 
 # The project's pure dependencies from the carried wheelhouse, and for the bench stage
 # torchtitan's, unless this python has them already.
-if ! "$PY" -c "import hydra, omegaconf, mlflow, submitit, datasets" 2>/dev/null; then
+if ! "$PY" -c "import hydra, omegaconf, mlflow, submitit, datasets, torchao" 2>/dev/null; then
   [ -d .whl ] || { echo ".whl is missing: build it with scripts/offline_wheels.sh and carry it" >&2; exit 2; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -56,7 +57,7 @@ chmod +x "$BENCH_VENV/bin/python"
 
 { date -u; command -v nvidia-smi >/dev/null && nvidia-smi || echo "no nvidia-smi"
   "$PY" -c "import importlib.metadata as m
-for n in ('torch', 'transformers', 'accelerate', 'torchtitan', 'hydra-core', 'mlflow-skinny', 'datasets'):
+for n in ('torch', 'transformers', 'accelerate', 'torchtitan', 'hydra-core', 'mlflow-skinny', 'datasets', 'torchao'):
     try: print(n, m.version(n))
     except m.PackageNotFoundError: print(n, 'not installed')"
 } > "$OUT/machine-$STAGE.txt" 2>&1
@@ -122,7 +123,18 @@ case "$STAGE" in
     fi
     MODEL=8b BATCH=${BATCH_8B:-1} PRECISION=$P8 ROUNDS=1 STEPS=${STEPS_8B:-12} \
       bench "8b-s$SEQ-full-ac-$P8" llama_fsdp --framework-override checkpointing=full "${force[@]}" ;;
+  optim)
+    # 8b, bf16, full activation checkpointing, micro-batch 1, 8-bit AdamW moments on one device:
+    # the plan (AdamW's bf16 moments do not fit 80 GB, 8-bit ones do), then the measured peak
+    # of real steps against it (tests/gpu/test_gpu_optim.py; the first step compiles the
+    # optimizer's step)
+    "$PY" -m llama_fsdp model=8b checkpointing=full precision=bf16 optim=adamw8bit \
+      cluster.device="$DEVICE" cluster.nproc_per_node=1 train.batch_size=1 train.seq_len="$SEQ" \
+      tracking.enabled=false hydra.run.dir=/tmp/gpu-session-optim-plan dry_run=true 2>&1 \
+      | tee "$OUT/plan-8b-adamw8bit.txt"
+    "$PY" -m pytest -q -m gpu tests/gpu/test_gpu_optim.py -rA -s --durations=0 2>&1 \
+      | tee "$OUT/gpu-tests-optim.txt" ;;
   *)
-    echo "unknown stage '$STAGE': tests | bench | attention | compile | 8b" >&2; exit 2 ;;
+    echo "unknown stage '$STAGE': tests | bench | attention | compile | 8b | optim" >&2; exit 2 ;;
 esac
 echo "stage $STAGE done; results in $OUT"

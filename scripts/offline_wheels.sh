@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a wheelhouse of the project's pure dependencies (hydra-core, omegaconf, mlflow-skinny
-# with its sqlite tracking store, submitit, datasets, and everything they need) for an offline
+# with its sqlite tracking store, submitit, datasets, torchao, and everything they need) for an offline
 # machine whose Python environment already has torch, transformers, accelerate, numpy, pandas,
 # pyarrow, sentencepiece, tokenizers, safetensors (and the other common packages that come with
 # them: requests, pyyaml, packaging, typing-extensions, anyio, click, cloudpickle, protobuf,
@@ -77,6 +77,11 @@ PINS=(
     sqlparse==0.6.1
     # SLURM launcher
     submitit==1.5.4
+    # low-bit AdamW (optim=adamw8bit | adamw4bit). The optimizers are Python + torch.compile;
+    # 0.18 loads its bundled kernels only on torch >= 2.11 (the GPU image's) and has the
+    # torch 2.11 code paths its optimizer states need (_wrap_tensor_autograd). One abi3 wheel
+    # (cp310-abi3, manylinux_2_24 / 2_28) serves Python 3.10+.
+    torchao==0.18.0
     # datasets (pins fsspec<=2026.9.0, dill<0.4.2, multiprocess<0.70.20)
     datasets==5.2.0
     dill==0.4.1

@@ -9,6 +9,7 @@ from typing import Any
 from ..config import Config, ModelConfig, model_presets
 from ..model import hf_shape, shape_diff
 from .layout import resolve_resume
+from .optim_meta import optim_mismatch
 
 
 def _override(field: str, value: Any) -> str:
@@ -88,9 +89,20 @@ def resume_problems(resume: str, output_dir: str) -> list[str]:
     return []
 
 
+def resume_optim_problems(cfg: Config) -> list[str]:
+    """The checkpoint to resume from holds another optimizer's state (optim_meta.py)."""
+    try:
+        path = resolve_resume(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    why = optim_mismatch(path, cfg.optim) if path is not None else None
+    return [why] if why else []
+
+
 def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
     problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
+    problems += resume_optim_problems(cfg)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "

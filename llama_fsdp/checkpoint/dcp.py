@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import SaveConfig
+from ..config import OptimConfig, SaveConfig
 from ..rundir import HF_META, RunDir
 from .hf import write_hf_meta
+from .optim_meta import optim_mismatch, write_optim_meta
 from .layout import (
     METADATA,
     TMP_SUFFIX,
@@ -184,11 +185,14 @@ class AppState(Stateful):
 
 class Checkpointer:
     """DCP save every ``save.every_steps`` and at the end, keep the last ``save.keep_last``,
-    resume from the newest. Every rank holds one; collectives happen at the same steps."""
+    resume from the newest. Every rank holds one; collectives happen at the same steps.
+    ``optim``: the optimizer whose state is saved, recorded beside it (optim_meta.py)."""
 
     def __init__(self, save: SaveConfig, *, output_dir: str, app: AppState, device: torch.device,
-                 hf_config: Any = None, tokenizer: Any = None, tracker: Any = None):
+                 hf_config: Any = None, tokenizer: Any = None, tracker: Any = None,
+                 optim: Optional[OptimConfig] = None):
         self.cfg, self.app, self.device = save, app, device
+        self.optim = optim or OptimConfig()
         self.output_dir = Path(output_dir)
         self.root = RunDir(output_dir).checkpoints
         self.hf_config, self.tokenizer, self.tracker = hf_config, tokenizer, tracker
@@ -212,7 +216,10 @@ class Checkpointer:
             return None
         skipped = []
         for path in candidates:
-            problem = verify(path) or self._try_load(path)
+            problem = verify(path)
+            if problem is None and (other := optim_mismatch(path, self.optim)) is not None:
+                raise CheckpointError(other)  # not a damaged checkpoint: no older one is tried
+            problem = problem or self._try_load(path)
             if problem is None:
                 break
             skipped.append(f"{path.name}: {problem}")
@@ -309,6 +316,7 @@ class Checkpointer:
                 _remove(stale, self.root)
             tmp.mkdir(parents=True)
             self._write_hf_meta(tmp / HF_META)
+            write_optim_meta(tmp, self.optim)
         dist.barrier()
         t0 = time.perf_counter()
         writer = dcp.FileSystemWriter(str(tmp))

@@ -24,10 +24,11 @@ def _ddp_kept(spec: RunSpec) -> int:
 
 
 def _ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts: int,
-                     saved: int, gloo: bool) -> dict[str, int]:
+                     saved: int, gloo: bool, step: int) -> dict[str, int]:
     """phase_peaks for sharding=no_shard (DDP): the gradients live in DDP's buckets for the
     whole run (gradient_as_bucket_view), so they are part of the state in every phase; nothing
-    is gathered; one bucket is all-reduced at a time (gloo copies it)."""
+    is gathered; one bucket is all-reduced at a time (gloo copies it); ``step`` is the optimizer
+    step's temporary (plan/optimizer.py)."""
     m, t, c = spec.model, spec.train, DTYPE_BYTES[spec.policy.compute_dtype]
     tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
     state = params + optim + grads + _ddp_kept(spec)
@@ -50,5 +51,5 @@ def _ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts
         "layers": state + max(saved + c * tokens * (vocab + hidden),
                               acts + layer * c + bucket),
         "root": state + bucket,
-        "optimizer": state + params,
+        "optimizer": state + step,
     }

@@ -22,6 +22,7 @@ from ..spec import PRECISION_POLICIES, ConfigError, RunSpec, build_spec
 from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES, mesh_for
 from .device import GB, device_capacity_bytes, peak_flops
 from .memory import Memory, memory_breakdown, phase_peaks
+from .optimizer import describe as describe_optimizer
 from .shapes import count_params, flops_per_token, n_matmul
 
 log = logging.getLogger("llama_fsdp.plan")
@@ -133,7 +134,7 @@ def _rows(plan: Plan) -> list[tuple[str, int]]:
     return [
         (f"parameters ({where}, {p.param_dtype})", mem.params),
         (f"gradients ({where}, {p.param_dtype})", mem.grads),
-        (f"optimizer (AdamW 2 moments, {p.param_dtype})", mem.optimizer),
+        (f"optimizer ({describe_optimizer(s)})", mem.optimizer),
         (f"unsharded params kept fwd->bwd ({p.compute_dtype})", mem.unsharded_params),
         ("all-gather / reduce-scatter buffers", mem.comm_buffers),
         (f"activations (b={t.batch_size}, s={t.seq_len}, AC {ac_text})", mem.activations),
@@ -210,6 +211,22 @@ def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
         world_size=world, mesh=mesh, global_batch=batch, tokens_per_step=batch * spec.train.seq_len)
 
 
+def with_optim(spec: RunSpec, name: str) -> RunSpec:
+    """The spec with another optimizer (its block size at the default)."""
+    return dataclasses.replace(spec, optim=dataclasses.replace(spec.optim, name=name,
+                                                                block_size=None))
+
+
+def _lowbit_variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
+    """Smaller optimizer moments than the spec's (8 bits, then 4), where the spec allows them
+    (spec.optim_problems: not with sharding.cpu_offload)."""
+    if spec.sharding.cpu_offload:
+        return []
+    smaller = {"adamw": ("adamw8bit", "adamw4bit"), "adamw8bit": ("adamw4bit",)}
+    return [(f"optim={name} ({'8' if name == 'adamw8bit' else '4'}-bit AdamW moments)",
+             with_optim(spec, name)) for name in smaller.get(spec.optim.name, ())]
+
+
 def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Single changes that lower memory, cheapest first, as (override text, spec)."""
     out: list[tuple[str, RunSpec]] = []
@@ -227,6 +244,7 @@ def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
         out.append(("precision=bf16 (bf16 params, grads and optimizer state)",
                     dataclasses.replace(spec, precision=PrecisionConfig(name="bf16"),
                                         policy=PRECISION_POLICIES["bf16"])))
+    out += _lowbit_variants(spec)
     if spec.device == "cuda" and not spec.sharding.cpu_offload and not spec.mesh.ddp:
         sh = dataclasses.replace(spec.sharding, cpu_offload=True)
         out.append(("sharding.cpu_offload=true", dataclasses.replace(spec, sharding=sh)))
@@ -243,9 +261,10 @@ def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
 
 
 def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
-    """Full sharding, full activation checkpointing, micro-batch 1 and bf16 together."""
+    """Full sharding, full activation checkpointing, micro-batch 1 and bf16 together (the
+    optimizer as it is: _fixes adds low-bit moments to this when it is not enough)."""
     texts = [text.split(" (")[0] for text, _ in _variants(spec)
-             if text != "sharding.cpu_offload=true"]
+             if text != "sharding.cpu_offload=true" and not text.startswith("optim=")]
     t = dataclasses.replace(spec.train, batch_size=1,
                             grad_accum=spec.train.grad_accum * spec.train.batch_size)
     combo = dataclasses.replace(
@@ -262,7 +281,10 @@ def _fixes(spec: RunSpec) -> list[str]:
         p = make_plan(with_nodes(with_strategy(spec, LEAST_MEMORY), n))
         lines.append(f"cluster=slurm cluster.nodes={n} sharding={LEAST_MEMORY} "
                      f"({n * spec.nproc_per_node} ranks): {p.predicted_peak_gb:.1f} GB (fits)")
-    singles = [(text, make_plan(v)) for text, v in _variants(spec)]
+    now = make_plan(spec).predicted_peak_bytes
+    # (4-bit moments can peak above 8-bit ones: the step's temporary; listed only if lower)
+    singles = [(text, p) for text, p in ((t, make_plan(v)) for t, v in _variants(spec))
+               if not text.startswith("optim=") or p.predicted_peak_bytes < now]
     lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
                                                           " (not enough alone)")
               for text, p in singles]
@@ -273,6 +295,15 @@ def _fixes(spec: RunSpec) -> list[str]:
         if text and text not in {t.split(" (")[0] for t, _ in singles}:
             lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
                          + (" (fits)" if p.fits else " (not enough)"))
+        # ... with low-bit moments too (8 bits first; alone they are singles above); more
+        # nodes keep the optimizer as it is
+        for low_text, low in ([] if p.fits or not text else _lowbit_variants(combo)):
+            low_plan = make_plan(low)
+            lines.append(f"{text} {low_text.split(' (')[0]}".strip()
+                         + f": {low_plan.predicted_peak_gb:.1f} GB"
+                         + (" (fits)" if low_plan.fits else " (not enough)"))
+            if low_plan.fits:
+                break
         if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
             peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
             lines.append(f"{text + ' ' if text else ''}cluster=slurm cluster.nodes={n} "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..spec import DTYPE_BYTES, RunSpec
 from .activations import _grad_logits_bytes, activation_bytes, logits_loss_bytes, saved_layer_bytes
 from .ddp import _ddp_bucket_bytes, _ddp_kept, _ddp_phase_peaks
+from .optimizer import optimizer_state_bytes, optimizer_step_bytes
 from .shapes import count_params, layer_shapes, numel, param_shapes, root_shapes, sharded_numel
 
 
@@ -24,7 +25,7 @@ class Memory:
 
     params: int  # sharded parameters (param dtype)
     grads: int  # sharded gradients (param dtype)
-    optimizer: int  # AdamW exp_avg + exp_avg_sq (param dtype)
+    optimizer: int  # AdamW exp_avg + exp_avg_sq (param dtype, or low-bit: plan/optimizer.py)
     unsharded_params: int  # reshard_after_forward=False: all params in compute dtype
     comm_buffers: int  # all-gather / reduce-scatter in flight; the largest unit's too
     activations: int
@@ -46,7 +47,7 @@ def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds for its shards, wherever they live."""
     local = sharded_numel(param_shapes(spec.model), spec.mesh.shard)
     b = DTYPE_BYTES[spec.policy.param_dtype]
-    return local * b, local * b, 2 * local * b
+    return local * b, local * b, optimizer_state_bytes(spec)
 
 
 def _comm_bytes(spec: RunSpec) -> int:
@@ -131,8 +132,9 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
               the head's and added to it out of place: 2 more) or, once resharded, its
               reduce-scatter input (the largest group: embedding + head), gloo's copy of it
               and, with accumulation, the new grad shard added to the old;
-    optimizer params, grads, both moments and foreach AdamW's denominator (one param-size
-              temporary).
+    optimizer params, grads, both moments and the step's temporary (foreach AdamW's
+              denominator, one param-size temporary; a low-bit step's fp32 copies of the
+              largest parameter: plan/optimizer.py's optimizer_step_bytes).
 
     sharding=no_shard is DDP, with its own model: ``_ddp_phase_peaks``.
 
@@ -142,8 +144,9 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     m, pol, t, ac, mesh = spec.model, spec.policy, spec.train, spec.checkpointing, spec.mesh
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
     params, grads, optim = model_state_bytes(spec)
+    step = optimizer_step_bytes(spec)
     if spec.sharding.cpu_offload:
-        params = grads = optim = 0
+        params = grads = optim = step = 0
     layer, root = numel(layer_shapes(m)), numel(root_shapes(m))
     tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
     resharded = mesh.reshard_after_forward
@@ -158,13 +161,13 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     saved = acts - (recomputed if wrapped else 0)
     if mesh.ddp:
         return _ddp_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
-                                saved=saved, gloo=gloo)
+                                saved=saved, gloo=gloo, step=step)
     in_flight = 2 * layer * c if resharded else 0
     rs_copies = 2 if gloo else 1
     if not m.tie_word_embeddings:
         return _grouped_phase_peaks(spec, params=params, grads=grads, optim=optim, acts=acts,
                                     saved=saved, kept=kept, in_flight=in_flight,
-                                    rs_copies=rs_copies)
+                                    rs_copies=rs_copies, step=step)
     root_unsharded = root * c if resharded else 0
     layer_grads = (0 if spec.sharding.cpu_offload else
                    sharded_numel(layer_shapes(m) * m.num_layers, mesh.shard)
@@ -189,12 +192,13 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
             + rs_copies * layer * r),
         "root": state + grads + max(2 * root * c + tied_grad,
                                     root * c + rs_copies * root * r + new_root_shard),
-        "optimizer": state + grads + params,
+        "optimizer": state + grads + step,
     }
 
 
 def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, acts: int,
-                         saved: int, kept: int, in_flight: int, rs_copies: int) -> dict[str, int]:
+                         saved: int, kept: int, in_flight: int, rs_copies: int,
+                         step: int) -> dict[str, int]:
     """phase_peaks for an untied model in parallel.py's groups: the embedding alone (never
     gathered in backward), the layers, [norm, head] kept gathered from its forward to its
     backward, a root without parameters. Per phase, besides params + optimizer state:
@@ -208,7 +212,7 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
               the new shard), or a layer's backward as in phase_peaks (no root held);
     root      all sharded grads, the embedding's unsharded grad and its reduce-scatter (no
               all-gather: the embedding's backward needs only the token ids);
-    optimizer params, grads, both moments and foreach AdamW's temporary.
+    optimizer params, grads, both moments and the step's temporary (``step``).
 
     Checked against the untied FSDP configs of benchmarks/plan_vs_measured_cpu.md."""
     m, pol, t, mesh = spec.model, spec.policy, spec.train, spec.mesh
@@ -254,7 +258,7 @@ def _grouped_phase_peaks(spec: RunSpec, *, params: int, grads: int, optim: int, 
         # shard is added to the old one out of place
         "root": state + grads + embed * c + rs_copies * embed * r
         + embed_shard * (2 if accumulated else 1),
-        "optimizer": state + grads + params,
+        "optimizer": state + grads + step,
     }
 
 

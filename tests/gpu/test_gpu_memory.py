@@ -90,7 +90,7 @@ def _measure(spec) -> tuple[int, int]:
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     model = build_model(spec, device)
-    optimizer = build_optimizer(model, t)
+    optimizer = build_optimizer(model, t, spec.optim)
     scheduler = build_scheduler(optimizer, t)
     train_step(model, optimizer, scheduler, steps[0], device=device,
                max_grad_norm=t.max_grad_norm)

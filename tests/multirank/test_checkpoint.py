@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from llama_fsdp.checkpoint import dcp, layout
+from llama_fsdp.rundir import OPTIM_META
 from tests.conftest import REPO, launch_prepared, make_spec
 from tests.faults import hooks
 from tests.distributed import run_ranks
@@ -153,9 +154,10 @@ def test_exact_resume_after_a_crash_mid_save(runs):
     # the killed save left its .tmp without DCP metadata; step 2 stayed the newest checkpoint
     crash = runs["after_crash"]
     assert sorted(crash) == ["step_000002", "step_000004.tmp"]
-    assert crash["step_000002"] == [layout.METADATA, "__0_0.distcp", "__1_0.distcp",
-                                    layout.MANIFEST]
-    assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp"]  # data, no metadata
+    assert crash["step_000002"] == sorted([layout.METADATA, "__0_0.distcp", "__1_0.distcp",
+                                           layout.MANIFEST, OPTIM_META])
+    # data, no metadata
+    assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp", OPTIM_META]
     b2 = runs["b2"]
     assert b2.resumed_from == str(layout.step_dir(root / "b", 2))
     assert b2.steps == STEPS and len(b2.losses) == STEPS - 2
@@ -210,7 +212,8 @@ def test_full_state_dict_checkpoints_and_retention(runs):
     assert names == ["step_000004", "step_000006"]  # keep_last=2 of 2, 4, 6
     for p in a.checkpoints:
         data = sorted(f.name for f in Path(p).iterdir() if f.is_file())
-        assert data == [".metadata", "__0_0.distcp", layout.MANIFEST]  # gathered, one file
+        # gathered, one file
+        assert data == sorted([".metadata", "__0_0.distcp", layout.MANIFEST, OPTIM_META])
     assert sorted(p.name for p in root.iterdir()) == ["a", "b", "c"]  # nothing else written
 
 

@@ -37,7 +37,7 @@ def _state_bytes(rank, world, specs):
     out = {}
     for name, spec in specs.items():
         model = build_model(spec, torch.device("cpu"))
-        opt = build_optimizer(model, spec.train)
+        opt = build_optimizer(model, spec.train, spec.optim)
         gen = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, spec.model.vocab_size, (2, 16), generator=gen)
         loss_sum(model, model_inputs(model, {"input_ids": ids, "labels": ids},

@@ -9,7 +9,9 @@ whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another
 already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
 behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
-Tolerances, from the 75-config sweep in benchmarks/plan_vs_measured_cpu.md:
+Tolerances, from the AdamW configs of benchmarks/plan_vs_measured_cpu.md (its 11 low-bit
+rows are 0.955 to 0.995, but for one tied 4-rank 8-bit row at 0.846, which is not checked
+here: the table says why):
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
   forward / loss / layers / root / optimizer of what is live in each, with gloo's reduce-scatter
   copy on CPU; an untied model in torchtitan's FSDP groups, parallel.apply_fsdp, has its own
@@ -23,8 +25,10 @@ Tolerances, from the 75-config sweep in benchmarks/plan_vs_measured_cpu.md:
   absurdly loose: measured >= 0.55 x sum (worst 0.599, full sharding with AC on at
   micro-batch 1, where those transients weigh most and the grouping keeps the head and the
   embedding from being gathered together).
-- At the start of the second step the heap holds exactly the sharded params and both AdamW
-  moments the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets.
+- At the start of the second step the heap holds exactly the sharded params and both
+  optimizer moments the plan counts (within 1 MB + 1%, less the state in tensors too small for
+  the shim: plan_vs_measured.untracked_state_bytes), and for no_shard (DDP) the gradient
+  buckets.
 
 Without a C compiler the test skips; CI sets LLAMA_FSDP_REQUIRE_MEMTRACK=1 (.ci/run), which
 makes that a failure, as LLAMA_FSDP_REQUIRE_SLURM / _UI do for the SLURM and UI tests.
@@ -55,14 +59,18 @@ PREDICTED_BAND = (0.88, 1.02)
 # whose peak is the root's reduce-scatter at the end of backward with gloo's copy of its input
 # (without that copy, which the plan counts on CPU only, the prediction is 7% under the
 # measured peak: out of the band).
+# Low-bit AdamW moments (compiled step), peaking in the optimizer step with 4-bit moments.
+# The ninth field names the optimizer.
 CASES = {
     2: [("full", "fp32", "none", 4, False, 1, "sdpa"), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),
         ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4),
         ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen"),
-        ("full", "fp32", "selective", 4), ("full", "mixed", "full", 1)],
+        ("full", "fp32", "selective", 4), ("full", "mixed", "full", 1),
+        ("full", "bf16", "full", 1, False, 1, "", "adamw4bit"),
+        ("no_shard", "fp32", "none", 2, False, 1, "", "adamw8bit")],
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
-        ("full", "fp32", "full", 1)],
+        ("full", "fp32", "full", 1), ("hybrid", "bf16", "full", 1, False, 1, "", "adamw4bit")],
 }
 REQUIRE_ENV = "LLAMA_FSDP_REQUIRE_MEMTRACK"  # CI (.ci/run): no C compiler fails, not skips
 
@@ -104,7 +112,8 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
                           f"left behind {leftover / MB:.2f}")
             assert abs(leftover) <= MAX_LEFTOVER, report[-1]
             start = r["steps"][-1]["start"] - leftover
-            assert abs(start - state) <= MB + 0.01 * state, (
+            # (less the state in tensors too small for the shim: low-bit moments' small parts)
+            assert abs(start - state + B.untracked_state_bytes(spec)) <= MB + 0.01 * state, (
                 f"{name} rank {rank}: {start / MB:.2f} MB live at the start of step 2, plan's "
                 f"params + optimizer {state / MB:.2f} MB")
             lo, hi = PREDICTED_BAND

@@ -295,21 +295,27 @@ def test_check_fits_refuses_70b_on_one_gpu_and_names_fixes():
 
 
 def test_fixes_list_each_change_once():
-    """8b already fully sharded, checkpointed and at micro-batch 1 on 2 CPU ranks: bf16 is the
-    one change left, so "all of them together" is that change again and is not listed twice."""
-    spec = make_spec("model=8b", "cluster.device=cpu", "sharding=full", "checkpointing=full",
-                     "train.batch_size=1", "precision=fp32")
-    with pytest.raises(P.PlanError) as err:
-        P.check_fits(spec)
-    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
-    assert len(fixes) == 1 and fixes[0].startswith("  - precision=bf16 (bf16 params"), fixes
-    assert fixes[0].endswith("(not enough alone)")
-    with pytest.raises(P.PlanError) as err:  # and in bf16, nothing is left to change
-        P.check_fits(make_spec("model=8b", "cluster.device=cpu", "sharding=full",
-                               "checkpointing=full", "train.batch_size=1", "precision=bf16"))
-    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
-    assert fixes == ["  - none left in this config: every memory-saving setting is on; it needs "
-                     "devices with more memory, or more of them"]
+    """8b already fully sharded, checkpointed and at micro-batch 1 on 2 CPU ranks: bf16 and
+    low-bit moments are the changes left, so "all of them together" is bf16 again (not listed
+    twice), then bf16 with 8-bit and with 4-bit moments."""
+    base = ("model=8b", "cluster.device=cpu", "sharding=full", "checkpointing=full",
+            "train.batch_size=1")
+
+    def fixes(*extra):
+        with pytest.raises(P.PlanError) as err:
+            P.check_fits(make_spec(*base, *extra))
+        return [line.split(":")[0] for line in str(err.value).splitlines()
+                if line.startswith("  - ")]
+
+    assert fixes("precision=fp32") == [
+        "  - precision=bf16 (bf16 params, grads and optimizer state)",
+        "  - optim=adamw8bit (8-bit AdamW moments)", "  - optim=adamw4bit (4-bit AdamW moments)",
+        "  - precision=bf16 optim=adamw8bit", "  - precision=bf16 optim=adamw4bit"]
+    assert fixes("precision=bf16", "optim=adamw8bit") == [
+        "  - optim=adamw4bit (4-bit AdamW moments)"]
+    # in bf16 with 4-bit moments, nothing is left to change
+    assert fixes("precision=bf16", "optim=adamw4bit") == [
+        "  - none left in this config"]
 
 
 def test_check_fits_suggests_full_instead_of_grad_op():

@@ -1,0 +1,174 @@
+"""Low-bit AdamW before launch: the plan's state bytes and fixes, the 70B-on-one-node recipe,
+the settings refused with their fix, the optimizer recorded in a checkpoint, quiet imports."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from llama_fsdp import plan as P
+from llama_fsdp.config import OptimConfig
+from llama_fsdp.plan import optimizer as O
+from llama_fsdp.spec import ConfigError
+from tests import conftest
+
+GB = 10**9
+# docs/planner.md's recipe: Llama 3 70B, full fine-tuning on one node of 8 x 80 GB GPUs
+RECIPE_70B = ["model=70b", "cluster=slurm", "cluster.gpus_per_node=8", "precision=bf16",
+              "checkpointing=full", "train.batch_size=1", "train.seq_len=2048"]
+
+
+def make_spec(*overrides: str):
+    return conftest.make_spec(list(overrides), output_dir="/tmp/llama_fsdp_test/optim")
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_70b_on_one_node_of_8x80gb_fits_with_8bit_moments_not_adamw(gpu):
+    """bf16 AdamW needs 88.2 GB per GPU (peak in the optimizer step: params, grads, both bf16
+    moments and foreach AdamW's temporary); 8-bit moments 65.1 GB, 4-bit 56.6 GB (peak in the
+    layers' backward), against 76.5 GB usable of 85.0 (10% margin): the numbers
+    docs/planner.md states."""
+    base = [*RECIPE_70B, "cluster.device=auto", f"cluster.gpu_type={gpu}"]
+    adamw = P.make_plan(make_spec(*base))
+    assert (round(adamw.predicted_peak_gb, 1), adamw.peak_phase) == (88.2, "optimizer")
+    assert adamw.capacity_bytes == 85 * GB and not adamw.fits
+    with pytest.raises(P.PlanError) as err:
+        P.check_fits(adamw.spec, adamw)
+    assert "  - optim=adamw8bit (8-bit AdamW moments): 65.1 GB (fits)" in str(err.value)
+    assert "  - optim=adamw4bit (4-bit AdamW moments): 56.6 GB (fits)" in str(err.value)
+    for name, peak, margin, state in (("adamw8bit", 65.1, 11.4, 17.92),
+                                      ("adamw4bit", 56.6, 19.9, 9.37)):
+        plan = P.make_plan(make_spec(*base, f"optim={name}"))
+        assert plan.fits and plan.peak_phase == "layers"
+        assert round(plan.predicted_peak_gb, 1) == peak
+        assert round((plan.usable_bytes - plan.predicted_peak_bytes) / GB, 1) == margin
+        assert round(plan.memory.optimizer / GB, 2) == state
+        P.check_fits(plan.spec, plan)  # no error
+
+
+def test_state_bytes_equal_the_bytes_torchao_allocated():
+    """Tiny on 2 ranks, fp32: the bytes the prototype measured on rank 0 (codes + scales +
+    code tables + the RMSNorm weights' full-precision moments), step counters left out."""
+    spec = make_spec("optim=adamw8bit", "precision=fp32")
+    assert O.optimizer_state_bytes(spec) == 3_407_872 + 53_248 + 61_440 + 9_216
+    spec4 = make_spec("optim=adamw4bit", "precision=fp32")
+    assert O.optimizer_state_bytes(spec4) == 1_823_488
+    adamw = make_spec("precision=fp32")
+    assert O.optimizer_state_bytes(adamw) == 2 * 4 * 1_705_088  # AdamW: as before
+
+
+def test_the_low_bit_decision_holds_for_every_rank():
+    """torchao's rule per local shard (>= 4096 elements, whole blocks), on every rank."""
+    assert O.shard_numels((31, 256), 2) == [16 * 256, 15 * 256]
+    assert not O.lowbit_everywhere(O.shard_numels((31, 256), 2), 256)  # 3840 < 4096
+    assert O.lowbit_everywhere(O.shard_numels((513, 256), 2), 256)  # 257 and 256 rows
+    assert not O.lowbit_everywhere(O.shard_numels((300, 100), 2), 256)  # 15000 % 256
+    assert O.shard_numels((5, 4096), 4) == [2 * 4096, 1 * 4096, 0]  # a rank with no rows
+    assert not O.lowbit_everywhere(O.shard_numels((5, 4096), 4), 256)
+    rows = O.shards(make_spec("model=70b", "cluster.device=cpu", "cluster.nproc_per_node=8",
+                              "optim=adamw4bit"))
+    assert {n for n, low in rows if not low} == {8192 // 8}  # only the RMSNorm weights
+
+
+def test_step_temporary_foreach_adamw_vs_one_parameter_at_a_time():
+    adamw, low = make_spec("precision=fp32"), make_spec("precision=fp32", "optim=adamw4bit")
+    assert O.optimizer_step_bytes(adamw) == P.model_state_bytes(adamw)[0]
+    largest = 768 * 256 // 2  # tiny's gate / up projection on 2 ranks
+    assert O.optimizer_step_bytes(low) == int(6.5 * largest * 4)
+    eager = make_spec("precision=fp32", "optim=adamw4bit", "optim.eager=true")
+    assert O.optimizer_step_bytes(eager) == 14 * largest * 4
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["optim.block_size=128"], "optim.block_size=128 sets the blocks of low-bit moments"),
+    (["optim=adamw8bit", "optim.block_size=100"], "must be a power of two"),
+    (["optim.bf16_stochastic_round=true", "precision=fp32"], "use precision=bf16"),
+    (["optim=adamw4bit", "save.full_state_dict=true"], "drop save.full_state_dict"),
+    (["optim=adamw8bit", "sharding.cpu_offload=true", *RECIPE_70B[1:3], "cluster.device=auto"],
+     "drop sharding.cpu_offload, or use optim=adamw"),
+])
+def test_settings_torchao_cannot_run_are_refused_with_the_fix(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        make_spec(*overrides)
+    assert needle in str(err.value)
+
+
+def test_valid_settings_pass():
+    for o in (["optim=adamw8bit", "optim.block_size=512"], ["optim=adamw4bit", "optim.eager=true"],
+              ["optim=adamw", "optim.bf16_stochastic_round=true", "precision=bf16"],
+              ["optim=adamw8bit", "optim.bf16_stochastic_round=true", "precision=bf16"]):
+        spec = make_spec(*o)
+        assert spec.optim.name == o[0].split("=")[1]
+    spec = make_spec("optim=adamw4bit", "optim.block_size=64")
+    assert spec.optim.block == 64 and "adamw4bit" in spec.run_name
+    assert spec.summary()["optimizer"] == "adamw4bit"
+
+
+def _fake_checkpoint(root, optim: OptimConfig | None):
+    from llama_fsdp.checkpoint import layout
+    from llama_fsdp.checkpoint.optim_meta import write_optim_meta
+
+    path = layout.step_dir(root, 4)
+    path.mkdir(parents=True)
+    (path / layout.METADATA).write_bytes(b"")
+    if optim is not None:
+        write_optim_meta(path, optim)
+    return path
+
+
+def test_resuming_with_another_optimizer_is_refused_before_launch(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "run", OptimConfig(name="adamw8bit"))
+    assert json.loads((ckpt / "optimizer.json").read_text())["format"] == "adamw8bit, block 256"
+    with pytest.raises(ConfigError) as err:
+        make_spec(f"resume={ckpt}", "optim=adamw4bit")
+    assert ("holds the state of optim 'adamw8bit, block 256', which optim 'adamw4bit, block 128' "
+            "cannot read: resume with optim=adamw8bit, or start afresh with resume=none"
+            ) in str(err.value)
+    make_spec(f"resume={ckpt}", "optim=adamw8bit")  # the same optimizer resumes
+    with pytest.raises(ConfigError, match="optim.block_size=256"):  # another block size
+        make_spec(f"resume={ckpt}", "optim=adamw8bit", "optim.block_size=128")
+    # resume=auto in the run dir checks its newest checkpoint too
+    with pytest.raises(ConfigError, match="cannot read"):
+        conftest.make_spec(["resume=auto", "optim=adamw"], output_dir=tmp_path / "run")
+
+
+def test_checkpoints_from_before_the_record_are_adamw(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "old", None)
+    make_spec(f"resume={ckpt}")
+    with pytest.raises(ConfigError, match="resume with optim=adamw,"):
+        make_spec(f"resume={ckpt}", "optim=adamw8bit")
+
+
+def test_torchao_import_noise_is_dropped_and_other_records_pass(caplog):
+    import llama_fsdp  # noqa: F401 - installs the filters
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: no CUDA")
+        logging.getLogger("torch.utils._pytree").warning(
+            "<enum 'X'> is an Enum subclass ... Calling register_constant() on Enum subclasses "
+            "is deprecated and will be an error in a future release.")
+        logging.getLogger("torchao").warning("a real torchao warning")
+    assert [r.getMessage() for r in caplog.records] == ["a real torchao warning"]
+
+
+def test_the_docs_recipe_commands_plan_what_the_docs_say():
+    """The dry-run commands of docs/optimizer.md and docs/planner.md compose, and plan the
+    peaks the pages state (the pages' numbers are the ones asserted above)."""
+    import shlex
+
+    docs = conftest.REPO / "docs"
+    expected = {"adamw": 88.2, "adamw8bit": 65.1, "adamw4bit": 56.6}
+    seen = 0
+    for page in ("optimizer.md", "planner.md"):
+        text = (docs / page).read_text()
+        for line in text.splitlines():
+            if not (line.startswith("python -m llama_fsdp model=70b cluster=slurm")
+                    and "dry_run=true" in line):
+                continue
+            args = [a for a in shlex.split(line)[3:] if a != "dry_run=true"]
+            spec = make_spec(*args, "cluster.device=auto")
+            peak = round(P.make_plan(spec).predicted_peak_gb, 1)
+            assert peak == expected[spec.optim.name] and f"{peak} GB" in text, (page, line)
+            seen += 1
+    assert seen == 2
