@@ -39,3 +39,7 @@ def _in_checkout() -> bool:
 
 if _in_checkout() and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
     sys.meta_path.append(_CheckoutFinder())
+
+from . import quiet as _quiet  # noqa: E402
+
+_quiet.install()
