@@ -50,7 +50,9 @@ class TrainState:
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    # only what trains: a LoRA model's frozen base has no gradients and no optimizer state
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              weight_decay=t.weight_decay, foreach=True)
 
 
