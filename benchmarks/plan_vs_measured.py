@@ -165,12 +165,15 @@ class Heap:
 
 
 def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1, packed: str = "") -> list[str]:
-    """``packed``: "" for unpacked input_ids, else the attention over packed records."""
+              tied: bool = False, grad_accum: int = 1, packed: str = "",
+              method: str = "full") -> list[str]:
+    """``packed``: "" for unpacked input_ids, else the attention over packed records;
+    ``method``: finetune=full | lora | qlora (conf/finetune's defaults: rank 16, all 7
+    projections)."""
     o = ["tracking.enabled=false", "cluster.device=cpu", f"cluster.nproc_per_node={world}",
          f"sharding={strategy}", f"precision={precision}", f"checkpointing={ac}",
          f"train.batch_size={batch}", f"train.grad_accum={grad_accum}", "train.seq_len=256",
-         *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}"]
+         *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}", f"finetune={method}"]
     if packed:  # _batches adds position_ids restarting per record
         o += ["data.packing=true", f"model.attn_implementation={packed}"]
     else:  # _batches makes unpacked input_ids: no document mask
@@ -181,8 +184,10 @@ def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
 
 
 def case_name(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1, packed: str = "") -> str:
-    return (f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
+              tied: bool = False, grad_accum: int = 1, packed: str = "",
+              method: str = "full") -> str:
+    return ((f"{method}, " if method != "full" else "")
+            + f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
             + (f" x {grad_accum}" if grad_accum > 1 else "") + (", tied" if tied else "")
             + (f", packed ({packed})" if packed else ""))
 
@@ -282,14 +287,25 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
         mark("forward")
         output.logits.register_hook(lambda grad: mark("loss"))
 
+    frozen_input = [False]
+
     def before_first_layer(module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        frozen_input[0] = hidden is not None and not hidden.requires_grad
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(lambda grad: mark("layers"))
 
+    def after_first_projection(module, args, output) -> None:
+        # a frozen embedding (finetune=lora / qlora): layer 0's input needs no gradient, so the
+        # layers' backward ends where the gradient reaches layer 0's q_proj
+        if frozen_input[0] and output.requires_grad:
+            output.register_hook(lambda grad: mark("layers"))
+
+    first = decoder_layers(model)[0]
+    q_proj = next(m for n, m in first.named_modules() if n.endswith("q_proj"))
     hooks = [model.register_forward_hook(after_forward),
-             decoder_layers(model)[0].register_forward_pre_hook(before_first_layer,
-                                                                 with_kwargs=True),
+             first.register_forward_pre_hook(before_first_layer, with_kwargs=True),
+             q_proj.register_forward_hook(after_first_projection),
              optimizer.register_step_pre_hook(lambda opt, args, kwargs: mark("root"))]
     out_steps = []
     for micro in batches:
@@ -301,12 +317,34 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
         mark("optimizer")
         out_steps.append({"start": start, **phase})
     rss_live = _rss_bytes()
+    small = small_state_bytes(model, optimizer)
     for h in hooks:
         h.remove()
-    del model, optimizer, scheduler, hooks
+    del model, optimizer, scheduler, hooks, first, q_proj
     gc.collect()
     return {"init": init, "steps": out_steps, "end": heap.current() - base, "rss0": rss0,
-            "rss_after": rss_live, "seconds": time.perf_counter() - t0}
+            "rss_after": rss_live, "seconds": time.perf_counter() - t0, "small": small}
+
+
+def small_state_bytes(model, optimizer) -> int:
+    """Bytes of the parameters' and optimizer states' tensors (this rank's shards; every inner
+    tensor of an NF4 weight) smaller than the shim's MIN_BLOCK: live all step, but not seen by
+    the shim. At the tiny shape every adapter and NF4 shard is one (1-3 MB in all)."""
+    import torch
+
+    from llama_fsdp import nf4
+
+    tensors = []
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        tensors += nf4.inner_tensors(local) if nf4.is_nf4(local) else [local]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    sizes = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(n for n in sizes.values() if n < MIN_BLOCK)
 
 
 def measure_on_rank(rank: int, world: int, specs: dict[str, Any], steps: int = 2) -> dict:
@@ -331,8 +369,10 @@ def rss_on_rank(rank: int, world: int, spec) -> dict:
 
 def peak_of(result: dict) -> int:
     """One rank's peak: the highest phase high-water mark over the steps, less the process
-    overhead (what the runtime still holds once the model and optimizer are gone)."""
-    return max(v for s in result["steps"] for k, v in s.items() if k in PHASES) - result["end"]
+    overhead (what the runtime still holds once the model and optimizer are gone), with the
+    state tensors too small for the shim (small_state_bytes)."""
+    return (max(v for s in result["steps"] for k, v in s.items() if k in PHASES)
+            - result["end"] + result.get("small", 0))
 
 
 # --- driver -----------------------------------------------------------------------------------
@@ -370,7 +410,8 @@ def _row(case, spec, per_rank: list[dict]) -> dict:
     from llama_fsdp.plan import make_plan
 
     best = max(per_rank, key=peak_of)
-    phases = {k: max(s[k] for s in best["steps"]) - best["end"] for k in PHASES}
+    phases = {k: max(s[k] for s in best["steps"]) - best["end"] + best.get("small", 0)
+              for k in PHASES}
     model = phase_peaks(spec, gloo=True)
     return {"case": case, "name": case_name(*case), "plan": make_plan(spec), "model": model,
             "measured": peak_of(best), "phases": phases, "overhead": best["end"],

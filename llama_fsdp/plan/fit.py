@@ -20,6 +20,7 @@ from ..config import (
 )
 from ..spec import PRECISION_POLICIES, ConfigError, RunSpec, build_spec
 from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES, mesh_for
+from .adapters import flops_per_token as adapter_flops
 from .device import GB, device_capacity_bytes, peak_flops
 from .memory import Memory, memory_breakdown, phase_peaks
 from .shapes import count_params, flops_per_token, n_matmul
@@ -118,8 +119,10 @@ class Plan:
 def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAULT_MARGIN) -> Plan:
     """Parameters, FLOPs per token and per-device memory of a run, against its device."""
     capacity, source = device_capacity_bytes(spec)
+    flops = (adapter_flops(spec.model, spec.finetune, spec.train.seq_len)
+             if spec.finetune.adapters else flops_per_token(spec.model, spec.train.seq_len))
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
-                flops_per_token=flops_per_token(spec.model, spec.train.seq_len),
+                flops_per_token=flops,
                 memory=memory_breakdown(spec), capacity_bytes=capacity, capacity_source=source,
                 peak_flops=peak_flops(spec), margin=margin, mfu=mfu,
                 phases=phase_peaks(spec, gloo=spec.device == "cpu"))
