@@ -4,9 +4,9 @@ installs it before anything imports torch).
 torchao (imported by the low-bit optimizers, and by transformers itself when torchao is
 installed) tries to load its CUDA-only kernel libraries and logs "Failed to load ... .so" for
 each on a machine without them, and registers Enums that torch >= 2.13 reports as deprecated
-("... is an Enum subclass ... register_constant() ... deprecated"). Both are plain `logging`
-records of two loggers; a filter on each drops exactly those messages and lets every other
-record of those loggers through.
+("... is an Enum subclass ... register_constant() ... deprecated"), and without triton (CPU-only
+builds) says "Detected no triton". All are plain `logging` records; a filter on each of their
+loggers drops exactly those messages and lets every other record of those loggers through.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import logging
 NOISE = {
     "torchao": ("Failed to load",),
     "torch.utils._pytree": ("register_constant() on Enum subclasses is deprecated",),
+    # its int8 matmul kernels (which llama_fsdp never calls) need triton: CPU-only builds
+    "torchao.kernel.intmm": ("Detected no triton",),
 }
 
 
