@@ -259,3 +259,28 @@ def memory_breakdown(spec: RunSpec) -> "Memory":
                   comm_buffers=comm, activations=activation_bytes(spec),
                   logits_loss=logits_loss_bytes(m, micro_batch=t.batch_size,
                                                 seq_len=t.seq_len, c=c), host=host)
+
+
+# --- the plan's table ------------------------------------------------------------------------
+
+
+def adapter_lines(spec: RunSpec) -> list[str]:
+    """The table's line on what trains (nothing for full fine-tuning)."""
+    m, ft = spec.model, spec.finetune
+    if not ft.adapters:
+        return []
+    from .shapes import count_params
+
+    n = adapter_params(m, ft)
+    return [f"trainable    {n:,} adapters ({n / (count_params(m) + n):.2%}): {ft.method} rank "
+            f"{ft.rank} on {', '.join(ft.target_modules)}; the base is frozen"
+            + (" and NF4" if ft.nf4 else "")]
+
+
+def adapter_state_labels(spec: RunSpec, where: str) -> list[str]:
+    """The table's labels of params, grads and optimizer state with a frozen base."""
+    p, ft = spec.policy, spec.finetune
+    base = (f"NF4/{p.frozen_dtype}" if ft.nf4 else p.frozen_dtype)
+    return [f"base {base} + adapters {p.param_dtype} ({where})",
+            f"gradients (adapters only, {p.param_dtype})",
+            f"optimizer (AdamW 2 moments of the adapters, {p.param_dtype})"]
