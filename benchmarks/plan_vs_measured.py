@@ -399,6 +399,25 @@ FULL_CASES = (
                                                              False, 1, "varlen"),
        (2, "grad_op", "mixed", "none", 1, True, 2, "varlen")]
 )
+# finetune=lora | qlora (rank 16 on all 7 projections): a frozen base without gradients or
+# optimizer state, NF4 for qlora; every strategy, precision and AC mode, tied, accumulation,
+# packed records, 1 to 4 ranks (the tiny shape's k / v cannot be NF4 over 4 shards: qlora at 4
+# ranks is hybrid 2 x 2)
+ADAPTER_CASES = (
+    [(w, "full", p, ac, b, False, 1, "", m) for m in ("lora", "qlora") for w, p, ac, b in
+     ((1, "bf16", "full", 1), (2, "fp32", "none", 4), (2, "bf16", "full", 1),
+      (2, "mixed", "none", 4))]
+    + [(2, "grad_op", "bf16", "full", 4, False, 1, "", "lora"),
+       (2, "grad_op", "mixed", "none", 1, False, 1, "", "qlora"),
+       (2, "no_shard", "fp32", "none", 4, False, 1, "", "lora"),
+       (2, "no_shard", "mixed", "full", 1, False, 1, "", "qlora"),
+       (2, "full", "mixed", "full", 1, True, 2, "", "qlora"),
+       (2, "full", "mixed", "full", 1, True, 1, "", "lora"),
+       (2, "full", "fp32", "none", 4, False, 1, "varlen", "lora"),
+       (4, "hybrid", "bf16", "full", 4, False, 1, "", "qlora"),
+       (4, "full", "fp32", "full", 1, False, 1, "", "lora")]
+)
+FULL_CASES += ADAPTER_CASES
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),
                (4, "hybrid", "bf16", "full", 4), (4, "full", "fp32", "full", 1)]
@@ -488,7 +507,9 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "- *measured*: the highest heap high-water mark of any rank in any phase of the 2 steps, "
         "above the heap just before the model was built, less the process overhead "
         "(*ovh*: what the runtime still holds after the model, optimizer and batches are "
-        "deleted: MKL / oneDNN / gloo buffers, 0-10 MB).",
+        "deleted: MKL / oneDNN / gloo buffers, 0-10 MB), plus the parameters' and optimizer "
+        "states' tensors smaller than the shim's 64 KiB blocks (live all step, unseen by it: "
+        "at this shape every LoRA adapter and NF4 shard, 1-3 MB in all).",
         "- *predicted*: `make_plan(spec).predicted_peak_bytes`, i.e. "
         "`max(phase_peaks(spec, gloo=True).values())`, the plan's per-phase model "
         "(docstring of `llama_fsdp.plan.phase_peaks`). The cases set data.packing=false "
@@ -562,10 +583,18 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "CUDA in 16-bit, keeps no such mask (on CPU its chunks' masks, made once per "
         "micro-batch, are counted at their bound of s bools per token): the *packed* rows above "
         "measure both.",
-        "- `tests/multirank/test_plan_memory.py` checks 11 of these configs on every run: measured "
-        "within [0.88, 1.02] x `predicted_peak_bytes` (the phase model), measured <= the sum "
-        "and >= 0.55 x the sum, and the heap at the start of step 2 equal to params + AdamW "
-        "moments (1 MB + 1%).",
+        "- finetune=lora / qlora (the rows named so; rank 16 on all 7 projections) have their "
+        "own phase model (`llama_fsdp/plan/adapters.py`): a frozen base (16-bit, NF4 with its "
+        "scales for qlora's projections) with no gradients and no optimizer state, the "
+        "adapters' gradients and moments, LoRA's saved activations (no RMSNorm x rsqrt, each "
+        "adapter's rank-wide A x), layers gathered in 4 bits and dequantized one weight at a "
+        "time, no head or embedding backward, and a step that ends at layer 0, whose "
+        "reduce-scatter waits for FSDP2's final callback (its input needs no gradient). The "
+        "peak is the loss phase's in every one of them.",
+        "- `tests/multirank/test_plan_memory.py` checks 16 of these configs on every run "
+        "(5 of them lora / qlora): measured within [0.88, 1.02] x `predicted_peak_bytes` (the "
+        "phase model), measured <= the sum and >= 0.55 x the sum, and the heap at the start "
+        "of step 2 equal to params + optimizer state (1 MB + 1%).",
         "",
         "## Per phase, measured / predicted",
         "",

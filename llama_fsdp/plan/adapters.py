@@ -101,8 +101,10 @@ def lora_layer_activation_bytes(m: ModelConfig, ft: FinetuneConfig, c: int,
     down is kept only where one of them has an adapter (lora_A keeps it); each adapter keeps
     A x, rank wide (r·c). With dropout, each adapter keeps its dropped input and the mask (a
     c-byte mask on CPU, bool on CUDA) instead of the shared input. An NF4 base adds nothing:
-    torchao's linear_nf4 keeps only the weight. Checked against the bytes autograd saves
-    (tests/unit/test_plan_adapters.py).
+    torchao's linear_nf4 keeps only the weight. Exact against the bytes autograd saves
+    (tests/unit/test_plan_adapters.py) when a q, k or v projection has an adapter; without
+    one, no gradient reaches layer 0's attention and it keeps less (the plan is above by less
+    than a layer).
     """
     h, i = m.hidden_size, m.intermediate_size
     targets, shapes = set(ft.target_modules), projection_shapes(m)
@@ -111,9 +113,14 @@ def lora_layer_activation_bytes(m: ModelConfig, ft: FinetuneConfig, c: int,
     out = layer_activation_bytes(m, c) - 2 * h * c - (2 * h + i) * c + inputs * c
     out += c * ft.rank * len(targets)
     if ft.dropout > 0:
-        mask = 1 if device == "cuda" else c
+        mask = _mask_bytes(c, device)
         out += sum((c + mask) * shapes[t][1] for t in targets) - inputs * c
     return out
+
+
+def _mask_bytes(c: int, device: str) -> int:
+    """Bytes per element of a dropout mask: bool on CUDA, the input's dtype on CPU."""
+    return 1 if device == "cuda" else c
 
 
 def saved_layer_bytes(m: ModelConfig, ft: FinetuneConfig, *, seq_len: int, c: int,
@@ -126,9 +133,10 @@ def saved_layer_bytes(m: ModelConfig, ft: FinetuneConfig, *, seq_len: int, c: in
 
 def activation_bytes(spec: RunSpec) -> int:
     """Activations one micro-batch keeps for backward (activations.activation_bytes with the
-    layer above). Outside the layers nothing is kept: the final RMSNorm's fp32 input and
-    rsqrt (4h + 4) are what layer 0's first RMSNorm, whose input needs no gradient with a
-    frozen embedding, does not keep; the ids and the head's input are not kept at all."""
+    layer above). Outside the layers only the loss's int64 targets are kept: the final
+    RMSNorm's fp32 input and rsqrt (4h + 4) are what layer 0's first RMSNorm, whose input
+    needs no gradient with a frozen embedding, does not keep, and neither the embedding nor
+    the frozen head keeps its input."""
     m, t, ft = spec.model, spec.train, spec.finetune
     c = DTYPE_BYTES[spec.policy.compute_dtype]
     per_layer = saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c, packing=spec.data.packing,
@@ -137,7 +145,11 @@ def activation_bytes(spec: RunSpec) -> int:
     layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
     if wrapped:
         layers += per_layer  # the layer being recomputed in backward
-    outside = varlen_mask_bytes(m, t.seq_len, c, spec.device)
+    outside = 8 + varlen_mask_bytes(m, t.seq_len, c, spec.device)  # the loss's int64 targets
+    if ft.dropout > 0 and 0 not in spec.checkpointing.wrapped_layers(m.num_layers):
+        # layer 0's q / k / v dropouts keep no mask: their input needs no gradient
+        outside -= m.hidden_size * _mask_bytes(c, spec.device) * len(set(ft.target_modules)
+                                                                      & set(QKV))
     rope = 2 * t.seq_len * (m.hidden_size // m.num_heads) * c
     return t.batch_size * t.seq_len * (layers + outside) + rope
 

@@ -87,6 +87,12 @@ def _session(rank, world, specs):
     out = {}
     for name, spec in specs.items():
         run = RankRun.build(spec, env, cpu)
+        staging = None
+        if spec.finetune.nf4:  # the base again, to read the 16-bit staging it held
+            from llama_fsdp.checkpoint.adapters import load_hf_base
+
+            staging = load_hf_base(run.model, spec.model.path, spec.finetune,
+                                   device=cpu)["staging_bytes"]
         before = _base(run.model)
         nf4_exact = (spec.finetune.nf4
                      and _nf4_equals_whole_tensor_quantized(run.model, spec.model.path))
@@ -96,6 +102,7 @@ def _session(rank, world, specs):
         after = _base(run.model)
         out[name] = {
             "result": result, "logits": _logits(run.model), "nf4_exact": nf4_exact,
+            "staging": staging,
             "base_unchanged": before.keys() == after.keys() and all(
                 all(torch.equal(a, b) for a, b in zip(before[k], after[k])) for k in before),
             "optimizer_holds_adapters_only": optimized == trained and all(
@@ -193,6 +200,27 @@ def test_nf4_shards_equal_the_whole_tensor_quantized(runs):
             assert r["nf4_exact"], name
     for rank_result in runs["ranks"]["2"] + runs["ranks"]["4"]:
         assert all(v["nf4_exact"] for k, v in rank_result.items() if k.startswith("qlora"))
+
+
+def test_loading_stages_one_layers_rows_as_the_plan_says(runs):
+    """No rank holds more than one decoder layer's target rows in 16 bits while loading the
+    NF4 base (plan/host.py's staging_bytes; fp32 here, the frozen dtype of precision=fp32)."""
+    from llama_fsdp.plan.host import staging_bytes
+
+    for world, results in (("2", runs["ranks"]["2"]), ("4", runs["ranks"]["4"])):
+        for r in results:
+            spec = runs["specs"][f"qlora_{world}"]
+            assert r[f"qlora_{world}"]["staging"] == staging_bytes(spec) > 0
+    # tiny (h 256, kv 128, i 768) over 2 shards: (2 x 256 + 2 x 128 + 3 x 768) x 256 / 2 rows
+    assert staging_bytes(runs["specs"]["qlora_2"]) == (2 * 256 + 2 * 128 + 3 * 768) * 256 // 2 * 4
+
+
+def test_convert_says_where_an_adapter_checkpoint_s_model_is(runs):
+    from llama_fsdp.checkpoint import layout
+    from llama_fsdp.convert import convert
+
+    with pytest.raises(ValueError, match="holds LoRA adapters only"):
+        convert(layout.step_dir(runs["root"] / "qlora_2", 3), runs["root"] / "converted")
 
 
 def test_resume_is_exact_and_works_on_another_world_size(runs):

@@ -24,7 +24,10 @@ Tolerances, from the 66-config sweep in benchmarks/plan_vs_measured_cpu.md:
   micro-batch 1, where those transients weigh most and the grouping keeps the head and the
   embedding from being gathered together).
 - At the start of the second step the heap holds exactly the sharded params and both AdamW
-  moments the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets.
+  moments the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets; with
+  finetune=lora / qlora the frozen base and the adapters' moments (the adapters and NF4 shards
+  of this shape are below the shim's 64 KiB blocks: their sizes are added, measure_case's
+  ``small``).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
 PLAN_LOOSEST = 0.55
 PREDICTED_BAND = (0.88, 1.02)
 # (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum,
-# packed]): every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks
+# packed, finetune method]): every strategy, AC none and full, fp32 / bf16 / mixed, micro-batch 1, 2 and 4; peaks
 # in the loss phase and in the root's reduce-scatter at the end of backward; no_shard (DDP) in
 # fp32 and under autocast (mixed); packed records through the CPU default attention (varlen's
 # block-sparse SDPA: its chunks' outputs beside their concatenation, and the chunks' masks).
@@ -49,9 +52,14 @@ CASES = {
     2: [("full", "fp32", "none", 4), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),
         ("full", "mixed", "full", 1, True, 2), ("no_shard", "mixed", "none", 4),
-        ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen")],
+        ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen"),
+        # finetune=lora / qlora: a frozen base (plan/adapters.py)
+        ("full", "bf16", "full", 1, False, 1, "", "qlora"),
+        ("no_shard", "fp32", "none", 4, False, 1, "", "lora"),
+        ("full", "mixed", "full", 1, True, 2, "", "qlora")],
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
-        ("full", "fp32", "full", 1)],
+        ("full", "fp32", "full", 1), ("hybrid", "bf16", "full", 4, False, 1, "", "qlora"),
+        ("full", "fp32", "full", 1, False, 1, "", "lora")],
 }
 
 
@@ -88,7 +96,8 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
                           f"{plan.peak_phase}), sum {total / MB:.1f} ({measured / total:.3f}), "
                           f"left behind {leftover / MB:.2f}")
             assert abs(leftover) <= MAX_LEFTOVER, report[-1]
-            start = r["steps"][-1]["start"] - leftover
+            # (with the state tensors too small for the shim: adapters, NF4 shards)
+            start = r["steps"][-1]["start"] - leftover + r.get("small", 0)
             assert abs(start - state) <= MB + 0.01 * state, (
                 f"{name} rank {rank}: {start / MB:.2f} MB live at the start of step 2, plan's "
                 f"params + optimizer {state / MB:.2f} MB")
