@@ -13,8 +13,11 @@ From the command line to one optimizer step, the functions on the way:
     worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
       init_distributed                         process group (gloo, or nccl + gloo)
       train_on_rank -> RankRun.build           build_model (model.build_meta_model,
-                                               parallel.parallelize, model.init_weights or
-                                               checkpoint.load_hf_weights), data.build_data,
+                                               [adapters.apply_adapters,] parallel.parallelize,
+                                               model.init_weights or
+                                               checkpoint.load_hf_weights; adapters: their
+                                               base from checkpoint.load_hf_base or
+                                               adapters.init_base), data.build_data,
                                                train.build_optimizer, checkpoint.Checkpointer
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is

@@ -166,14 +166,17 @@ def _unsharded_layer_bytes(spec: RunSpec) -> int:
 
 
 def _dequantized_bytes(spec: RunSpec) -> int:
-    """qlora: the largest target weight dequantized to the compute dtype inside its matmul
-    (forward, and again for the input gradient in backward): one at a time."""
+    """qlora: the largest target weight dequantized inside its matmul (forward, and again for
+    the input gradient in backward), one weight at a time. torchao's get_original_weight
+    holds each weight's codes as int64 (8 bytes a weight) beside three compute-dtype copies
+    (the looked-up codes, their scaled values, the result): (8 + 3c) bytes a weight at its
+    peak (measured: 14.0 n in bf16, 20.0 n in fp32)."""
     ft = spec.finetune
     if not ft.nf4:
         return 0
     shapes = projection_shapes(spec.model)
-    return max(math.prod(shapes[t]) for t in ft.target_modules) * DTYPE_BYTES[
-        spec.policy.compute_dtype]
+    c = DTYPE_BYTES[spec.policy.compute_dtype]
+    return max(math.prod(shapes[t]) for t in ft.target_modules) * (8 + 3 * c)
 
 
 def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
@@ -182,7 +185,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     head gradient in its backward, no reduce-scatter but the adapters', no embedding backward
     at all (the root phase holds the state and the adapters' gradients); the optimizer phase's
     foreach temporary is adapter-sized. qlora adds a dequantized weight inside a layer's
-    backward."""
+    forward and backward; the forward's peak may be at its start (the first unit gathered) or
+    inside a layer rather than at the head."""
     m, pol, t, mesh, ft = spec.model, spec.policy, spec.train, spec.mesh, spec.finetune
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
     params, grads, optim = model_state_bytes(spec)
@@ -217,6 +221,14 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # the input), the dequantized weight of qlora
     layer_bwd = (acts + (accumulated or grads) + in_flight + a_layer * c
                  + (2 if gloo else 1) * a_layer * r + _dequantized_bytes(spec))
+    # inside a layer's forward (the peak where the logits are small and qlora's dequantized
+    # weight large): the layers before, this layer's activations, its dequantized weight
+    in_layer = (state + accumulated + saved + (recomputed if wrapped else 0) + kept + in_flight
+                + _dequantized_bytes(spec))
+    # the start of forward: the first unit (the tied root, or the embedding) all-gathered (its
+    # output buffer beside the copied-out parameters) while the first layers are prefetched
+    first = numel(root_shapes(m)) * c if m.tie_word_embeddings else m.vocab_size * hidden * c
+    start = state + accumulated + 2 * first + in_flight
     # No embedding backward: the step ends with layer 0's, whose input needs no gradient, so
     # FSDP2 reduce-scatters its adapters' gradients and reshards it only in its final callback:
     # layer 0 still gathered, the gradients of q, k, v's outputs and their input
@@ -226,8 +238,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     if m.tie_word_embeddings:  # the root (embedding, norm, head) stays gathered throughout
         root_kept = root_u if resharded else 0
         return {
-            "forward": state + accumulated + saved + kept + root_kept + in_flight
-            + c * tokens * vocab,
+            "forward": max(start, in_layer + root_kept, state + accumulated + saved + kept
+                           + root_kept + in_flight + c * tokens * vocab),
             "loss": state + accumulated + saved + kept + root_kept
             + max(logits, _grad_logits_bytes(c, tokens, vocab)),
             "layers": state + kept + root_kept + max(
@@ -237,7 +249,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     head_kept = head if resharded else 0
     after_head = kept - (0 if resharded else head)
     return {
-        "forward": state + accumulated + saved + kept + head_kept + head + c * tokens * vocab,
+        "forward": max(start, in_layer, state + accumulated + saved + kept + head_kept + head
+                       + c * tokens * vocab),
         "loss": state + accumulated + saved + kept + head_kept + logits,
         "layers": state + max(kept + saved + accumulated + head_kept
                               + c * tokens * (vocab + hidden),
