@@ -14,6 +14,7 @@ import math
 from .. import nf4
 from ..config import FinetuneConfig, ModelConfig
 from ..spec import DTYPE_BYTES, RunSpec
+from ..strategies import DDP_BUCKET_MB
 from .activations import (
     _grad_logits_bytes,
     layer_activation_bytes,
@@ -204,14 +205,8 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     logits = logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c)
     a_layer = numel(adapter_shapes(m, ft))
     if mesh.ddp:
-        kept = a_layer * m.num_layers * c if pol.compute_dtype != pol.param_dtype else 0
-        bucket = min(grads, 100 * 2**20) if gloo else 0
-        state += grads + kept  # the gradients live in DDP's buckets
-        return {"forward": state + saved + c * tokens * vocab,
-                "loss": state + saved + max(logits, _grad_logits_bytes(c, tokens, vocab)),
-                "layers": state + max(saved + c * tokens * (vocab + hidden),
-                                      acts + _dequantized_bytes(spec) + a_layer * c + bucket),
-                "root": state + bucket, "optimizer": state + adapters}
+        return _ddp_phase_peaks(spec, state=state, grads=grads, adapters=adapters, acts=acts,
+                                saved=saved, logits=logits, gloo=gloo)
     layer_u = _unsharded_layer_bytes(spec)
     root_u = numel(root_shapes(m)) * c
     resharded = mesh.reshard_after_forward
@@ -258,6 +253,25 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
         "root": root, "optimizer": state + grads + adapters}
 
 
+def _ddp_phase_peaks(spec: RunSpec, *, state: int, grads: int, adapters: int, acts: int,
+                     saved: int, logits: int, gloo: bool) -> dict[str, int]:
+    """sharding=no_shard (DDP, ddp.py's model) with a frozen base: the adapters' gradients in
+    DDP's buckets all along, their compute-dtype casts cached under autocast (mixed), one
+    bucket all-reduced at a time (gloo copies it)."""
+    m, pol, t = spec.model, spec.policy, spec.train
+    c = DTYPE_BYTES[pol.compute_dtype]
+    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
+    a_layer = numel(adapter_shapes(m, spec.finetune))
+    kept = a_layer * m.num_layers * c if pol.compute_dtype != pol.param_dtype else 0
+    bucket = min(grads, DDP_BUCKET_MB * 2**20) if gloo else 0
+    state += grads + kept
+    return {"forward": state + saved + c * tokens * vocab,
+            "loss": state + saved + max(logits, _grad_logits_bytes(c, tokens, vocab)),
+            "layers": state + max(saved + c * tokens * (vocab + hidden),
+                                  acts + _dequantized_bytes(spec) + a_layer * c + bucket),
+            "root": state + bucket, "optimizer": state + adapters}
+
+
 def memory_breakdown(spec: RunSpec) -> "Memory":
     """memory.memory_breakdown with a frozen base: gradients and optimizer state of the
     adapters only, unsharded copies of layers in the compute dtype (NF4 in 4 bits), buffers of
@@ -275,7 +289,7 @@ def memory_breakdown(spec: RunSpec) -> "Memory":
                else m.vocab_size * m.hidden_size + m.hidden_size) * c
     if mesh.ddp:
         kept = a_layer * m.num_layers * c if pol.compute_dtype != pol.param_dtype else 0
-        comm = min(a_layer * m.num_layers * DTYPE_BYTES[pol.param_dtype], 100 * 2**20)
+        comm = min(a_layer * m.num_layers * DTYPE_BYTES[pol.param_dtype], DDP_BUCKET_MB * 2**20)
     else:
         resharded = mesh.reshard_after_forward
         kept = 0 if resharded else layer_u * m.num_layers + numel(root_shapes(m)) * c
