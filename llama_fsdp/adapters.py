@@ -227,7 +227,8 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
             continue
         start, rows = local_rows(p)
         bound = 1.0 / math.sqrt(p.shape[1])
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(clean_name(name).encode()))
+        key = zlib.crc32(clean_name(name).encode())
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + key)
         full = torch.empty(tuple(p.shape)).uniform_(-bound, bound, generator=gen)
         local.copy_(full[start:start + rows])
 
