@@ -44,6 +44,21 @@ def test_qlora_bf16_compiled_trains_and_exports_its_adapter(tmp_path):
           f"{m['summary/predicted_peak_memory_gb']:.3f})")
 
 
+@pytest.mark.parametrize("options", [["finetune=lora", "sharding.cpu_offload=true"],
+                                     ["finetune=qlora", "sharding=no_shard"],
+                                     ["finetune=lora", "sharding=grad_op", "finetune.dropout=0.1",
+                                      "checkpointing=full"]],
+                         ids=["lora-offload", "qlora-ddp", "lora-grad_op-dropout-ac"])
+def test_adapters_train_with_each_option(tmp_path, options):
+    from tests.gpu.test_gpu_run import SHORT, _run, _run_record
+
+    code, log = _run(tmp_path, *SHORT, *options)
+    assert code == 0, log[-4000:]
+    client, run = _run_record(tmp_path)
+    losses = [x.value for x in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 12 and losses[-1] < losses[0], losses
+
+
 def _spec(method: str, precision: str, ac: str, batch: int):
     from tests.conftest import make_spec
 
