@@ -166,14 +166,15 @@ class Heap:
 
 def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
               tied: bool = False, grad_accum: int = 1, packed: str = "",
-              optim: str = "") -> list[str]:
+              optim: str = "", method: str = "full") -> list[str]:
     """``packed``: "" for unpacked input_ids, else the attention over packed records;
     ``optim``: "" for AdamW, else the optim= option and its flags: "adamw8bit", "adamw4bit
-    eager" (optim.eager), "adamw sr" (optim.bf16_stochastic_round)."""
+    eager" (optim.eager), "adamw sr" (optim.bf16_stochastic_round); ``method``: finetune=full |
+    lora | qlora (conf/finetune's defaults: rank 16, all 7 projections)."""
     o = ["tracking.enabled=false", "cluster.device=cpu", f"cluster.nproc_per_node={world}",
          f"sharding={strategy}", f"precision={precision}", f"checkpointing={ac}",
          f"train.batch_size={batch}", f"train.grad_accum={grad_accum}", "train.seq_len=256",
-         *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}"]
+         *SHAPE, f"model.tie_word_embeddings={str(tied).lower()}", f"finetune={method}"]
     if packed:  # _batches adds position_ids restarting per record
         o += ["data.packing=true", f"model.attn_implementation={packed}"]
     else:  # _batches makes unpacked input_ids: no document mask
@@ -188,29 +189,15 @@ def overrides(world: int, strategy: str, precision: str, ac: str, batch: int,
 
 
 def case_name(world: int, strategy: str, precision: str, ac: str, batch: int,
-              tied: bool = False, grad_accum: int = 1, packed: str = "", optim: str = "") -> str:
-    return (f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
+              tied: bool = False, grad_accum: int = 1, packed: str = "", optim: str = "",
+              method: str = "full") -> str:
+    return ((f"{method}, " if method != "full" else "")
+            + f"{world} ranks, {strategy}, {precision}, AC {ac}, b={batch}"
             + (f" x {grad_accum}" if grad_accum > 1 else "") + (", tied" if tied else "")
             + (f", packed ({packed})" if packed else "") + (f", {optim}" if optim else ""))
 
 
 # --- on each rank -----------------------------------------------------------------------------
-
-
-def untracked_state_bytes(spec) -> int:
-    """Optimizer state in tensors smaller than MIN_BLOCK, which the shim does not count: the
-    moments of the RMSNorm weights, and low-bit moments' code tables, scales and the codes of
-    small shards (plan/optimizer.py's sizes)."""
-    from llama_fsdp.plan.optimizer import CODE_BYTES, QMAP_BYTES, SCALE_BYTES, shards
-    from llama_fsdp.spec import DTYPE_BYTES
-
-    o, b = spec.optim, DTYPE_BYTES[spec.policy.param_dtype]
-    out = 0
-    for n, low in shards(spec):
-        parts = ([int(n * CODE_BYTES[o.name]), n // o.block * SCALE_BYTES, QMAP_BYTES[o.name]]
-                 if low else [n * b])
-        out += 2 * sum(x for x in parts if x < MIN_BLOCK)
-    return out
 
 
 def _rss_bytes() -> int:
@@ -306,14 +293,25 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
         mark("forward")
         output.logits.register_hook(lambda grad: mark("loss"))
 
+    frozen_input = [False]
+
     def before_first_layer(module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        frozen_input[0] = hidden is not None and not hidden.requires_grad
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(lambda grad: mark("layers"))
 
+    def after_first_projection(module, args, output) -> None:
+        # a frozen embedding (finetune=lora / qlora): layer 0's input needs no gradient, so the
+        # layers' backward ends where the gradient reaches layer 0's q_proj
+        if frozen_input[0] and output.requires_grad:
+            output.register_hook(lambda grad: mark("layers"))
+
+    first = decoder_layers(model)[0]
+    q_proj = next(m for n, m in first.named_modules() if n.endswith("q_proj"))
     hooks = [model.register_forward_hook(after_forward),
-             decoder_layers(model)[0].register_forward_pre_hook(before_first_layer,
-                                                                 with_kwargs=True),
+             first.register_forward_pre_hook(before_first_layer, with_kwargs=True),
+             q_proj.register_forward_hook(after_first_projection),
              optimizer.register_step_pre_hook(lambda opt, args, kwargs: mark("root"))]
     out_steps = []
     for micro in batches:
@@ -325,12 +323,33 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
         mark("optimizer")
         out_steps.append({"start": start, **phase})
     rss_live = _rss_bytes()
+    small = small_state_bytes(model, optimizer)
     for h in hooks:
         h.remove()
-    del model, optimizer, scheduler, hooks
+    del model, optimizer, scheduler, hooks, first, q_proj
     gc.collect()
     return {"init": init, "steps": out_steps, "end": heap.current() - base, "rss0": rss0,
-            "rss_after": rss_live, "seconds": time.perf_counter() - t0}
+            "rss_after": rss_live, "seconds": time.perf_counter() - t0, "small": small}
+
+
+def small_state_bytes(model, optimizer) -> int:
+    """Bytes of the parameters' and optimizer states' tensors (this rank's shards; every inner
+    tensor of an NF4 weight or a low-bit moment) smaller than the shim's MIN_BLOCK: live all step, but not seen by
+    the shim. At the tiny shape every adapter and NF4 shard is one (1-3 MB in all)."""
+    import torch
+
+    def plain(t) -> list:  # a DTensor's local shard; a subclass's inner tensors, recursively
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            return [t]
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in plain(getattr(t, n))]
+
+    tensors = [x for p in model.parameters() for x in plain(p)]
+    for state in optimizer.state.values():
+        tensors += [x for v in state.values() if torch.is_tensor(v) for x in plain(v)]
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for n in sizes.values() if n < MIN_BLOCK)
 
 
 def measure_on_rank(rank: int, world: int, specs: dict[str, Any], steps: int = 2) -> dict:
@@ -355,8 +374,10 @@ def rss_on_rank(rank: int, world: int, spec) -> dict:
 
 def peak_of(result: dict) -> int:
     """One rank's peak: the highest phase high-water mark over the steps, less the process
-    overhead (what the runtime still holds once the model and optimizer are gone)."""
-    return max(v for s in result["steps"] for k, v in s.items() if k in PHASES) - result["end"]
+    overhead (what the runtime still holds once the model and optimizer are gone), with the
+    state tensors too small for the shim (small_state_bytes)."""
+    return (max(v for s in result["steps"] for k, v in s.items() if k in PHASES)
+            - result["end"] + result.get("small", 0))
 
 
 # --- driver -----------------------------------------------------------------------------------
@@ -406,6 +427,25 @@ FULL_CASES = (
        (2, "full", "fp32", "full", 4, False, 1, "sdpa")]
     + LOWBIT_CASES
 )
+# finetune=lora | qlora (rank 16 on all 7 projections): a frozen base without gradients or
+# optimizer state, NF4 for qlora; every strategy, precision and AC mode, tied, accumulation,
+# packed records, 1 to 4 ranks (the tiny shape's k / v cannot be NF4 over 4 shards: qlora at 4
+# ranks is hybrid 2 x 2)
+ADAPTER_CASES = (
+    [(w, "full", p, ac, b, False, 1, "", "", m) for m in ("lora", "qlora") for w, p, ac, b in
+     ((1, "bf16", "full", 1), (2, "fp32", "none", 4), (2, "bf16", "full", 1),
+      (2, "mixed", "none", 4))]
+    + [(2, "grad_op", "bf16", "full", 4, False, 1, "", "", "lora"),
+       (2, "grad_op", "mixed", "none", 1, False, 1, "", "", "qlora"),
+       (2, "no_shard", "fp32", "none", 4, False, 1, "", "", "lora"),
+       (2, "no_shard", "mixed", "full", 1, False, 1, "", "", "qlora"),
+       (2, "full", "mixed", "full", 1, True, 2, "", "", "qlora"),
+       (2, "full", "mixed", "full", 1, True, 1, "", "", "lora"),
+       (2, "full", "fp32", "none", 4, False, 1, "varlen", "", "lora"),
+       (4, "hybrid", "bf16", "full", 4, False, 1, "", "", "qlora"),
+       (4, "full", "fp32", "full", 1, False, 1, "", "", "lora")]
+)
+FULL_CASES += ADAPTER_CASES
 QUICK_CASES = [(2, "full", "fp32", "none", 4), (2, "grad_op", "bf16", "full", 4),
                (2, "full", "mixed", "full", 1, True, 2), (4, "no_shard", "fp32", "none", 4),
                (4, "hybrid", "bf16", "full", 4), (4, "full", "fp32", "full", 1)]
@@ -417,7 +457,8 @@ def _row(case, spec, per_rank: list[dict]) -> dict:
     from llama_fsdp.plan import make_plan
 
     best = max(per_rank, key=peak_of)
-    phases = {k: max(s[k] for s in best["steps"]) - best["end"] for k in PHASES}
+    phases = {k: max(s[k] for s in best["steps"]) - best["end"] + best.get("small", 0)
+              for k in PHASES}
     model = phase_peaks(spec, gloo=True)
     return {"case": case, "name": case_name(*case), "plan": make_plan(spec), "model": model,
             "measured": peak_of(best), "phases": phases, "overhead": best["end"],
@@ -494,7 +535,9 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "- *measured*: the highest heap high-water mark of any rank in any phase of the 2 steps, "
         "above the heap just before the model was built, less the process overhead "
         "(*ovh*: what the runtime still holds after the model, optimizer and batches are "
-        "deleted: MKL / oneDNN / gloo buffers, 0-10 MB).",
+        "deleted: MKL / oneDNN / gloo buffers, 0-10 MB), plus the parameters' and optimizer "
+        "states' tensors smaller than the shim's 64 KiB blocks (live all step, unseen by it: "
+        "at this shape every LoRA adapter and NF4 shard, 1-3 MB in all).",
         "- *predicted*: `make_plan(spec).predicted_peak_bytes`, i.e. "
         "`max(phase_peaks(spec, gloo=True).values())`, the plan's per-phase model "
         "(docstring of `llama_fsdp.plan.phase_peaks`). The cases set data.packing=false "
@@ -580,11 +623,18 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "micro-batch 1. The tied 4-rank 8-bit row is the plan's loosest (0.85): the layers "
         "phase of a tied model is over-predicted with AdamW too (0.86 in the tied AdamW rows' "
         "per-phase table), and 8-bit moments leave less around it.",
-        "- `tests/multirank/test_plan_memory.py` checks 16 of these configs on every run: measured "
-        "within [0.88, 1.02] x `predicted_peak_bytes` (the phase model), measured <= the sum "
-        "and >= 0.55 x the sum, and the heap at the start of step 2 equal to params + optimizer "
-        "moments (1 MB + 1%; less the state in tensors under 64 KiB, which the shim does not "
-        "count).",
+        "- finetune=lora / qlora (the rows named so; rank 16 on all 7 projections) have their "
+        "own phase model (`llama_fsdp/plan/adapters.py`): a frozen base (16-bit, NF4 with its "
+        "scales for qlora's projections) with no gradients and no optimizer state, the "
+        "adapters' gradients and moments, LoRA's saved activations (no RMSNorm x rsqrt, each "
+        "adapter's rank-wide A x), layers gathered in 4 bits and dequantized one weight at a "
+        "time, no head or embedding backward, and a step that ends at layer 0, whose "
+        "reduce-scatter waits for FSDP2's final callback (its input needs no gradient). The "
+        "peak is the loss phase's in every one of them.",
+        "- `tests/multirank/test_plan_memory.py` checks 21 of these configs on every run "
+        "(3 with low-bit moments, 5 lora / qlora): measured within [0.88, 1.02] x "
+        "`predicted_peak_bytes` (the phase model), measured <= the sum and >= 0.55 x the sum, "
+        "and the heap at the start of step 2 equal to params + optimizer state (1 MB + 1%).",
         "",
         "## Per phase, measured / predicted",
         "",

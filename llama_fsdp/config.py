@@ -291,6 +291,8 @@ class FinetuneConfig:
     all-gathered in 4 bits by FSDP2)."""
 
     METHODS = ("full", "lora", "qlora")  # valid values (a class attribute, not a config key)
+    # The projections of a Llama decoder layer that can take adapters (class attribute).
+    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     method: str = "full"
     # LoRA: W x + (alpha / rank) * B A dropout(x) for each target projection; A (rank x in) and
@@ -299,14 +301,46 @@ class FinetuneConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     # The projections that get adapters (names of the Linear modules in every decoder layer).
-    target_modules: list[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(default_factory=lambda: list(FinetuneConfig.TARGETS))
     # qlora: NF4 quantization blocks (elements per scale; scales per double-quantized group).
     nf4_block_size: int = 64
     nf4_scaler_block_size: int = 256
-    # At the end, besides the PEFT adapter: the base with the adapters merged in, as an HF model
-    # (qlora: over the dequantized base).
+    # lora / qlora write the PEFT adapter at the end of every run (<run>/export: the run's
+    # model in MLflow, megabytes). With this, also the base with the adapters merged in, as an
+    # HF model (<run>/export_merged; qlora: over the dequantized base).
     export_merged: bool = False
+
+    @property
+    def adapters(self) -> bool:
+        """lora and qlora train adapters beside a frozen base; full trains every weight."""
+        return self.method != "full"
+
+    @property
+    def nf4(self) -> bool:
+        """qlora: the frozen base of the target projections is stored in NF4."""
+        return self.method == "qlora"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves (shapes against the world size: nf4.py)."""
+        if not self.adapters:
+            return (["finetune.export_merged applies to lora and qlora (full fine-tuning "
+                     "exports the whole model with save.export_hf=true)"]
+                    if self.export_merged else [])
+        out = []
+        if self.rank < 1:
+            out.append(f"finetune.rank={self.rank} must be >= 1")
+        if self.alpha <= 0:
+            out.append(f"finetune.alpha={self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            out.append(f"finetune.dropout={self.dropout} must be in [0, 1)")
+        unknown = [t for t in self.target_modules if t not in FinetuneConfig.TARGETS]
+        if unknown or not self.target_modules or len(set(self.target_modules)) != len(
+                self.target_modules):
+            out.append(f"finetune.target_modules={list(self.target_modules)}: a non-empty list "
+                       f"without repeats of {', '.join(FinetuneConfig.TARGETS)}")
+        if min(self.nf4_block_size, self.nf4_scaler_block_size) < 2:
+            out.append("finetune.nf4_block_size and finetune.nf4_scaler_block_size must be >= 2")
+        return out
 
 
 @dataclass

@@ -87,6 +87,14 @@ def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
     ckpt = resolve_resume(str(checkpoint), checkpoint, named="")
     assert ckpt is not None
     sd = read_model_state(ckpt)
+    from .adapters import is_adapter
+
+    if all(is_adapter(k) for k in sd):
+        raise ValueError(
+            f"{ckpt} holds LoRA adapters only (finetune=lora / qlora checkpoints leave out the "
+            "frozen base): the run's export/ folder is its PEFT adapter, which "
+            "peft.PeftModel.from_pretrained loads onto the base; finetune.export_merged=true "
+            "also writes the merged model (export_merged/)")
     with tempfile.TemporaryDirectory() as tmp:
         meta = _meta_dir(ckpt, config_yaml, Path(tmp) / "meta")
         if dtype is not None:

@@ -39,6 +39,18 @@ ACCELERATORS = (
     Accelerator("a10", 125.0, 62.5, 24.0, ("A10",)),
     Accelerator("l4", 121.0, 60.0, 24.0, ("L4",)),
     Accelerator("mi300x", 1307.4, 653.7, 206.0, ("MI300X",)),
+    # Workstation and consumer cards. Peaks: NVIDIA's architecture whitepapers (GA102 / Ada /
+    # RTX Blackwell) and datasheets (A40, L40, RTX A6000, RTX 6000 Ada), dense "FP16/BF16 Tensor
+    # with FP32 accumulate": GeForce cards run it at half their FP16-accumulate rate, the pro
+    # cards at full rate. Memory: the capacity torch reports (24 GiB parts show 23.6-23.7 GiB;
+    # A40 and L40 keep ECC on by default, which reserves 1/16 of it).
+    Accelerator("rtx3090", 71.0, 35.6, 25.4, ("RTX 3090",)),
+    Accelerator("rtx4090", 165.2, 82.6, 25.4, ("RTX 4090",)),
+    Accelerator("rtx5090", 209.5, 104.8, 33.6, ("RTX 5090",)),
+    Accelerator("rtx_a6000", 154.8, 77.4, 51.0, ("RTX A6000",)),
+    Accelerator("rtx6000_ada", 364.2, 182.1, 51.0, ("RTX 6000 Ada",)),
+    Accelerator("a40", 149.7, 74.8, 47.6, ("A40",)),
+    Accelerator("l40", 181.0, 90.5, 47.6, ("L40",)),
 )
 BY_KEY = {a.key: a for a in ACCELERATORS}
 DEFAULT_GPU = "h100"  # what a SLURM GPU job is planned for when cluster.gpu_type is unset

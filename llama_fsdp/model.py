@@ -142,15 +142,24 @@ def init_weights(model: LlamaForCausalLM, *, std: float, seed: int) -> None:
     n_layers = model.config.num_hidden_layers
     for index, (name, p) in enumerate(model.named_parameters()):
         local, offset = _local_view(p)
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-            continue
-        s = std
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            s = std / math.sqrt(2 * n_layers)  # GPT-2-style residual scaling
-        local.copy_(_normal_rows(tuple(p.shape), offset, local.shape[0] if local.dim() else 1,
-                                 seed=seed, index=index).view(local.shape) * s)
+        rows = local.shape[0] if local.dim() else 1
+        local.copy_(init_rows(name, tuple(p.shape), offset, rows, index=index, std=std,
+                              seed=seed, n_layers=n_layers).view(local.shape))
     init_buffers(model)
+
+
+def init_rows(name: str, shape: tuple[int, ...], start: int, rows: int, *, index: int,
+              std: float, seed: int, n_layers: int) -> torch.Tensor:
+    """Rows [start, start + rows) of the initial value of parameter ``name`` (the
+    ``index``-th of the model's parameters), fp32 on the CPU: ones for the RMSNorm weights,
+    normal(0, std) elsewhere, std / sqrt(2 L) for the projections into the residual stream
+    (GPT-2-style). init_weights fills shards with it; adapters.init_base, an NF4 base."""
+    if name.endswith("norm.weight"):
+        return torch.ones((rows, *shape[1:]))
+    s = std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        s = std / math.sqrt(2 * n_layers)
+    return _normal_rows(shape, start, rows, seed=seed, index=index) * s
 
 
 def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:

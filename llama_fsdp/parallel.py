@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -39,16 +40,19 @@ def build_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.dim_names)
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, ac: CheckpointingConfig) -> int:
+def apply_activation_checkpointing(layers: nn.ModuleList, ac: CheckpointingConfig, *,
+                                   preserve_rng_state: bool = False) -> int:
     """Wrap decoder layers in non-reentrant checkpointing; return how many were wrapped.
 
     ``full`` wraps every layer (only each layer's input is kept); ``selective`` is layer-level:
-    every ``every_k``-th layer is wrapped, trading memory for less recomputation.
+    every ``every_k``-th layer is wrapped, trading memory for less recomputation. The RNG state
+    is restored for the recomputation only where a layer draws random numbers (LoRA dropout:
+    without it, eager recomputation draws another mask and the gradients are wrong).
     """
     chosen = ac.wrapped_layers(len(layers))
     for i in chosen:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                       preserve_rng_state=False)
+                                       preserve_rng_state=preserve_rng_state)
     return len(chosen)
 
 
@@ -65,7 +69,7 @@ def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
                reshard_after_forward: bool, policy: PrecisionPolicy,
-               cpu_offload: bool) -> list[list[str]]:
+               cpu_offload: bool, ignored_params: Optional[set] = None) -> list[list[str]]:
     """fully_shard in torchtitan's groups: the embedding alone, every decoder layer, the final
     norm with the head, then the root (which then holds no parameters of its own).
 
@@ -87,9 +91,13 @@ def apply_fsdp(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh,
       through backward (one vocab x hidden tensor in the compute dtype), which
       plan.phase_peaks counts.
 
+    ``ignored_params`` stay out of FSDP, whole on every rank (adapters.unsharded_nf4).
+
     Returns the FSDP units (``fsdp_units``); raises if the grouping is not what was asked.
     """
     common = {"mesh": mesh, "mp_policy": mixed_precision(policy)}
+    if ignored_params:
+        common["ignored_params"] = ignored_params
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -139,8 +147,12 @@ def apply_ddp(model: nn.Module, *, policy: PrecisionPolicy, device_type: str) ->
     buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
                inspect.signature(DistributedDataParallel.__init__).parameters
                else "broadcast_buffers")
+    # With a frozen base (adapters) DDP does not broadcast rank 0's weights at the start: its
+    # broadcast copies into every parameter, and a copy into an NF4 weight re-quantizes it
+    # (changing it); every rank built the same weights anyway (seeded init, the same files).
+    frozen = any(not p.requires_grad for p in model.parameters())
     replicate(model, bucket_cap_mb=DDP_BUCKET_MB, gradient_as_bucket_view=True,
-              **{buffers: False})
+              **{buffers: False}, **({"init_sync": False} if frozen else {}))
     if policy.compute_dtype != policy.param_dtype:
         model.forward = torch.autocast(device_type, dtype=torch_dtype(policy.compute_dtype))(
             model.forward)
@@ -156,10 +168,12 @@ def uses_ddp(model: nn.Module) -> bool:
 
 def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, mesh_spec: MeshSpec,
                 policy: PrecisionPolicy, ac: CheckpointingConfig, compile: bool,
-                cpu_offload: bool) -> nn.Module:
+                cpu_offload: bool, ignored_params: Optional[set] = None,
+                preserve_rng_state: bool = False) -> nn.Module:
     """AC -> compile -> FSDP (or DDP for no_shard), in place; the model may still be on the meta
-    device."""
-    wrapped = apply_activation_checkpointing(layers, ac)
+    device. ``ignored_params`` (FSDP only) and ``preserve_rng_state`` (AC): the adapters' needs
+    (adapters.py)."""
+    wrapped = apply_activation_checkpointing(layers, ac, preserve_rng_state=preserve_rng_state)
     if compile:
         apply_compile(layers)
     if mesh_spec.ddp:
@@ -168,7 +182,7 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
     else:
         units = apply_fsdp(model, layers, mesh=mesh,
                            reshard_after_forward=mesh_spec.reshard_after_forward, policy=policy,
-                           cpu_offload=cpu_offload)
+                           cpu_offload=cpu_offload, ignored_params=ignored_params)
         groups = ("the root with the tied embedding, norm and head"
                   if len(units) == len(layers) + 1
                   else "the embedding, [norm, head], an empty root")

@@ -7,7 +7,9 @@ A run directory (``outputs/runs/<date>/<time>``, or ``output_dir=``) holds::
     run_status.json     how the latest attempt ended, with its config's digest
     owner.json          the live launcher that owns the directory (host, pid, since)
     checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight)
-    export/             the consolidated HF directory (save.export_hf)
+    export/             the consolidated HF directory (save.export_hf), or the PEFT adapter
+                        (finetune=lora / qlora)
+    export_merged/      the base with the adapters merged in (finetune.export_merged)
     tracking/           rank 0's spool of MLflow events and its delivery state
     launch/             per-attempt rank reports: <job>.<requeue>.<attempt>/rank<r>.json
     submitit/           submitit's job folders and the ranks' logs
@@ -22,6 +24,7 @@ RUN_STATUS = "run_status.json"
 OWNER = "owner.json"
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
+EXPORT_MERGED = "export_merged"
 TRACKING = "tracking"
 LAUNCH = "launch"
 SUBMITIT = "submitit"
@@ -58,6 +61,10 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.root / EXPORT
+
+    @property
+    def export_merged(self) -> Path:
+        return self.root / EXPORT_MERGED
 
     @property
     def tracking(self) -> Path:

@@ -58,6 +58,12 @@ class PrecisionPolicy:
     compute_dtype: str  # dtype of the unsharded parameters used in forward/backward
     reduce_dtype: str  # dtype of gradient reduce-scatter / all-reduce
 
+    @property
+    def frozen_dtype(self) -> str:
+        """dtype of weights that never train (a LoRA base): the compute dtype, since no
+        optimizer reads them and a master copy would be memory for nothing."""
+        return self.compute_dtype
+
 
 # Bytes per element of the dtypes a policy names (torch dtypes of the same names: getattr(torch, n)).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -415,7 +421,8 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             f"cluster.nodes={c.nodes} with cluster=local: a local run uses this host only; "
             "use cluster=slurm for several nodes, or sharding.shard_size to emulate them"
         )
-    if device == "cuda" and c.kind in ("local", "torchrun"):  # (torchrun: this node's GPUs)
+    if device == "cuda" and c.kind in ("local", "torchrun") and not cfg.dry_run:
+        # (torchrun: this node's GPUs; a dry run plans for GPUs it need not have)
         have = _local_cuda_count()
         if have == 0:
             problems.append("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu")
@@ -459,6 +466,27 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         )
 
 
+def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
+    """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py)."""
+    ft = cfg.finetune
+    problems.extend(ft.problems())
+    if ft.adapters and cfg.optim.lowbit:
+        problems.append(
+            f"finetune={ft.method} with optim={cfg.optim.name}: the adapters' AdamW moments are "
+            "a small fraction of the run's memory (the plan's table shows them), so low-bit "
+            "moments save next to nothing there; use optim=adamw with adapters, or "
+            "finetune=full with low-bit moments")
+    if not ft.nf4:
+        return
+    from .nf4 import target_problems
+
+    problems.extend(target_problems(ft, cfg.model, mesh.shard))
+    if cfg.sharding.cpu_offload:
+        problems.append("finetune=qlora with sharding.cpu_offload=true: the NF4 base is a "
+                        "quarter of a 16-bit one and is not offloaded (untested with FSDP2's "
+                        "CPU offload); drop sharding.cpu_offload, or use finetune=lora with it")
+
+
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("batch_size=2 sharding=full")."""
@@ -498,9 +526,6 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     problems: list[str] = []
     _check_choices(obj, problems)
     _check_positive(obj, problems)
-    # (placeholders until the methods are built: never train something other than asked)
-    if obj.finetune.method != "full":
-        problems.append(f"finetune.method={obj.finetune.method} is not available yet")
     _check_model(obj.model, obj.train, problems)
     from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
 
@@ -524,6 +549,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     gpu = _gpu_type(obj, device, problems)
     strategy = obj.sharding.strategy
     mesh = strategies.mesh_for(strategy, obj.sharding.shard_size, world, nproc, problems)
+    _check_finetune(obj, mesh, problems)
     if obj.checkpointing.mode == "selective" and obj.checkpointing.every_k > obj.model.num_layers:
         problems.append(
             f"checkpointing.every_k={obj.checkpointing.every_k} exceeds model.num_layers="

@@ -53,7 +53,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimConfig) -> torch.o
     """The optimizer ``o`` names (llama_fsdp/optim.py) with train's hyperparameters."""
     from .optim import build_optimizer as build  # torchao's optimizers, imported when used
 
-    return build(model.parameters(), t, o)
+    # only what trains: a LoRA model's frozen base has no gradients and no optimizer state
+    return build([p for p in model.parameters() if p.requires_grad], t, o)
 
 
 def lr_factor(step: int, *, warmup: int, max_steps: int, min_ratio: float) -> float:

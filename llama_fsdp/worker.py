@@ -13,8 +13,11 @@ From the command line to one optimizer step, the functions on the way:
     worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
       init_distributed                         process group (gloo, or nccl + gloo)
       train_on_rank -> RankRun.build           build_model (model.build_meta_model,
-                                               parallel.parallelize, model.init_weights or
-                                               checkpoint.load_hf_weights), data.build_data,
+                                               [adapters.apply_adapters,] parallel.parallelize,
+                                               model.init_weights or
+                                               checkpoint.load_hf_weights; adapters: their
+                                               base from checkpoint.load_hf_base or
+                                               adapters.init_base), data.build_data,
                                                train.build_optimizer, checkpoint.Checkpointer
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is
@@ -44,6 +47,7 @@ from . import checkpoint as ckpt_io
 from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .eval import eval_loss, exact_match
+from .adapters import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
@@ -193,19 +197,31 @@ class HangWatch:
 
 
 def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn.Module:
-    """Meta-device model -> AC/compile/FSDP2 -> materialize this rank's shards -> init
-    (``init=False``: the weights come from a checkpoint or HF files, so no full tensors are
-    drawn for nothing; buffers only)."""
+    """Meta-device model -> [adapters] -> AC/compile/FSDP2 -> materialize this rank's shards ->
+    init (``init=False``: the weights come from a checkpoint or HF files, so no full tensors
+    are drawn for nothing; buffers only). With adapters (finetune=lora / qlora) the frozen base
+    is never in a checkpoint: it always comes from model.path or the seeded init here."""
     model = build_meta_model(spec.model)
     model.to(torch_dtype(spec.policy.param_dtype))
+    ft = spec.finetune
+    apply_adapters(model, ft, policy=spec.policy)
     mesh = build_mesh(spec.mesh, device.type)
     parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
                 ac=spec.checkpointing, compile=spec.train.compile,
-                cpu_offload=spec.sharding.cpu_offload)
-    model.to_empty(device="cpu" if spec.sharding.cpu_offload else device)
+                cpu_offload=spec.sharding.cpu_offload,
+                ignored_params=unsharded_nf4(model, spec.mesh.shard),
+                preserve_rng_state=ft.adapters and ft.dropout > 0)
+    where = torch.device("cpu") if spec.sharding.cpu_offload else device
+    model.to_empty(device=where)
     if spec.mesh.ddp:  # DDP gathers its parameters at the first forward: after this
         retie_embeddings(model)
-    if init:
+    if ft.adapters:
+        if spec.model.path:
+            ckpt_io.load_hf_base(model, spec.model.path, ft, device=where)
+        else:
+            init_base(model, ft, std=spec.model.init_std, seed=spec.train.seed, device=where)
+        init_adapters(model, seed=spec.train.seed)
+    elif init:
         init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
     else:
         init_buffers(model)
@@ -277,7 +293,7 @@ class RankRun:
         resume = resume_candidates(spec.resume, spec.output_dir)
         # A checkpoint to resume from holds the weights: no HF read, no random init.
         model = build_model(spec, device, init=not resume and not spec.model.path)
-        if not resume and spec.model.path:
+        if not resume and spec.model.path and not spec.finetune.adapters:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         # the driver announced the data's notes already
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
@@ -311,6 +327,7 @@ class RankRun:
         self.tracker.log_metrics({"summary/predicted_peak_memory_gb":
                                   self.plan.predicted_peak_gb}, step=0)
         local = local_numel(self.model)
+        trainable, total = param_counts(self.model)
         self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
                                **({"restarts": str(spec.restart)} if spec.restart else {}),
                                "derived.world_size": str(spec.world_size),
@@ -319,7 +336,8 @@ class RankRun:
                                **self.data.info.params()})
         self.tracker.log_metrics({"global_batch": spec.global_batch,
                                   "tokens_per_step": spec.tokens_per_step,
-                                  "local_params_rank0": local, **self.data.stats,
+                                  "local_params_rank0": local, "trainable_params": trainable,
+                                  "total_params": total, **self.data.stats,
                                   **self.plan.metrics()}, step=0)
         if spec.restart:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
@@ -354,13 +372,8 @@ class RankRun:
             if done_before:
                 log.info("this run had already finished at step %d: nothing to train",
                          self.state.step)
-            elif self.spec.save.export_hf:
-                export_dir = ckpt_io.export_hf(self.model, RunDir(self.spec.output_dir).export,
-                                               config=self.checkpointer.hf_config,
-                                               tokenizer=self.data.tokenizer)
-                self.tracker.log_model_dir(export_dir, step=self.state.step,
-                                           params={"base": self.spec.model.path or "random init",
-                                                   "model": self.spec.model.name})
+            else:
+                export_dir = self.export()
             status = "finished"
         except StopRequested as e:
             status = e.reason
@@ -380,6 +393,32 @@ class RankRun:
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
             export_dir=str(export_dir) if export_dir else None)
+
+    def export(self) -> Optional[Path]:
+        """The run's model at the end, logged to MLflow: the whole model as an HF directory
+        (save.export_hf), or for adapters always the PEFT adapter (and, with
+        finetune.export_merged, the merged model beside it). Collective."""
+        spec, run_dir, ft = self.spec, RunDir(self.spec.output_dir), self.spec.finetune
+        params = {"base": spec.model.path or "random init", "model": spec.model.name,
+                  "finetune": ft.method}
+        if ft.adapters:
+            path = ckpt_io.export_adapter(self.model, run_dir.export, ft=ft,
+                                          base_model=spec.model.path,
+                                          tokenizer=self.data.tokenizer)
+            if ft.export_merged:
+                ckpt_io.export_merged(self.model, run_dir.export_merged,
+                                      config=self.checkpointer.hf_config,
+                                      dtype=torch_dtype(spec.policy.frozen_dtype),
+                                      tokenizer=self.data.tokenizer)
+            self.tracker.log_model_dir(path, step=self.state.step, params=params,
+                                       model_type="peft-lora")
+            return path
+        if not spec.save.export_hf:
+            return None
+        path = ckpt_io.export_hf(self.model, run_dir.export, config=self.checkpointer.hf_config,
+                                 tokenizer=self.data.tokenizer)
+        self.tracker.log_model_dir(path, step=self.state.step, params=params)
+        return path
 
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""

@@ -12,13 +12,14 @@
 #   bash scripts/gpu_session.sh compile     # the same shape: train.compile=true vs false
 #   bash scripts/gpu_session.sh 8b          # 8b, full activation checkpointing, bf16, one device: plan, then a run
 #   bash scripts/gpu_session.sh optim       # 8b with 8-bit AdamW moments on one device: plan, then its peak vs the plan
+#   bash scripts/gpu_session.sh finetune    # lora / qlora: tests/gpu/test_gpu_adapters.py, then 8b lora and qlora runs
 # Everything it reports goes to $OUT (the device tool returns that folder; default
 # outputs/gpu-session). Knobs (env): PY (python3), DEVICE (cuda; cpu runs a stage's commands
 # on this machine, with MODEL=tiny SEQ=128, to check the script itself), MODEL (1b), SEQ (2048),
 # BATCH (4, per rank), PRECISION (mixed), ROUNDS (2), STEPS (30), RANKS (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?"stage: tests | bench | attention | compile | 8b | optim"}
+STAGE=${1:?"stage: tests | bench | attention | compile | 8b | optim | finetune"}
 shift
 PY=${PY:-python3}
 OUT=${OUT:-outputs/gpu-session}
@@ -134,7 +135,18 @@ case "$STAGE" in
       | tee "$OUT/plan-8b-adamw8bit.txt"
     "$PY" -m pytest -q -m gpu tests/gpu/test_gpu_optim.py -rA -s --durations=0 2>&1 \
       | tee "$OUT/gpu-tests-optim.txt" ;;
+  finetune)
+    # LoRA / QLoRA: the GPU tests (QLoRA bf16 + compile; CUDA peak against the plan), then 8b
+    # lora and qlora (random init) on one device, full AC, micro-batch 1: the plan, then a run
+    # whose summary sets the measured peak beside it
+    "$PY" -m pytest -q -m gpu tests/gpu/test_gpu_adapters.py -rA --durations=0 2>&1 \
+      | tee "$OUT/gpu-tests-adapters.txt"
+    for method in lora qlora; do
+      MODEL=8b BATCH=1 PRECISION=${PRECISION_FT:-bf16} ROUNDS=1 STEPS=${STEPS_FT:-12} \
+        bench "8b-s$SEQ-$method" llama_fsdp --framework-override finetune=$method \
+        --framework-override checkpointing=full
+    done ;;
   *)
-    echo "unknown stage '$STAGE': tests | bench | attention | compile | 8b | optim" >&2; exit 2 ;;
+    echo "unknown stage '$STAGE': tests | bench | attention | compile | 8b | optim | finetune" >&2; exit 2 ;;
 esac
 echo "stage $STAGE done; results in $OUT"

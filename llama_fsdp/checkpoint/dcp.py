@@ -129,7 +129,8 @@ class AppState(Stateful):
 
     ``model`` / ``optim`` come from get_state_dict, so they are DTensor shards that DCP
     reshards on load; the scheduler, counters and loader position are replicated (same on every
-    rank); RNG states are per rank, under ``rng.rank_<r>``.
+    rank); RNG states are per rank, under ``rng.rank_<r>``. Frozen parameters (a LoRA base) are
+    left out: they come from model.path or the seeded init, so ``model`` holds what trains.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -147,8 +148,13 @@ class AppState(Stateful):
             out["data"] = self.data.state_dict()
         return out
 
+    def _options(self, **kw: Any) -> StateDictOptions:
+        """Frozen parameters are not in the checkpoint (missing on load: checked by hand)."""
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen, **kw)
+
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         sd = {"model": model_sd, "optim": optim_sd, **self._extras()}
         rng = {k: v for k, v in rng_state().items()
                if self.rng_on_load is None or k in self.rng_on_load}
@@ -157,8 +163,15 @@ class AppState(Stateful):
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
-                       optim_state_dict=sd["optim"])
+        keys = set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                              optim_state_dict=sd["optim"], options=self._options())
+        from ..adapters import clean_name
+
+        trained = {clean_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        missing = [k for k in getattr(keys, "missing_keys", []) if k in trained]
+        if missing:
+            raise RuntimeError(f"the checkpoint lacks {len(missing)} trained parameter(s), "
+                               f"e.g. {missing[0]}")
         self.scheduler.load_state_dict(sd["scheduler"])
         self.train_state.load_state_dict(sd["train"])
         if self.data is not None and "data" in sd:
@@ -170,8 +183,8 @@ class AppState(Stateful):
     def full_state_dict(self) -> dict[str, Any]:
         """Gathered to rank 0 on CPU (collective); other ranks get {}."""
         model_sd, optim_sd = get_state_dict(
-            self.model, self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self.model, self.optimizer, options=self._options(full_state_dict=True,
+                                                              cpu_offload=True))
         rngs: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
         dist.gather_object(rng_state(), rngs if self.rank == 0 else None, dst=0)
         if self.rank != 0:

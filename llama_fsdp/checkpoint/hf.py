@@ -116,8 +116,6 @@ def write_hf_weights(sd: dict[str, torch.Tensor], out: Path, *,
                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """safetensors files in save_pretrained's layout: model.safetensors, or numbered shards
     plus model.safetensors.index.json. Returns the file names."""
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in sd.items():
@@ -134,12 +132,19 @@ def write_hf_weights(sd: dict[str, torch.Tensor], out: Path, *,
         index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
                  "weight_map": {k: name for name, s in zip(names, shards) for k in s}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for name, s in zip(names, shards):
+        save_safetensors(s, out / name)
+    return names
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, readable as save_pretrained's are (save_file creates 0600)."""
+    from safetensors.torch import save_file
+
     umask = os.umask(0o22)
     os.umask(umask)
-    for name, s in zip(names, shards):
-        save_file(s, str(out / name), metadata={"format": "pt"})
-        os.chmod(out / name, 0o666 & ~umask)  # save_file creates 0600; match save_pretrained
-    return names
+    save_file(sd, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_hf_dir(sd: dict[str, torch.Tensor], out: Path, *, config: Any = None,

@@ -20,7 +20,10 @@ from ..config import (
 )
 from ..spec import PRECISION_POLICIES, ConfigError, RunSpec, build_spec
 from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES, mesh_for
+from .adapters import adapter_lines, adapter_state_labels
+from .adapters import flops_per_token as adapter_flops
 from .device import GB, device_capacity_bytes, peak_flops
+from .host import host_capacity_bytes, load_peak_bytes
 from .memory import Memory, memory_breakdown, phase_peaks
 from .optimizer import describe as describe_optimizer
 from .shapes import count_params, flops_per_token, n_matmul
@@ -52,6 +55,11 @@ class Plan:
     mfu: float = DEFAULT_MFU
     # phase_peaks(spec, gloo=spec.device == "cpu"); make_plan fills it, computed if left empty
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
+    # host RAM per rank while the weights go in (plan/host.py), and what one rank may use
+    # (None: not known)
+    host_load_bytes: int = 0
+    host_capacity_bytes: Optional[int] = None
+    host_capacity_source: str = ""
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -83,8 +91,19 @@ class Plan:
         return int(self.capacity_bytes * (1 - self.margin))
 
     @property
+    def host_peak_bytes(self) -> int:
+        """Host RAM one rank needs: while loading, or all through with sharding.cpu_offload
+        (a CPU run's training state is its device memory, checked as such)."""
+        return max(self.host_load_bytes, self.memory.host)
+
+    @property
+    def host_fits(self) -> bool:
+        return (self.host_capacity_bytes is None
+                or self.host_peak_bytes <= int(self.host_capacity_bytes * (1 - self.margin)))
+
+    @property
     def fits(self) -> bool:
-        return self.predicted_peak_bytes <= self.usable_bytes
+        return self.predicted_peak_bytes <= self.usable_bytes and self.host_fits
 
     @property
     def tokens_per_device_step(self) -> int:
@@ -107,7 +126,8 @@ class Plan:
         out = {"predicted_peak_memory_gb": round(self.predicted_peak_gb, 3),
                "plan_device_capacity_gb": round(self.capacity_bytes / GB, 3),
                "plan_num_params": float(self.num_params),
-               "plan_flops_per_token": self.flops_per_token}
+               "plan_flops_per_token": self.flops_per_token,
+               "plan_host_peak_gb": round(self.host_peak_bytes / GB, 3)}
         if (step := self.step_time_s()) is not None:
             out[f"plan_step_time_s_at_{round(self.mfu * 100)}pct_mfu"] = step
         return out
@@ -119,11 +139,17 @@ class Plan:
 def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAULT_MARGIN) -> Plan:
     """Parameters, FLOPs per token and per-device memory of a run, against its device."""
     capacity, source = device_capacity_bytes(spec)
+    flops = (adapter_flops(spec.model, spec.finetune, spec.train.seq_len)
+             if spec.finetune.adapters else flops_per_token(spec.model, spec.train.seq_len))
+    memory = memory_breakdown(spec)
+    host, host_source = host_capacity_bytes(spec)
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
-                flops_per_token=flops_per_token(spec.model, spec.train.seq_len),
-                memory=memory_breakdown(spec), capacity_bytes=capacity, capacity_source=source,
+                flops_per_token=flops,
+                memory=memory, capacity_bytes=capacity, capacity_source=source,
                 peak_flops=peak_flops(spec), margin=margin, mfu=mfu,
-                phases=phase_peaks(spec, gloo=spec.device == "cpu"))
+                phases=phase_peaks(spec, gloo=spec.device == "cpu"),
+                host_load_bytes=load_peak_bytes(spec, memory.params),
+                host_capacity_bytes=host, host_capacity_source=host_source)
 
 
 def _rows(plan: Plan) -> list[tuple[str, int]]:
@@ -131,10 +157,13 @@ def _rows(plan: Plan) -> list[tuple[str, int]]:
     p, t, ac = s.policy, s.train, s.checkpointing
     where = "sharded, offloaded to host" if s.sharding.cpu_offload else "sharded"
     ac_text = ac.mode + (f", every {ac.every_k}" if ac.mode == "selective" else "")
+    state = (adapter_state_labels(s, where) if s.finetune.adapters else
+             [f"parameters ({where}, {p.param_dtype})", f"gradients ({where}, {p.param_dtype})",
+              f"optimizer ({describe_optimizer(s)})"])
     return [
-        (f"parameters ({where}, {p.param_dtype})", mem.params),
-        (f"gradients ({where}, {p.param_dtype})", mem.grads),
-        (f"optimizer ({describe_optimizer(s)})", mem.optimizer),
+        (state[0], mem.params),
+        (state[1], mem.grads),
+        (state[2], mem.optimizer),
         (f"unsharded params kept fwd->bwd ({p.compute_dtype})", mem.unsharded_params),
         ("all-gather / reduce-scatter buffers", mem.comm_buffers),
         (f"activations (b={t.batch_size}, s={t.seq_len}, AC {ac_text})", mem.activations),
@@ -150,8 +179,10 @@ def _table(plan: Plan) -> str:
         f"{s.mesh.reshard_after_forward}) precision={s.precision.name} device={s.device} "
         f"world={s.world_size}",
         f"parameters   {plan.num_params:,} (N_matmul {plan.n_matmul:,})",
-        f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP (6*N_matmul + 12*L*H*Q*T, "
-        f"T={s.train.seq_len})",
+        *adapter_lines(s),
+        f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP ("
+        + ("4*N_matmul + 6*N_adapters" if s.finetune.adapters else "6*N_matmul")
+        + f" + 12*L*H*Q*T, T={s.train.seq_len})",
         f"{'per-device memory':<52}{'GB':>10}{'GiB':>10}",
     ]
     rows = _rows(plan) + [("sum (never all live at once)", plan.memory.total)]
@@ -165,17 +196,30 @@ def _table(plan: Plan) -> str:
             (f"capacity ({plan.capacity_source})", plan.capacity_bytes),
             ("headroom", plan.headroom_bytes)]
     lines += [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
-    if plan.memory.host:
-        lines.append(f"  {'host RAM per rank (cpu offload)':<50}{plan.memory.host / GB:>10.2f}"
-                     f"{plan.memory.host / GIB:>10.2f}")
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    verdict = "fits" if plan.predicted_peak_bytes <= plan.usable_bytes else "DOES NOT FIT"
     lines.append(f"  {verdict} with a {plan.margin:.0%} margin (usable "
                  f"{plan.usable_bytes / GB:.2f} GB)")
+    lines += _host_lines(plan)
     if (tps := plan.tokens_per_s_per_device()) is not None:
         lines.append(f"at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s: "
                      f"{tps:,.0f} tokens/s per device, {plan.step_time_s():.3f} s per step "
                      f"({plan.tokens_per_device_step:,} tokens per device)")
     return "\n".join(lines)
+
+
+def _host_lines(plan: Plan) -> list[str]:
+    """Host RAM per rank: loading, cpu offload's state, and against what the host has."""
+    rows = [("host RAM per rank while loading the weights", plan.host_load_bytes)]
+    if plan.memory.host:
+        rows.append(("host RAM per rank (cpu offload)", plan.memory.host))
+    if plan.host_capacity_bytes is not None:
+        rows.append((f"host capacity ({plan.host_capacity_source})", plan.host_capacity_bytes))
+    lines = [f"  {name:<50}{b / GB:>10.2f}{b / GIB:>10.2f}" for name, b in rows]
+    if plan.host_capacity_bytes is None:
+        lines.append(f"  host RAM not checked ({plan.host_capacity_source})")
+    elif not plan.host_fits:
+        lines.append(f"  host RAM DOES NOT FIT with a {plan.margin:.0%} margin")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +231,10 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
     shard_size = spec.sharding.shard_size if STRATEGIES[strategy].hybrid else None
     problems: list[str] = []
     mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
+    if spec.finetune.nf4:  # the NF4 shapes against this shard group
+        from ..nf4 import target_problems
+
+        problems += target_problems(spec.finetune, spec.model, mesh.shard)
     if problems:
         raise ConfigError(problems)
     name = spec.run_name
@@ -219,8 +267,9 @@ def with_optim(spec: RunSpec, name: str) -> RunSpec:
 
 def _lowbit_variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Smaller optimizer moments than the spec's (8 bits, then 4), where the spec allows them
-    (spec.optim_problems: not with sharding.cpu_offload)."""
-    if spec.sharding.cpu_offload:
+    (spec.optim_problems: not with sharding.cpu_offload, nor for adapters, whose state is
+    small)."""
+    if spec.sharding.cpu_offload or spec.finetune.adapters:
         return []
     smaller = {"adamw": ("adamw8bit", "adamw4bit"), "adamw8bit": ("adamw4bit",)}
     return [(f"optim={name} ({'8' if name == 'adamw8bit' else '4'}-bit AdamW moments)",
@@ -245,7 +294,8 @@ def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
                     dataclasses.replace(spec, precision=PrecisionConfig(name="bf16"),
                                         policy=PRECISION_POLICIES["bf16"])))
     out += _lowbit_variants(spec)
-    if spec.device == "cuda" and not spec.sharding.cpu_offload and not spec.mesh.ddp:
+    if (spec.device == "cuda" and not spec.sharding.cpu_offload and not spec.mesh.ddp
+            and not spec.finetune.nf4):  # (qlora does not offload: spec.py)
         sh = dataclasses.replace(spec.sharding, cpu_offload=True)
         out.append(("sharding.cpu_offload=true", dataclasses.replace(spec, sharding=sh)))
     return out
@@ -285,34 +335,76 @@ def _fixes(spec: RunSpec) -> list[str]:
     # (4-bit moments can peak above 8-bit ones: the step's temporary; listed only if lower)
     singles = [(text, p) for text, p in ((t, make_plan(v)) for t, v in _variants(spec))
                if not text.startswith("optim=") or p.predicted_peak_bytes < now]
-    lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + (" (fits)" if p.fits else
-                                                          " (not enough alone)")
+    lines += [f"{text}: {p.predicted_peak_gb:.1f} GB" + _verdict(p, " (not enough alone)")
               for text, p in singles]
     if not any(p.fits for _, p in singles):
         text, combo = _combined(spec)
         p = make_plan(combo)
         # all of them together, unless that is one change already listed (or none at all)
         if text and text not in {t.split(" (")[0] for t, _ in singles}:
-            lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB"
-                         + (" (fits)" if p.fits else " (not enough)"))
+            lines.append(f"{text}: {p.predicted_peak_gb:.1f} GB" + _verdict(p, " (not enough)"))
         # ... with low-bit moments too (8 bits first; alone they are singles above); more
         # nodes keep the optimizer as it is
         for low_text, low in ([] if p.fits or not text else _lowbit_variants(combo)):
             low_plan = make_plan(low)
             lines.append(f"{text} {low_text.split(' (')[0]}".strip()
                          + f": {low_plan.predicted_peak_gb:.1f} GB"
-                         + (" (fits)" if low_plan.fits else " (not enough)"))
+                         + _verdict(low_plan, " (not enough)"))
             if low_plan.fits:
                 break
         if not p.fits and spec.device == "cuda" and (n := nodes_needed(combo)) is not None:
             peak = make_plan(with_nodes(combo, n)).predicted_peak_gb
             lines.append(f"{text + ' ' if text else ''}cluster=slurm cluster.nodes={n} "
                          f"({n * spec.nproc_per_node} ranks): {peak:.1f} GB (fits)")
+    return lines + _method_fixes(spec)
+
+
+def _verdict(plan: Plan, short: str) -> str:
+    """A fix's verdict: fits, fits the devices but not the host RAM, or ``short``."""
+    if plan.fits:
+        return " (fits)"
+    if plan.predicted_peak_bytes <= plan.usable_bytes:
+        return (f" (fits the devices, not the host RAM: {plan.host_peak_bytes / GB:.1f} GB per "
+                "rank)")
+    return short
+
+
+def with_method(spec: RunSpec, method: str) -> RunSpec:
+    """The spec with another finetune.method (its adapter options as they are)."""
+    return dataclasses.replace(spec, finetune=dataclasses.replace(spec.finetune, method=method))
+
+
+def _method_fixes(spec: RunSpec) -> list[str]:
+    """Adapters instead of training every weight (lora, then qlora where the NF4 shapes shard
+    over this group), alone and, where that is not enough, with the other changes together."""
+    from ..nf4 import target_problems
+
+    lines = []
+    # adapters train with AdamW (spec.py refuses low-bit moments with them): say so
+    optim = " optim=adamw" if spec.optim.lowbit else ""
+    for method in {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(spec.finetune.method, ()):
+        v = with_method(with_optim(spec, "adamw") if optim else spec, method)
+        if method == "qlora" and (spec.sharding.cpu_offload
+                                  or target_problems(v.finetune, v.model, v.mesh.shard)):
+            continue
+        p = make_plan(v)
+        lines.append(f"finetune={method}{optim} (adapters on a frozen"
+                     + (" NF4" if method == "qlora" else "") + f" base): "
+                     f"{p.predicted_peak_gb:.1f} GB" + _verdict(p, " (not enough alone)"))
+        text, combo = _combined(v)
+        if not p.fits and text:
+            p = make_plan(combo)
+            lines.append(f"finetune={method}{optim} {text}: {p.predicted_peak_gb:.1f} GB"
+                         + _verdict(p, " (not enough)"))
+        if p.fits:
+            break
     return lines
 
 
 def fixes_text(spec: RunSpec, plan: Plan) -> str:
     """Why the run does not fit, and the cheapest fixes with their predicted peaks."""
+    if plan.predicted_peak_bytes <= plan.usable_bytes:  # the devices fit, the host does not
+        return _host_text(spec, plan)
     head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
             f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
             f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
@@ -322,6 +414,28 @@ def fixes_text(spec: RunSpec, plan: Plan) -> str:
         "  - none left in this config: every memory-saving setting is on; it needs devices "
         "with more memory, or more of them")
     return f"{head}\nCheapest fixes (predicted peak per device):\n{fixes}"
+
+
+def _host_text(spec: RunSpec, plan: Plan) -> str:
+    """The host RAM a rank needs beyond what the host has, and what lowers it."""
+    usable = int((plan.host_capacity_bytes or 0) * (1 - plan.margin))
+    what = ("sharding.cpu_offload's parameters, gradients and optimizer state"
+            if plan.memory.host >= plan.host_load_bytes else "loading the weights")
+    fixes = []
+    if spec.sharding.cpu_offload:
+        p = make_plan(dataclasses.replace(
+            spec, sharding=dataclasses.replace(spec.sharding, cpu_offload=False)))
+        fixes.append(f"sharding.cpu_offload=false: {p.predicted_peak_gb:.1f} GB per device"
+                     + ("" if p.fits else " (does not fit the devices)"))
+    fixes.append("more nodes (cluster.nodes) or fewer ranks per node: each rank's share of "
+                 "the host grows")
+    if spec.cluster.kind == "slurm":
+        fixes.append("a larger cluster.mem_gb, if the nodes have it")
+    return (f"{spec.model.name} on {spec.world_size} rank(s) needs "
+            f"{plan.host_peak_bytes / GB:.1f} GB of host RAM per rank for {what}, but "
+            f"{usable / GB:.1f} GB is usable ({(plan.host_capacity_bytes or 0) / GB:.1f} GB from "
+            f"{plan.host_capacity_source}, less a {plan.margin:.0%} margin).\nFixes:\n"
+            + "\n".join(f"  - {f}" for f in fixes))
 
 
 def check_fits(spec: RunSpec, plan: Optional[Plan] = None) -> None:

@@ -45,6 +45,10 @@ class Memory:
 
 def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds for its shards, wherever they live."""
+    if spec.finetune.adapters:  # a frozen base: plan/adapters.py
+        from . import adapters
+
+        return adapters.model_state_bytes(spec)
     local = sharded_numel(param_shapes(spec.model), spec.mesh.shard)
     b = DTYPE_BYTES[spec.policy.param_dtype]
     return local * b, local * b, optimizer_state_bytes(spec)
@@ -73,6 +77,10 @@ def _comm_bytes(spec: RunSpec) -> int:
 
 def memory_breakdown(spec: RunSpec) -> Memory:
     """Per-device memory of one training step of this spec."""
+    if spec.finetune.adapters:  # a frozen base: plan/adapters.py
+        from . import adapters
+
+        return adapters.memory_breakdown(spec)
     params, grads, optim = model_state_bytes(spec)
     c = DTYPE_BYTES[spec.policy.compute_dtype]
     t, ac = spec.train, spec.checkpointing
@@ -141,6 +149,10 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     Activations include the packed sequences' mask term when data.packing is true (see
     ``packed_mask_bytes``), in every phase that holds saved activations.
     """
+    if spec.finetune.adapters:  # a frozen base: plan/adapters.py
+        from . import adapters
+
+        return adapters.phase_peaks(spec, gloo=gloo)
     m, pol, t, ac, mesh = spec.model, spec.policy, spec.train, spec.checkpointing, spec.mesh
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
     params, grads, optim = model_state_bytes(spec)

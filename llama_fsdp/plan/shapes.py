@@ -6,13 +6,19 @@ import math
 from ..config import ModelConfig
 
 
+def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """One decoder layer's Linear weights (out, in) by module name, in the layer's order."""
+    h, q = m.hidden_size, m.hidden_size // m.num_heads
+    kv, i = m.num_kv_heads * q, m.intermediate_size
+    return {"q_proj": (m.num_heads * q, h), "k_proj": (kv, h), "v_proj": (kv, h),
+            "o_proj": (h, m.num_heads * q), "gate_proj": (i, h), "up_proj": (i, h),
+            "down_proj": (h, i)}
+
+
 def layer_shapes(m: ModelConfig) -> list[tuple[int, ...]]:
     """One decoder layer's parameters (no biases, as transformers' Llama)."""
-    h, q = m.hidden_size, m.hidden_size // m.num_heads
-    kv = m.num_kv_heads * q
-    i = m.intermediate_size
-    return [(h, h), (kv, h), (kv, h), (h, h),  # q, k, v, o projections
-            (i, h), (i, h), (h, i),  # gate, up, down
+    h = m.hidden_size
+    return [*projection_shapes(m).values(),  # q, k, v, o, gate, up, down
             (h,), (h,)]  # input and post-attention RMSNorm
 
 

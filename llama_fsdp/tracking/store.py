@@ -19,6 +19,7 @@ VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
                 *(f"params.`{p}`" for p in ("model.name", "finetune.method", "optim.name",
                                             "sharding.strategy", "precision.name",
                                             "train.batch_size")),
+                "metrics.`trainable_params`", "metrics.`total_params`",  # what the method trains
                 "tags.`derived.world_size`"]
 
 

@@ -17,11 +17,9 @@ term).
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
-from llama_fsdp.launchers.common import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -34,33 +32,6 @@ MODEL_TOLERANCE = 0.10
 MAX_OVERHEAD = 2 * GB
 CASES = [(s, p, ac, b) for s in ("full", "grad_op") for p in ("bf16", "mixed")
          for ac in ("none", "full") for b in (1, 4)]
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A 1-rank NCCL process group on cuda:0, as the worker makes one."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    port = free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _spec(strategy: str, precision: str, ac: str, batch: int):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.test_gpu_memory import GB, MAX_OVERHEAD, MODEL_TOLERANCE, _measure, one_rank_group  # noqa: F401
+from tests.gpu.test_gpu_memory import GB, MAX_OVERHEAD, MODEL_TOLERANCE, _measure
 
 torch = pytest.importorskip("torch")
 

@@ -305,7 +305,7 @@ def test_fixes_list_each_change_once():
         with pytest.raises(P.PlanError) as err:
             P.check_fits(make_spec(*base, *extra))
         return [line.split(":")[0] for line in str(err.value).splitlines()
-                if line.startswith("  - ")]
+                if line.startswith("  - ") and "finetune=" not in line]  # (adapters: below)
 
     assert fixes("precision=fp32") == [
         "  - precision=bf16 (bf16 params, grads and optimizer state)",
@@ -313,9 +313,16 @@ def test_fixes_list_each_change_once():
         "  - precision=bf16 optim=adamw8bit", "  - precision=bf16 optim=adamw4bit"]
     assert fixes("precision=bf16", "optim=adamw8bit") == [
         "  - optim=adamw4bit (4-bit AdamW moments)"]
-    # in bf16 with 4-bit moments, nothing is left to change
-    assert fixes("precision=bf16", "optim=adamw4bit") == [
-        "  - none left in this config"]
+    # in bf16 with 4-bit moments only the adapters are left (finetune=lora / qlora: the
+    # adapters' tests); without them, nothing is left to change
+    assert fixes("precision=bf16", "optim=adamw4bit") == []
+    with pytest.raises(P.PlanError) as err:  # and with qlora in bf16, nothing is left to change
+        P.check_fits(make_spec("model=70b", "cluster.device=cpu", "sharding=full",
+                               "checkpointing=full", "train.batch_size=1", "precision=bf16",
+                               "finetune=qlora"))
+    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
+    assert fixes == ["  - none left in this config: every memory-saving setting is on; it needs "
+                     "devices with more memory, or more of them"]
 
 
 def test_check_fits_suggests_full_instead_of_grad_op():
