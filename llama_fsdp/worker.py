@@ -308,7 +308,8 @@ class RankRun:
         checkpointer = ckpt_io.Checkpointer(
             spec.save, output_dir=spec.output_dir, device=device,
             app=ckpt_io.AppState(model, optimizer, scheduler, state, data), hf_config=hf_cfg,
-            tokenizer=tokenizer, tracker=tracker, optim=spec.optim)
+            tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
+            finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
                   console, checkpointer, state)
         run.resumed_from = checkpointer.resume(resume)

@@ -90,12 +90,13 @@ def resume_problems(resume: str, output_dir: str) -> list[str]:
 
 
 def resume_optim_problems(cfg: Config) -> list[str]:
-    """The checkpoint to resume from holds another optimizer's state (optim_meta.py)."""
+    """The checkpoint to resume from holds another optimizer's state, or what another finetune
+    method trains (optim_meta.py)."""
     try:
         path = resolve_resume(cfg.resume, cfg.output_dir)
     except (FileNotFoundError, OSError):  # resume_problems reports it
         return []
-    why = optim_mismatch(path, cfg.optim) if path is not None else None
+    why = optim_mismatch(path, cfg.optim, cfg.finetune) if path is not None else None
     return [why] if why else []
 
 

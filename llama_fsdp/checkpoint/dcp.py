@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import OptimConfig, SaveConfig
+from ..config import FinetuneConfig, OptimConfig, SaveConfig
 from ..rundir import HF_META, RunDir
 from .hf import write_hf_meta
 from .optim_meta import optim_mismatch, write_optim_meta
@@ -199,13 +199,15 @@ class AppState(Stateful):
 class Checkpointer:
     """DCP save every ``save.every_steps`` and at the end, keep the last ``save.keep_last``,
     resume from the newest. Every rank holds one; collectives happen at the same steps.
-    ``optim``: the optimizer whose state is saved, recorded beside it (optim_meta.py)."""
+    ``optim``, ``finetune``: the optimizer whose state is saved and what trains, recorded
+    beside it (optim_meta.py)."""
 
     def __init__(self, save: SaveConfig, *, output_dir: str, app: AppState, device: torch.device,
                  hf_config: Any = None, tokenizer: Any = None, tracker: Any = None,
-                 optim: Optional[OptimConfig] = None):
+                 optim: Optional[OptimConfig] = None,
+                 finetune: Optional[FinetuneConfig] = None):
         self.cfg, self.app, self.device = save, app, device
-        self.optim = optim or OptimConfig()
+        self.optim, self.finetune = optim or OptimConfig(), finetune or FinetuneConfig()
         self.output_dir = Path(output_dir)
         self.root = RunDir(output_dir).checkpoints
         self.hf_config, self.tokenizer, self.tracker = hf_config, tokenizer, tracker
@@ -230,7 +232,8 @@ class Checkpointer:
         skipped = []
         for path in candidates:
             problem = verify(path)
-            if problem is None and (other := optim_mismatch(path, self.optim)) is not None:
+            other = optim_mismatch(path, self.optim, self.finetune) if problem is None else None
+            if other is not None:
                 raise CheckpointError(other)  # not a damaged checkpoint: no older one is tried
             problem = problem or self._try_load(path)
             if problem is None:
@@ -329,7 +332,7 @@ class Checkpointer:
                 _remove(stale, self.root)
             tmp.mkdir(parents=True)
             self._write_hf_meta(tmp / HF_META)
-            write_optim_meta(tmp, self.optim)
+            write_optim_meta(tmp, self.optim, self.finetune)
         dist.barrier()
         t0 = time.perf_counter()
         writer = dcp.FileSystemWriter(str(tmp))

@@ -1,5 +1,7 @@
-"""Which optimizer wrote a checkpoint's state (``optimizer.json`` in the checkpoint), so a run
-resumes only with an optimizer that can read it. torchao's low-bit moments (OptimState8bit /
+"""Which optimizer wrote a checkpoint's state, and over which trainable parameters
+(``optimizer.json`` in the checkpoint), so a run resumes only with an optimizer that can read
+it and the same finetune method and adapters (a lora checkpoint holds the adapters alone; a
+full one every weight). torchao's low-bit moments (OptimState8bit /
 4bit codes of one block size) load only into the same kind and block size, and its optimizers
 keep the learning rate as a tensor where torch's AdamW keeps a float (the LR scheduler's state
 differs). Torch-free: checks.py compares before launch, the Checkpointer again on resume.
@@ -10,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..config import OptimConfig
+from ..config import FinetuneConfig, OptimConfig
 from ..rundir import OPTIM_META
 
 
@@ -21,10 +23,32 @@ def state_format(o: OptimConfig) -> str:
     return "adamw, torchao (bf16 stochastic rounding)" if o.bf16_stochastic_round else "adamw"
 
 
-def write_optim_meta(checkpoint: Path, o: OptimConfig) -> None:
+def trained(ft: FinetuneConfig) -> str:
+    """What trains, as far as the checkpoint's tensors go: equal strings load into each other."""
+    if not ft.adapters:
+        return "full"
+    return f"{ft.method}, rank {ft.rank}, on {','.join(sorted(ft.target_modules))}"
+
+
+def write_optim_meta(checkpoint: Path, o: OptimConfig,
+                     ft: Optional[FinetuneConfig] = None) -> None:
+    ft = ft or FinetuneConfig()
     (checkpoint / OPTIM_META).write_text(json.dumps(
         {"name": o.name, "block_size": o.block_size, "bf16_stochastic_round":
-         o.bf16_stochastic_round, "format": state_format(o)}, indent=1) + "\n")
+         o.bf16_stochastic_round, "format": state_format(o),
+         "finetune": {"method": ft.method, "rank": ft.rank,
+                      "target_modules": list(ft.target_modules)}}, indent=1) + "\n")
+
+
+def read_finetune_meta(checkpoint: Path) -> FinetuneConfig:
+    """What trained into a checkpoint; every weight for checkpoints written before the record
+    existed (full fine-tuning was the only method then)."""
+    path = checkpoint / OPTIM_META
+    d = json.loads(path.read_text()).get("finetune") if path.is_file() else None
+    if d is None:
+        return FinetuneConfig()
+    return FinetuneConfig(method=d["method"], rank=d["rank"],
+                          target_modules=list(d["target_modules"]))
 
 
 def read_optim_meta(checkpoint: Path) -> OptimConfig:
@@ -48,8 +72,29 @@ def _overrides(saved: OptimConfig, ours: OptimConfig) -> str:
     return " ".join(out)
 
 
-def optim_mismatch(checkpoint: Path, o: OptimConfig) -> Optional[str]:
-    """Why this run's optimizer cannot resume from the checkpoint (with the fix), or None."""
+def finetune_mismatch(checkpoint: Path, ft: FinetuneConfig) -> Optional[str]:
+    """Why this run's finetune method cannot resume from the checkpoint (with the fix), or
+    None."""
+    saved = read_finetune_meta(checkpoint)
+    if trained(saved) == trained(ft):
+        return None
+    fix = f"finetune={saved.method}"
+    if saved.adapters:
+        fix += (f" finetune.rank={saved.rank} "
+                f"finetune.target_modules=[{','.join(saved.target_modules)}]")
+    return (f"{checkpoint} holds what finetune {trained(saved)!r} trains, not what "
+            f"{trained(ft)!r} trains: resume with {fix}, or start afresh with resume=none"
+            + (" (to put adapters on a fully fine-tuned model, export it with "
+               "save.export_hf=true and give its directory as model.path)"
+               if not saved.adapters else ""))
+
+
+def optim_mismatch(checkpoint: Path, o: OptimConfig,
+                   ft: Optional[FinetuneConfig] = None) -> Optional[str]:
+    """Why this run's optimizer (or, given ``ft``, its finetune method) cannot resume from the
+    checkpoint (with the fix), or None."""
+    if ft is not None and (why := finetune_mismatch(checkpoint, ft)) is not None:
+        return why
     saved = read_optim_meta(checkpoint)
     if state_format(saved) == state_format(o):
         return None

@@ -105,7 +105,7 @@ def test_valid_settings_pass():
     assert spec.summary()["optimizer"] == "adamw4bit"
 
 
-def _fake_checkpoint(root, optim: OptimConfig | None):
+def _fake_checkpoint(root, optim: OptimConfig | None, finetune=None):
     from llama_fsdp.checkpoint import layout
     from llama_fsdp.checkpoint.optim_meta import write_optim_meta
 
@@ -113,8 +113,34 @@ def _fake_checkpoint(root, optim: OptimConfig | None):
     path.mkdir(parents=True)
     (path / layout.METADATA).write_bytes(b"")
     if optim is not None:
-        write_optim_meta(path, optim)
+        write_optim_meta(path, optim, finetune)
     return path
+
+
+def test_resuming_with_another_finetune_method_is_refused_before_launch(tmp_path):
+    """A lora checkpoint holds the adapters alone, a full one every weight: resuming one with
+    the other method (or other adapters) is refused before launch, with the overrides that
+    fit; checkpoints written before the record are full fine-tuning's."""
+    from llama_fsdp.config import FinetuneConfig
+
+    lora = _fake_checkpoint(tmp_path / "lora", OptimConfig(),
+                            FinetuneConfig(method="lora", rank=8,
+                                           target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ConfigError) as err:
+        make_spec(f"resume={lora}")
+    assert (f"{lora} holds what finetune 'lora, rank 8, on q_proj,v_proj' trains, not what "
+            "'full' trains: resume with finetune=lora finetune.rank=8 "
+            "finetune.target_modules=[q_proj,v_proj], or start afresh with resume=none"
+            ) in str(err.value)
+    with pytest.raises(ConfigError, match="rank 16"):  # another rank
+        make_spec(f"resume={lora}", "finetune=lora", "finetune.target_modules=[q_proj,v_proj]")
+    # the fix, as the message writes it, resumes
+    make_spec(f"resume={lora}", *"finetune=lora finetune.rank=8 "
+              "finetune.target_modules=[q_proj,v_proj]".split())
+    full = _fake_checkpoint(tmp_path / "full", None)  # no record: written by full fine-tuning
+    make_spec(f"resume={full}")
+    with pytest.raises(ConfigError, match="export it with save.export_hf=true"):
+        make_spec(f"resume={full}", "finetune=qlora")
 
 
 def test_resuming_with_another_optimizer_is_refused_before_launch(tmp_path):
