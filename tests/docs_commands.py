@@ -12,7 +12,8 @@ tests/integration/test_docs_commands.py and test_slurm_docs_commands.py run them
 Also here: running a command as a user types it (bash, with the environment's bin/ first on
 PATH, as after ``source .venv/bin/activate``), and the files and caches the examples name
 (a tiny Llama and its tokenizer in a Hugging Face hub cache under the hub names, a tiny
-ultrachat_200k in the datasets cache, the data files of docs/data.md).
+ultrachat_200k in the datasets cache, the data files of docs/data.md and
+docs/optimizer.md).
 """
 from __future__ import annotations
 
@@ -201,6 +202,11 @@ HUB = (Env("HF_HUB_CACHE", "{hub}", "the hub cache holding a tiny Llama (and its
                                     "under each hub name, as a download leaves it"),
        Env("HF_HUB_OFFLINE", "1", "no network here: the hub client serves its cache"))
 
+TINY_70B = Replace("model=70b", "model=tiny", "70B's shape needs its 70.6B-parameter weights; the "
+                                          "tiny Llama under the hub name meta-llama/Llama-3.1-70B "
+                                          "has model=tiny's shape (model.path is checked against "
+                                          "the group)")
+
 REGISTRY: dict[str, Entry] = {
     # --- README.md -------------------------------------------------------------------------
     "make run": Entry(
@@ -231,10 +237,82 @@ REGISTRY: dict[str, Entry] = {
         "readme_70b_dry", f"{LOCAL}::test_readme_70b_dry_run",
         "prints the 70b plan for 4 x 8 H100s (it does not fit: the fixes), then the sbatch "
         "script (4 nodes, 8 GPUs each); leaves no run directory", (NO_SLURM,)),
+    # also docs/finetune.md's first scenario (the same command: one entry)
+    "python -m llama_fsdp model=70b finetune=qlora cluster.nproc_per_node=4 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=2048 train.batch_size=1 checkpointing=full "
+    "dry_run=true": Entry(
+        "qlora_70b_dry", f"{LOCAL}::test_qlora_70b_on_four_4090s_dry_run",
+        "plans 70b QLoRA for 4 local RTX 4090s (none here: a dry run plans for them): it fits; "
+        "the peak and its phase, the capacity, the NF4 base, the adapters' state, the trainable "
+        "count, activations and logits equal what README.md and docs/finetune.md state; the "
+        "4 local ranks it would start; leaves no run directory"),
     "python -m llama_fsdp -m train.batch_size=1,2,4 sharding=full,hybrid": Entry(
         "sweep", f"{LOCAL}::test_sweep",
         "six points, each finished; the hybrid points say they are full on one host; the "
         "summary table has a row per point", (SHRINK, SYNTH)),
+    # --- docs/finetune.md -------------------------------------------------------------------
+    "python -m llama_fsdp finetune=lora": Entry(
+        "lora", f"{LOCAL}::test_finetune_lora",
+        "the tiny default run with LoRA adapters on 2 CPU ranks: status finished, MLflow has "
+        "finetune.method lora and trainable_params (the plan's adapter count) under a tenth of "
+        "total_params; the run's export is a PEFT adapter, logged as its peft-lora model",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp finetune=qlora": Entry(
+        "qlora", f"{LOCAL}::test_finetune_qlora",
+        "the same with QLoRA (the base frozen in NF4): status finished, method qlora, the "
+        "adapters trainable (under a tenth of all), the PEFT adapter exported and logged",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp -m finetune=full,lora,qlora": Entry(
+        "finetune_sweep", f"{LOCAL}::test_finetune_sweep",
+        "three points, each finished; the summary table has a FINISHED row per method; in "
+        "MLflow full trains every parameter, lora and qlora under a tenth of them",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp model=70b finetune=qlora cluster.nproc_per_node=4 train.seq_len=2048 "
+    "train.batch_size=1 checkpointing=full model.path=meta-llama/Llama-3.1-70B": Entry(
+        "qlora_70b_hub", f"{LOCAL}::test_qlora_70b_from_hub_weights",
+        "meta-llama/Llama-3.1-70B resolves from the hub cache: each rank loads the base from its "
+        "snapshot and quantizes it to NF4, the tokenizer is the model's; QLoRA over 2048-token "
+        "rows, every layer checkpointed: status finished, the PEFT adapter exported (the "
+        "default 4000 synthetic records: 400 would not fill a 2048-token row per rank)",
+        (*HUB, TINY_70B,
+         Replace("cluster.nproc_per_node=4", "cluster.nproc_per_node=2",
+                 "2 CPU ranks: the tiny Llama's k_proj and v_proj (128 x 256) do not split "
+                 "into whole NF4 groups of 64 x 256 over 4 shards (refused before launch, with "
+                 "that fix); 70B's shapes do"),
+         SHRINK)),
+    "python -m llama_fsdp model=8b finetune=lora cluster.nproc_per_node=1 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=2048 train.batch_size=1 checkpointing=full "
+    "dry_run=true": Entry(
+        "lora_8b_dry", f"{LOCAL}::test_lora_8b_on_one_4090_dry_run",
+        "plans 8b LoRA for one RTX 4090: it fits at the peak docs/finetune.md states; the one "
+        "local rank it would start; leaves no run directory"),
+    # --- docs/optimizer.md ------------------------------------------------------------------
+    "python -m llama_fsdp model=70b cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=h100 "
+    "precision=bf16 checkpointing=full train.batch_size=1 train.seq_len=2048 dry_run=true": Entry(
+        "optim_70b_dry", f"{LOCAL}::test_optimizer_70b_adamw_dry_run",
+        "plans 70b on one node of 8 H100s with AdamW: it does not fit; the peak, its phase, the "
+        "optimizer state, the shortfall and the fixes' 8- and 4-bit peaks equal what "
+        "docs/optimizer.md (its table, its comment) and docs/planner.md state; then the sbatch "
+        "script (1 node, 8 GPUs); leaves no run directory", (NO_SLURM,)),
+    "python -m llama_fsdp model=70b cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=h100 "
+    "precision=bf16 checkpointing=full train.batch_size=1 train.seq_len=2048 optim=adamw8bit "
+    "optim.bf16_stochastic_round=true model.path=meta-llama/Llama-3.1-70B data=jsonl "
+    "data.path=train.jsonl": Entry(
+        "optim_70b_8bit", f"{LOCAL}::test_optimizer_70b_8bit_run",
+        "8-bit moments with stochastic rounding over bf16 parameters, the weights and tokenizer "
+        "of meta-llama/Llama-3.1-70B from the hub cache, train.jsonl's instruction records: "
+        "status finished, MLflow has optim adamw8bit with bf16_stochastic_round",
+        (*HUB, TINY_70B,
+         Replace("cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=h100",
+                 "cluster.nproc_per_node=2",
+                 "2 local CPU ranks instead of a SLURM job on 8 H100s (neither is here; the plan "
+                 "of that job is test_optimizer_70b_adamw_dry_run's and "
+                 "test_planner_70b_8bit_dry_run's)"),
+         SHRINK,
+         Append("optim.eager=true", "the 8-bit step runs eagerly: the same numbers "
+                                    "(tests/multirank/test_optim.py checks the compiled step "
+                                    "against the eager one), without its 70 s compile on 2 CPU "
+                                    "cores"))),
     # --- docs/launching.md ----------------------------------------------------------------
     "torchrun --nproc_per_node=8 --rdzv-id=llama8b -m llama_fsdp cluster=torchrun model=8b": Entry(
         "torchrun_one_host", f"{LOCAL}::test_torchrun_on_one_host",
@@ -356,6 +434,14 @@ REGISTRY: dict[str, Entry] = {
     "cluster.gpus_per_node=8 precision=bf16 dry_run=true": Entry(
         "planner_dry", f"{LOCAL}::test_planner_dry_run",
         "prints the plan (bf16, 2 x 8 H100s, its verdict) and the sbatch script", (NO_SLURM,)),
+    "python -m llama_fsdp model=70b cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=a100 "
+    "precision=bf16 checkpointing=full train.batch_size=1 train.seq_len=2048 optim=adamw8bit "
+    "dry_run=true": Entry(
+        "planner_8bit_dry", f"{LOCAL}::test_planner_70b_8bit_dry_run",
+        "plans 70b on one node of 8 A100s with 8-bit moments: it fits; the peak (the number "
+        "docs/planner.md states), its phase, the optimizer state and the room to spare equal "
+        "docs/optimizer.md's 8-bit row; then the sbatch script; leaves no run directory",
+        (NO_SLURM,)),
     # --- docs/slurm.md ------------------------------------------------------------------------
     "python -m llama_fsdp cluster=slurm cluster.nodes=2 cluster.gpus_per_node=8 "
     "cluster.partition=gpu cluster.account=myacct cluster.timeout_min=240 "
@@ -518,7 +604,8 @@ def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 
 
 def write_data_files(cwd: Path) -> None:
-    """The files docs/data.md and docs/configuration.md name, in their documented layouts."""
+    """The files docs/data.md, docs/configuration.md and docs/optimizer.md name, in their
+    documented layouts."""
     records = instruction_records(120)
     (cwd / "alpaca_data.json").write_text(json.dumps(records, indent=1))  # a JSON array
     (cwd / "data").mkdir(exist_ok=True)
@@ -541,6 +628,10 @@ def write_data_files(cwd: Path) -> None:
                                         for x in rs[i:i + 3]],
                           "is_classification": False})
     (cwd / "seed_tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    # docs/optimizer.md's train.jsonl: JSON lines of instruction records, enough of them for a
+    # few rows of 2048 tokens (the command's train.seq_len)
+    (cwd / "train.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in instruction_records(1000, seed=3)))
     # docs/data.md's hooks.py, as the docs print it
     (cwd / "hooks.py").write_text(code_block(REPO / "docs" / "data.md", "# hooks.py"))
 
@@ -550,7 +641,8 @@ def seed_instances(cwd: Path) -> int:
                for line in (cwd / "seed_tasks.jsonl").read_text().splitlines())
 
 
-HUB_MODELS = {"meta-llama/Llama-3.2-1B": False, "meta-llama/Llama-3.2-1B-Instruct": True}
+HUB_MODELS = {"meta-llama/Llama-3.2-1B": False, "meta-llama/Llama-3.2-1B-Instruct": True,
+              "meta-llama/Llama-3.1-70B": False}
 HUB_DATASET = "HuggingFaceH4/ultrachat_200k"
 ULTRACHAT_SPLITS = {"train_sft": 60, "test_sft": 8, "train_gen": 20, "test_gen": 4}
 

@@ -113,6 +113,32 @@ def printed(output: str, key: str) -> str:
     return m.group(1).strip()
 
 
+def plan_gb(output: str, label: str) -> str:
+    """The GB column of a row of the printed plan ("  <label>   18.88   17.59")."""
+    m = re.search(rf"^  {re.escape(label)}\s+(-?[\d.]+)\s+-?[\d.]+$", output, re.M)
+    assert m, f"no plan row {label!r}:\n{output[-3000:]}"
+    return m.group(1)
+
+
+def doc_states(page: str, pattern: str) -> tuple[str, ...]:
+    """What a docs page states: the groups of ``pattern`` (blanks in it match any run of
+    blanks or a line break, . any character), so that the test breaks when the page's text
+    drifts."""
+    text = (REPO / page).read_text(encoding="utf-8")
+    m = re.search(pattern.replace(" ", r"\s+"), text, re.S)
+    assert m, f"{page} no longer says {pattern!r}"
+    return m.groups()
+
+
+def same(doc: str, printed: str) -> bool:
+    """A number written in the docs is the printed one, at the precision the docs write it
+    (18.9 for a printed 18.88; 18.88 for 18.88 only)."""
+    decimals = [len(x.partition(".")[2]) for x in (doc, printed)]
+    if decimals[0] == decimals[1]:
+        return float(doc) == float(printed)
+    return abs(float(doc) - float(printed)) <= 0.5 * 10 ** -decimals[0] + 0.5 * 10 ** -decimals[1]
+
+
 # --- README.md ------------------------------------------------------------------------------------
 
 
@@ -187,6 +213,52 @@ def test_readme_70b_dry_run(work):
     assert "\nsrun " in script
 
 
+def _local_dry_run_checks(r: docs.Ran, work: Path, before: set[Path], ranks: int) -> None:
+    """A dry run for local GPUs this machine lacks: the plan, the ranks it would start, nothing
+    launched, nothing left behind."""
+    assert r.returncode == 0, str(r)
+    assert "plan (per device):" in r.output and "predicted peak" in r.output
+    assert (f"dry_run=true: nothing launched. Would run:\n{ranks} local rank process(es) via "
+            "submitit's local executor") in r.output, str(r)
+    assert printed(r.output, "device") == "cuda (nccl)"
+    assert docs.run_dirs(work) == before  # no run directory left behind
+
+
+def test_qlora_70b_on_four_4090s_dry_run(work):
+    """README.md's and docs/finetune.md's headline: 70B QLoRA planned for 4 x RTX 4090."""
+    before = docs.run_dirs(work)
+    r = run_doc("qlora_70b_dry", work, timeout=300)
+    _local_dry_run_checks(r, work, before, ranks=4)
+    out = r.output
+    assert printed(out, "world_size") == "4 = 1 node(s) x 4"
+    assert printed(out, "finetune").startswith("qlora (rank 16, alpha 32")
+    assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
+    peak = plan_gb(out, "predicted peak (max over phases: loss)")
+    (readme_peak,) = doc_states("README.md", r"planned for 4 x RTX 4090: ([\d.]+) GB per GPU")
+    assert same(readme_peak, peak), (readme_peak, peak)
+    doc_peak, phase, capacity = doc_states(
+        "docs/finetune.md", r"The plan: ([\d.]+) GB per GPU at its peak \(the (\w+) phase\), "
+                            r"which fits a 4090's ([\d.]+) GB")
+    assert same(doc_peak, peak) and phase == "loss", (doc_peak, phase, peak)
+    assert same(capacity, plan_gb(out, "capacity (rtx4090 (cluster.gpu_type table))"))
+    base, state, trainable, share, activations, logits = doc_states(
+        "docs/finetune.md", r"Of it, ([\d.]+) GB is the sharded base .*? ([\d.]+) GB the "
+                            r"adapters' fp32 gradients and AdamW moments \(([\d.]+) M trainable "
+                            r"parameters, ([\d.]+)%\), ([\d.]+) GB activations and ([\d.]+) GB "
+                            r"logits")
+    assert same(base, plan_gb(out, "base NF4/bfloat16 + adapters float32 (sharded)"))
+    adapters_state = (float(plan_gb(out, "gradients (adapters only, float32)"))
+                      + float(plan_gb(out, "optimizer (AdamW 2 moments of the adapters, "
+                                           "float32)")))
+    assert same(state, f"{adapters_state:.2f}"), (state, adapters_state)
+    m = re.search(r"^trainable\s+([\d,]+) adapters \(([\d.]+)%\): qlora rank 16", out, re.M)
+    assert m, out[-3000:]
+    assert same(trainable, f"{int(m.group(1).replace(',', '')) / 1e6:.0f}")
+    assert same(share, m.group(2)), (share, m.group(2))
+    assert same(activations, plan_gb(out, "activations (b=1, s=2048, AC full)"))
+    assert same(logits, plan_gb(out, "logits + fp32 loss (b x s x vocab)"))
+
+
 def test_sweep(work):
     r = run_doc("sweep", work, timeout=900)
     assert r.returncode == 0, str(r)
@@ -202,6 +274,175 @@ def test_sweep(work):
     points = {(row[b], row[s]) for row in rows}
     assert points == {(b, s) for b in ("1", "2", "4") for s in ("full", "hybrid")}, table
     assert all(row[header.index("status")] == "FINISHED" for row in rows), table
+
+
+# --- docs/finetune.md ---------------------------------------------------------------------------
+
+
+def _adapters(r: docs.Ran, work: Path, method: str):
+    """A lora / qlora run finished; MLflow has its method, and the trainable parameters (the
+    plan's adapter count) are a small part of all; its export is a PEFT adapter, logged as the
+    run's model. Returns the MLflow run."""
+    run = finished(r, work)
+    assert printed(r.output, "finetune").startswith(f"{method} (rank 16, alpha 32")
+    m = re.search(rf"^trainable\s+([\d,]+) adapters \([\d.]+%\): {method} rank 16", r.output,
+                  re.M)
+    assert m, str(r)
+    assert run.data.params["finetune.method"] == method
+    trainable, total = run.data.metrics["trainable_params"], run.data.metrics["total_params"]
+    assert trainable == int(m.group(1).replace(",", "")) and 0 < trainable < total / 10
+    export = Path(docs.summary_value(r.output, "run dir")) / "export"
+    assert (export / "adapter_config.json").is_file(), str(r)
+    assert json.loads((export / "adapter_config.json").read_text())["r"] == 16
+    assert (export / "adapter_model.safetensors").is_file()
+    (model_output,) = run.outputs.model_outputs
+    assert client(work).get_logged_model(model_output.model_id).model_type == "peft-lora"
+    return run
+
+
+def test_finetune_lora(work):
+    r = run_doc("lora", work)
+    _adapters(r, work, "lora")
+    assert "the base is frozen and NF4" not in r.output
+
+
+def test_finetune_qlora(work):
+    r = run_doc("qlora", work)
+    _adapters(r, work, "qlora")
+    assert "the base is frozen and NF4" in r.output  # the plan counts the NF4 base
+
+
+def test_finetune_sweep(work):
+    r = run_doc("finetune_sweep", work, timeout=900)
+    assert r.returncode == 0, str(r)
+    assert r.output.count("status         finished") == 3, str(r)
+    table = r.output.split(" summary:\n", 1)[1].splitlines()
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    method, status = header.index("finetune.method"), header.index("status")
+    assert sorted(row[method] for row in rows) == ["full", "lora", "qlora"], table
+    assert all(row[status] == "FINISHED" for row in rows), table
+    # side by side in MLflow: the method and what it trains
+    c = client(work)
+    runs = [c.get_run(run_id) for run_id in re.findall(r"^\s+mlflow run\s+(\w+)", r.output, re.M)]
+    trains = {run.data.params["finetune.method"]: (run.data.metrics["trainable_params"],
+                                                   run.data.metrics["total_params"])
+              for run in runs}
+    assert sorted(trains) == ["full", "lora", "qlora"], trains
+    assert trains["full"][0] == trains["full"][1]
+    assert all(0 < trains[m][0] < trains[m][1] / 10 for m in ("lora", "qlora")), trains
+    assert all(run.info.status == "FINISHED" for run in runs)
+
+
+def test_qlora_70b_from_hub_weights(work, hub):
+    r = run_doc("qlora_70b_hub", work, hub=str(hub))
+    _adapters(r, work, "qlora")
+    snapshot = "models--meta-llama--Llama-3.1-70B/snapshots/"
+    assert re.search(rf"data: tokenizer \S*{snapshot}\S* \(model.path\)", r.output), str(r)
+    # each rank reads its rows of the base and quantizes them to NF4 on the rank
+    assert re.search(rf"loaded the base from \S*{snapshot}\S* in [\d.]+s \(\d+ NF4 weights "
+                     r"quantized per shard\)", r.output), str(r)
+    assert printed(r.output, "activation_checkpointing") == "full"
+    assert "4 layer(s) checkpointed" in r.output
+    assert re.search(r"data: \d+ training rows of 2048 tokens", r.output), str(r)
+
+
+def test_lora_8b_on_one_4090_dry_run(work):
+    before = docs.run_dirs(work)
+    r = run_doc("lora_8b_dry", work, timeout=300)
+    _local_dry_run_checks(r, work, before, ranks=1)
+    assert printed(r.output, "finetune").startswith("lora (rank 16, alpha 32")
+    assert "  fits with a 10% margin" in r.output and "DOES NOT FIT" not in r.output
+    peak = plan_gb(r.output, "predicted peak (max over phases: loss)")
+    (doc_peak,) = doc_states("docs/finetune.md",
+                             r"Llama 3.1 8B with LoRA on one 24 GB GPU: ([\d.]+) GB planned")
+    assert same(doc_peak, peak), (doc_peak, peak)
+    assert plan_gb(r.output, "capacity (rtx4090 (cluster.gpu_type table))") == "25.40"
+
+
+# --- docs/optimizer.md, docs/planner.md: 70B on one node of 8 x 80 GB ----------------------------
+
+# the phase of the plan's peak as docs/optimizer.md's table names it
+PHASES = {"optimizer step": "optimizer", "layers' backward": "layers"}
+
+
+def _optimizer_table() -> dict[str, list[str]]:
+    """docs/optimizer.md's table of the 70B recipe: optimizer -> (predicted peak, phase of the
+    peak, optimizer state, to spare)."""
+    rows = {}
+    for line in (REPO / "docs" / "optimizer.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 5 and cells[1].endswith(" GB"):
+            rows[cells[0]] = cells[1:]
+    assert set(rows) == {"AdamW (bf16 moments)", "8-bit moments", "4-bit moments"}, rows
+    return rows
+
+
+def _number(cell: str) -> str:
+    m = re.search(r"(-?[\d.]+) GB", cell)
+    assert m, cell
+    return m.group(1)
+
+
+def _check_row(row: list[str], out: str, state_label: str) -> str:
+    """A row of docs/optimizer.md's table is what the plan printed; returns the usable GB."""
+    peak, phase, state, spare = row
+    m = re.search(r"^  predicted peak \(max over phases: (\w+)\)\s+([\d.]+)", out, re.M)
+    assert m, out[-3000:]
+    assert same(_number(peak), m.group(2)) and PHASES[phase] == m.group(1), (row, m.groups())
+    assert same(_number(state), plan_gb(out, state_label)), (row, state_label)
+    usable = re.search(r"with a 10% margin \(usable ([\d.]+) GB\)", out).group(1)
+    assert same(_number(spare), f"{float(usable) - float(m.group(2)):.2f}"), (row, usable)
+    assert usable == "76.50"
+    (doc_usable,) = doc_states("docs/optimizer.md", r"against ([\d.]+) GB usable")
+    assert same(doc_usable, usable)
+    return usable
+
+
+def test_optimizer_70b_adamw_dry_run(work):
+    before = docs.run_dirs(work)
+    r = run_doc("optim_70b_dry", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    out = r.output
+    assert printed(out, "precision") == "bf16" and printed(out, "optimizer") == "adamw"
+    assert printed(out, "world_size") == "8 = 1 node(s) x 8"
+    assert "  DOES NOT FIT with a 10% margin" in out and "Cheapest fixes" in out
+    assert plan_gb(out, "capacity (h100 (cluster.gpu_type table))") == "85.00"
+    table = _optimizer_table()
+    _check_row(table["AdamW (bf16 moments)"], out, "optimizer (AdamW 2 moments, bfloat16)")
+    peak = plan_gb(out, "predicted peak (max over phases: optimizer)")
+    adamw, eight, four = doc_states("docs/optimizer.md", r"AdamW needs ([\d.]+) GB per GPU, 8-bit "
+                                                         r"moments ([\d.]+) GB, 4-bit ([\d.]+) GB")
+    (planner,) = doc_states("docs/planner.md",
+                            r"needs ([\d.]+) GB per GPU with AdamW and does not fit")
+    assert same(adamw, peak) and same(planner, peak), (adamw, planner, peak)
+    # the fixes: 8- and 4-bit moments with their peaks, as the page's comment and table say
+    comment = doc_states("docs/optimizer.md", r"the fixes list optim=adamw8bit \(([\d.]+) GB\) "
+                                              r"and optim=adamw4bit \(([\d.]+) GB\)")
+    for name, bits, doc_peaks in (("adamw8bit", "8", (eight, comment[0])),
+                                  ("adamw4bit", "4", (four, comment[1]))):
+        m = re.search(rf"^  - optim={name} \({bits}-bit AdamW moments\): ([\d.]+) GB \(fits\)$",
+                      out, re.M)
+        assert m, out[-3000:]
+        row = _number(table[f"{bits}-bit moments"][0])
+        assert all(same(x, m.group(1)) for x in (*doc_peaks, row)), (name, doc_peaks, row, m[1])
+    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
+        assert line in script, script
+
+
+def test_optimizer_70b_8bit_run(work, hub):
+    r = run_doc("optim_70b_8bit", work, hub=str(hub))
+    run = finished(r, work)
+    _tokenizer_of(r, "meta-llama/Llama-3.1-70B")
+    assert printed(r.output, "optimizer") == "adamw8bit"
+    assert printed(r.output, "precision") == "bf16"
+    assert re.search(r"parameters \(sharded, bfloat16\)", r.output)
+    assert _data_line(r.output).startswith("train.jsonl: 950 training and 50 eval records")
+    assert "format instruction" in _data_line(r.output)
+    assert run.data.params["optim.name"] == "adamw8bit"
+    assert run.data.params["optim.bf16_stochastic_round"] == "True"
+    assert run.data.params["precision.name"] == "bf16"
 
 
 # --- docs/benchmarks.md -------------------------------------------------------------------------
@@ -339,6 +580,25 @@ def test_planner_dry_run(work):
     assert printed(r.output, "world_size") == "16 = 2 node(s) x 8"
     assert re.search(r"parameters \(sharded, bfloat16\)", r.output)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+
+
+def test_planner_70b_8bit_dry_run(work):
+    before = docs.run_dirs(work)
+    r = run_doc("planner_8bit_dry", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    out = r.output
+    assert printed(out, "optimizer") == "adamw8bit" and printed(out, "precision") == "bf16"
+    assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
+    assert plan_gb(out, "capacity (a100 (cluster.gpu_type table))") == "85.00"
+    peak = plan_gb(out, "predicted peak (max over phases: layers)")
+    (doc_peak,) = doc_states("docs/planner.md", r"with 8-bit moments it needs ([\d.]+) GB and fits")
+    assert same(doc_peak, peak), (doc_peak, peak)
+    # docs/optimizer.md: 8-bit moments on an H100 node, "cluster.gpu_type=a100: the same"
+    usable = _check_row(_optimizer_table()["8-bit moments"], out,
+                        "optimizer (AdamW 8-bit moments, block 256)")
+    (spare,) = doc_states("docs/optimizer.md", r"8-bit moments: fits with ([\d.]+) GB to spare")
+    assert same(spare, f"{float(usable) - float(peak):.2f}"), (spare, peak)
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --gpus-per-node=8" in script
 
 
 def test_slurm_gpu_job(work):
