@@ -5,7 +5,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -13,21 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from . import attention
 from .config import ModelConfig
+from .hf_dir import HF_FIELDS
 
 log = logging.getLogger(__name__)
-
-
-# ModelConfig field -> config.json key: the one table for both directions (llama_config builds
-# a LlamaConfig from a model group; hf_shape reads a config.json in the group's terms).
-HF_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
-             "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
-             "rms_norm_eps": "rms_norm_eps"}
-# What a config.json without the key means (LlamaConfig's defaults).
-HF_DEFAULTS = {"tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings")
 
 
 def rope_parameters(m: ModelConfig) -> dict:
@@ -54,50 +42,6 @@ def llama_config(m: ModelConfig, *, dtype: Optional[torch.dtype] = None) -> Llam
     if dtype is not None:
         cfg.dtype = dtype
     return cfg
-
-
-def hf_shape(hf: dict[str, Any]) -> dict[str, Any]:
-    """config.json in ModelConfig's terms (old top-level rope keys and transformers 5's
-    ``rope_parameters`` both understood)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    out = {field: hf.get(key, HF_DEFAULTS.get(field)) for field, key in HF_FIELDS.items()}
-    if out["num_kv_heads"] is None:
-        out["num_kv_heads"] = out["num_heads"]
-    if "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    out["rope_scaling"] = None if kind == "default" else {
-        "rope_type": kind, **{k: rope[k] for k in ROPE_SCALING_KEYS if k in rope}}
-    return out
-
-
-def model_shape(m: Any) -> dict[str, Any]:
-    """ModelConfig (or a preset as a dict) in the same terms as hf_shape."""
-    get = (lambda k, d=None: m.get(k, d)) if isinstance(m, dict) else (lambda k, d=None: getattr(m, k, d))
-    out = {f: get(f, HF_DEFAULTS.get(f)) for f in HF_FIELDS}
-    rs = get("rope_scaling")
-    if rs is not None and not isinstance(rs, dict):
-        rs = {k: getattr(rs, k) for k in ("rope_type", *ROPE_SCALING_KEYS)}
-    out["rope_scaling"] = dict(rs) if rs else None
-    return out
-
-
-def _differs(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        try:
-            return abs(float(a) - float(b)) > 1e-9 * max(1.0, abs(float(a)))
-        except (TypeError, ValueError):
-            return True
-    if isinstance(a, dict) and isinstance(b, dict):
-        keys = set(a) & set(b)
-        return any(_differs(a[k], b[k]) for k in keys) or a.get("rope_type") != b.get("rope_type")
-    return a != b
-
-
-def shape_diff(m: ModelConfig | dict, hf: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{field: (model group value, config.json value)} for every field that differs."""
-    ours, theirs = model_shape(m), hf_shape(hf)
-    return {k: (ours[k], theirs[k]) for k in ours if _differs(ours[k], theirs[k])}
 
 
 def build_meta_model(m: ModelConfig) -> LlamaForCausalLM:

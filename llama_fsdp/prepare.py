@@ -76,7 +76,7 @@ def probe_store(uri: str) -> Optional[str]:
 
 def resolve_model(spec: RunSpec) -> RunSpec:
     """model.path as a local directory: a hub name is downloaded here, once."""
-    from .checkpoint.hf import resolve_hf_dir
+    from .hf_dir import resolve_hf_dir
 
     path = spec.model.path
     if not path or Path(path).expanduser().is_dir():

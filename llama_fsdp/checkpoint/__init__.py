@@ -13,22 +13,32 @@ Three formats, three jobs:
 ``checks.py`` holds what can be checked before any process starts; ``adapters.py`` does the
 same jobs for a LoRA / QLoRA model (its base in per shard, NF4 included; the PEFT adapter and
 the merged model out).
-"""
-from .adapters import export_adapter, export_merged, load_hf_base
-from .dcp import AppState, Checkpointer, load_model_weights, read_model_state
-from .hf import MAX_SHARD_BYTES, export_hf, hf_config, load_hf_weights, write_hf_dir
-from .layout import (
-    METADATA,
-    dir_bytes,
-    is_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    resolve_resume,
-    step_dir,
-)
 
-__all__ = ["AppState", "Checkpointer", "MAX_SHARD_BYTES", "export_adapter", "export_merged",
-           "load_hf_base",
-           "METADATA", "dir_bytes", "export_hf", "hf_config", "is_checkpoint",
-           "latest_checkpoint", "list_checkpoints", "load_hf_weights", "load_model_weights",
-           "read_model_state", "resolve_resume", "step_dir", "write_hf_dir"]
+The package's names are imported on first use (PEP 562): ``checks``, ``layout`` and
+``optim_meta`` stay torch-free for the command line, which checks a run before any process
+starts without importing torch or transformers.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "export_adapter": "adapters", "export_merged": "adapters", "load_hf_base": "adapters",
+    "AppState": "dcp", "Checkpointer": "dcp", "load_model_weights": "dcp",
+    "read_model_state": "dcp",
+    "MAX_SHARD_BYTES": "hf", "export_hf": "hf", "hf_config": "hf", "load_hf_weights": "hf",
+    "write_hf_dir": "hf",
+    "METADATA": "layout", "dir_bytes": "layout", "is_checkpoint": "layout",
+    "latest_checkpoint": "layout", "list_checkpoints": "layout", "resolve_resume": "layout",
+    "step_dir": "layout",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -32,7 +32,8 @@ from .. import nf4
 from ..adapters import LoRALinear, clean_name, is_adapter, lora_modules, set_nf4_rows
 from ..config import FinetuneConfig
 from ..model import init_buffers
-from .hf import _unique_state, resolve_hf_dir, save_safetensors, write_hf_dir
+from ..hf_dir import resolve_hf_dir
+from .hf import _unique_state, save_safetensors, write_hf_dir
 from .layout import TMP_SUFFIX, dir_bytes
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, ModelConfig, model_presets
-from ..model import hf_shape, shape_diff
+from ..hf_dir import hf_shape, shape_diff
 from .layout import resolve_resume
 from .optim_meta import optim_mismatch
 

@@ -28,24 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..config import ModelConfig
+from ..hf_dir import resolve_hf_dir
 from .layout import TMP_SUFFIX, dir_bytes
 
 log = logging.getLogger(__name__)
 
 MAX_SHARD_BYTES = 5 * 1024**3  # export shards, as transformers' save_pretrained
-
-
-def resolve_hf_dir(path: str) -> Path:
-    """A local HF directory as is; a hub name as its snapshot, downloaded if needed (json,
-    chat templates, safetensors and tokenizer files only). The driver calls this before launch
-    (prepare.resolve_model); ranks run offline and get the local directory."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.safetensors",
-                                                        "tokenizer*"]))
 
 
 def _unique_state(sd: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_fsdp.checkpoint import checks, hf, layout
 from llama_fsdp.checkpoint import dcp as ckpt_dcp
-from llama_fsdp import model
+from llama_fsdp import hf_dir
 from llama_fsdp.convert import main as convert_main
 from llama_fsdp.rundir import HF_META
 from llama_fsdp.model import llama_config
@@ -86,12 +86,12 @@ def test_hf_shape_reads_old_and_new_rope_keys():
            "intermediate_size": 16, "vocab_size": 32, "rope_theta": 500000.0,
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    shape = model.hf_shape(old)
+    shape = hf_dir.hf_shape(old)
     assert shape["num_kv_heads"] == 2 and shape["rope_theta"] == 500000.0
     assert shape["rope_scaling"]["factor"] == 8.0 and shape["tie_word_embeddings"] is False
     new = {**old, "rope_scaling": None,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    assert model.hf_shape(new)["rope_scaling"] is None and model.hf_shape(new)["rope_theta"] == 10000.0
+    assert hf_dir.hf_shape(new)["rope_scaling"] is None and hf_dir.hf_shape(new)["rope_theta"] == 10000.0
 
 
 def test_save_and_stop_options_are_checked():
@@ -258,7 +258,7 @@ def test_hub_names_go_through_the_hub_client(tmp_path, monkeypatch):
     assert checks.model_path_problems(m) == []
     assert "hub lookup of its config.json failed" in checks.model_path_problems(
         ModelConfig(**{**m.__dict__, "path": "test-org/absent"}))[0]
-    assert hf.resolve_hf_dir("test-org/tiny-llama") == repo / "snapshots" / rev
+    assert hf_dir.resolve_hf_dir("test-org/tiny-llama") == repo / "snapshots" / rev
     torch.manual_seed(1)
     target = LlamaForCausalLM(TINY)
     hf.load_hf_weights(target, "test-org/tiny-llama")  # one process, no process group
