@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -36,9 +37,65 @@ def open_client(uri: str) -> Any:
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(db) + ".lock"):
+        if not db.exists():
+            _new_sqlite_store(db)
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store is created and migrated here
     return client
+
+
+def _template_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama_fsdp"
+
+
+def _new_sqlite_store(db: Path) -> None:
+    """A new sqlite store as a copy of an empty one this MLflow version made, with its default
+    experiment's artifact location set as MLflow would have set it here. MLflow builds a fresh
+    store by running its ~90 schema migrations (2-3 s of CPU, every time); the empty store is
+    built that way once per MLflow version and machine (in ~/.cache/llama_fsdp) and copied
+    after. Anything unexpected (no writable cache, another layout) leaves the store to MLflow."""
+    import shutil
+    import sqlite3
+
+    import mlflow
+    from filelock import FileLock
+
+    try:
+        cache = _template_dir()
+        cache.mkdir(parents=True, exist_ok=True)
+        template = cache / f"mlflow-{mlflow.__version__}-empty.db"
+        with FileLock(str(template) + ".lock"):
+            if not template.exists():
+                tmp = template.with_suffix(".tmp")
+                tmp.unlink(missing_ok=True)
+                from mlflow.tracking import MlflowClient
+
+                MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+                tmp.replace(template)
+        part = db.with_name(db.name + ".part")
+        shutil.copyfile(template, part)
+        now = int(time.time() * 1000)
+        with sqlite3.connect(part) as conn:
+            conn.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, "
+                         "last_update_time = ? WHERE experiment_id = 0",
+                         (_default_artifact_location(), now, now))
+        conn.close()
+        part.replace(db)
+    except Exception as e:  # noqa: BLE001 - MLflow creates the store itself, as before
+        import logging
+
+        logging.getLogger(__name__).debug("no store template (%s): MLflow creates %s", e, db)
+        db.with_name(db.name + ".part").unlink(missing_ok=True)
+
+
+def _default_artifact_location() -> str:
+    """Experiment 0's artifact location as MLflow sets it when it creates a store here."""
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.tracking._tracking_service.utils import _SERVER_ARTIFACT_ROOT_ENV_VAR
+    from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+
+    root = os.environ.get(_SERVER_ARTIFACT_ROOT_ENV_VAR, DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)
+    return str(append_to_uri_path(resolve_uri_if_local(root), "0"))
 
 
 def artifact_location(uri: str, experiment: str) -> Optional[str]:
