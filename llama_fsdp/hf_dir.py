@@ -80,3 +80,13 @@ def resolve_hf_dir(path: str) -> Path:
 
     return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.safetensors",
                                                         "tokenizer*"]))
+
+
+def hub_name(path: str) -> str:
+    """The hub name of a hub cache snapshot (``.../models--org--name/snapshots/<rev>`` ->
+    ``org/name``), else ``path`` itself: what an export names as its base, so that it loads on
+    another machine (prepare.resolve_model swaps a hub name for its local snapshot)."""
+    p = Path(path)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--"):].replace("--", "/")
+    return path

@@ -36,7 +36,7 @@ from .config import (
     TrackingConfig,
     TrainConfig,
 )
-from .strategies import MeshSpec
+from .strategies import AUTO, MeshSpec
 
 log = logging.getLogger(__name__)
 
@@ -469,18 +469,28 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
 def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
     """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py)."""
     ft = cfg.finetune
-    problems.extend(ft.problems())
+    own = ft.problems()
+    problems.extend(own)
     if ft.adapters and cfg.optim.lowbit:
         problems.append(
             f"finetune={ft.method} with optim={cfg.optim.name}: the adapters' AdamW moments are "
             "a small fraction of the run's memory (the plan's table shows them), so low-bit "
             "moments save next to nothing there; use optim=adamw with adapters, or "
             "finetune=full with low-bit moments")
+    if ft.adapters and cfg.save.export_hf:
+        problems.append(
+            f"save.export_hf=true with finetune={ft.method}: an adapter run exports its PEFT "
+            "adapter (always); for the whole model with the adapters merged in, use "
+            "finetune.export_merged=true instead")
     if not ft.nf4:
         return
     from .nf4 import target_problems
 
-    problems.extend(target_problems(ft, cfg.model, mesh.shard))
+    m = cfg.model
+    shapes_known = min(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size) >= 1
+    # (auto picks among the strategies whose shard group the NF4 shapes fit: plan.resolve_auto)
+    if not own and shapes_known and cfg.sharding.strategy != AUTO:
+        problems.extend(target_problems(ft, m, mesh.shard))
     if cfg.sharding.cpu_offload:
         problems.append("finetune=qlora with sharding.cpu_offload=true: the NF4 base is a "
                         "quarter of a 16-bit one and is not offloaded (untested with FSDP2's "
@@ -529,7 +539,12 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     _check_model(obj.model, obj.train, problems)
     from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
 
-    problems.extend(checkpoint_problems(obj))
+    base = launch_dir or Path.cwd()
+    out = Path(output_dir or obj.output_dir)
+    out = out if out.is_absolute() else (base / out)
+    # (resume=auto looks in the run directory this launch writes to: under torchrun the
+    # caller's output_dir, not the config's)
+    problems.extend(checkpoint_problems(dataclasses.replace(obj, output_dir=str(out))))
     problems.extend(obj.data.problems())
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
@@ -568,9 +583,6 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     if problems:
         raise ConfigError(problems)
 
-    base = launch_dir or Path.cwd()
-    out = Path(output_dir or obj.output_dir)
-    out = out if out.is_absolute() else (base / out)
     global_batch = obj.train.batch_size * obj.train.grad_accum * world
     return RunSpec(
         model=model, sharding=obj.sharding, precision=precision,

@@ -47,6 +47,7 @@ from . import checkpoint as ckpt_io
 from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .eval import eval_loss, exact_match
+from .hf_dir import hub_name
 from .adapters import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
@@ -400,16 +401,17 @@ class RankRun:
         (save.export_hf), or for adapters always the PEFT adapter (and, with
         finetune.export_merged, the merged model beside it). Collective."""
         spec, run_dir, ft = self.spec, RunDir(self.spec.output_dir), self.spec.finetune
-        params = {"base": spec.model.path or "random init", "model": spec.model.name,
+        base = hub_name(spec.model.path) if spec.model.path else None  # loads elsewhere too
+        params = {"base": base or "random init", "model": spec.model.name,
                   "finetune": ft.method}
         if ft.adapters:
-            path = ckpt_io.export_adapter(self.model, run_dir.export, ft=ft,
-                                          base_model=spec.model.path,
+            path = ckpt_io.export_adapter(self.model, run_dir.export, ft=ft, base_model=base,
                                           tokenizer=self.data.tokenizer)
             if ft.export_merged:
                 ckpt_io.export_merged(self.model, run_dir.export_merged,
                                       config=self.checkpointer.hf_config,
-                                      dtype=torch_dtype(spec.policy.frozen_dtype),
+                                      # the config's dtype, which keeps an fp32 delta
+                                      dtype=torch_dtype(spec.policy.param_dtype),
                                       tokenizer=self.data.tokenizer)
             self.tracker.log_model_dir(path, step=self.state.step, params=params,
                                        model_type="peft-lora")

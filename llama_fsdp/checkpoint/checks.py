@@ -8,7 +8,8 @@ from typing import Any
 
 from ..config import Config, ModelConfig, model_presets
 from ..hf_dir import hf_shape, shape_diff
-from .layout import resolve_resume
+from ..rundir import OPTIM_META
+from .layout import resolve_resume, verify
 from .optim_meta import optim_mismatch
 
 
@@ -96,7 +97,13 @@ def resume_optim_problems(cfg: Config) -> list[str]:
         path = resolve_resume(cfg.resume, cfg.output_dir)
     except (FileNotFoundError, OSError):  # resume_problems reports it
         return []
-    why = optim_mismatch(path, cfg.optim, cfg.finetune) if path is not None else None
+    if path is None or verify(path) is not None:  # a damaged one: the ranks skip it, saying so
+        return []
+    try:
+        why = optim_mismatch(path, cfg.optim, cfg.finetune)
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{path / OPTIM_META} is unreadable ({type(e).__name__}: {e}): resume from "
+                "another checkpoint with resume=<path>, or start afresh with resume=none"]
     return [why] if why else []
 
 

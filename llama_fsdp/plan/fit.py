@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..config import (
     CheckpointingConfig,
@@ -231,10 +231,7 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
     shard_size = spec.sharding.shard_size if STRATEGIES[strategy].hybrid else None
     problems: list[str] = []
     mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
-    if spec.finetune.nf4:  # the NF4 shapes against this shard group
-        from ..nf4 import target_problems
-
-        problems += target_problems(spec.finetune, spec.model, mesh.shard)
+    problems += _nf4_problems(spec, mesh.shard)
     if problems:
         raise ConfigError(problems)
     name = spec.run_name
@@ -246,11 +243,29 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
         sharding=dataclasses.replace(spec.sharding, strategy=strategy, shard_size=shard_size))
 
 
+def _nf4_problems(spec: RunSpec, shard: int) -> list[str]:
+    """qlora: the NF4 shapes against a shard group of ``shard`` ranks (nf4.py)."""
+    if not spec.finetune.nf4:
+        return []
+    from ..nf4 import target_problems
+
+    return target_problems(spec.finetune, spec.model, shard)
+
+
+def _or_none(make: Callable[[], RunSpec]) -> Optional[RunSpec]:
+    """A variant, or None where it is not a valid run (e.g. NF4 shapes over its shard group)."""
+    try:
+        return make()
+    except ConfigError:
+        return None
+
+
 def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
     """The spec on another number of nodes (same ranks per node)."""
     world = nodes * spec.nproc_per_node
     problems: list[str] = []
     mesh = mesh_for(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
+    problems += _nf4_problems(spec, mesh.shard)
     if problems:
         raise ConfigError(problems)
     batch = spec.train.batch_size * spec.train.grad_accum * world
@@ -279,8 +294,9 @@ def _lowbit_variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
 def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Single changes that lower memory, cheapest first, as (override text, spec)."""
     out: list[tuple[str, RunSpec]] = []
-    if spec.strategy != LEAST_MEMORY and spec.world_size > 1:
-        out.append((f"sharding={LEAST_MEMORY}", with_strategy(spec, LEAST_MEMORY)))
+    least = _or_none(lambda: with_strategy(spec, LEAST_MEMORY))
+    if spec.strategy != LEAST_MEMORY and spec.world_size > 1 and least is not None:
+        out.append((f"sharding={LEAST_MEMORY}", least))
     if spec.checkpointing.mode != "full":
         ck = dataclasses.replace(spec.checkpointing, mode="full")
         out.append(("checkpointing=full", dataclasses.replace(spec, checkpointing=ck)))
@@ -303,9 +319,12 @@ def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
 
 def nodes_needed(spec: RunSpec, *, max_nodes: int = 1024) -> Optional[int]:
     """Fewest nodes above spec.nodes (same ranks per node) where it fits fully sharded."""
-    base = with_strategy(spec, LEAST_MEMORY)
+    base = _or_none(lambda: with_strategy(spec, LEAST_MEMORY))
+    if base is None:
+        return None
     for nodes in range(spec.nodes + 1, max_nodes + 1):
-        if make_plan(with_nodes(base, nodes)).fits:
+        more = _or_none(lambda: with_nodes(base, nodes))
+        if more is not None and make_plan(more).fits:
             return nodes
     return None
 
@@ -317,8 +336,9 @@ def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
              if text != "sharding.cpu_offload=true" and not text.startswith("optim=")]
     t = dataclasses.replace(spec.train, batch_size=1,
                             grad_accum=spec.train.grad_accum * spec.train.batch_size)
+    least = _or_none(lambda: with_strategy(spec, LEAST_MEMORY)) if spec.world_size > 1 else None
     combo = dataclasses.replace(
-        with_strategy(spec, LEAST_MEMORY) if spec.world_size > 1 else spec,
+        least or spec,
         checkpointing=dataclasses.replace(spec.checkpointing, mode="full"), train=t,
         precision=PrecisionConfig(name="bf16"), policy=PRECISION_POLICIES["bf16"])
     return " ".join(texts), combo

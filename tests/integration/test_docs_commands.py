@@ -338,6 +338,10 @@ def test_finetune_sweep(work):
 def test_qlora_70b_from_hub_weights(work, hub):
     r = run_doc("qlora_70b_hub", work, hub=str(hub))
     _adapters(r, work, "qlora")
+    # the adapter names its base by the hub name, so it loads on another machine
+    export = Path(docs.summary_value(r.output, "run dir")) / "export"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "meta-llama/Llama-3.1-70B"
     snapshot = "models--meta-llama--Llama-3.1-70B/snapshots/"
     assert re.search(rf"data: tokenizer \S*{snapshot}\S* \(model.path\)", r.output), str(r)
     # each rank reads its rows of the base and quantizes them to NF4 on the rank

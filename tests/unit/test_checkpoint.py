@@ -259,6 +259,9 @@ def test_hub_names_go_through_the_hub_client(tmp_path, monkeypatch):
     assert "hub lookup of its config.json failed" in checks.model_path_problems(
         ModelConfig(**{**m.__dict__, "path": "test-org/absent"}))[0]
     assert hf_dir.resolve_hf_dir("test-org/tiny-llama") == repo / "snapshots" / rev
+    # an export names its base by the hub name, not this machine's snapshot path
+    assert hf_dir.hub_name(str(repo / "snapshots" / rev)) == "test-org/tiny-llama"
+    assert hf_dir.hub_name("/models/Llama-3.2-1B") == "/models/Llama-3.2-1B"
     torch.manual_seed(1)
     target = LlamaForCausalLM(TINY)
     hf.load_hf_weights(target, "test-org/tiny-llama")  # one process, no process group

@@ -192,6 +192,22 @@ def test_nf4_shard_rule_for_llama_shapes(name):
 # --- refusals, with the fix ---------------------------------------------------------------------
 
 
+def test_qlora_on_a_shard_group_nf4_cannot_use_plans_and_fixes_what_can():
+    """sharding=auto on 3 ranks picks a strategy whose shard group the NF4 shapes fit (auto is
+    not refused for full sharding's group); a run that does not fit lists only fixes that are
+    valid runs (no full sharding over 3 shards, no more nodes of 3)."""
+    from llama_fsdp.plan import resolve_auto
+
+    spec = resolve_auto(make_spec("model=8b", "finetune=qlora", "cluster.nproc_per_node=3",
+                                  "sharding=auto", "cluster.device=cuda", "dry_run=true"))
+    assert spec.mesh.shard in (1, 2, 4)
+    with pytest.raises(P.PlanError) as err:
+        P.check_fits(make_spec("model=70b", "finetune=qlora", "cluster.nproc_per_node=3",
+                               "sharding=no_shard", "cluster.device=cpu"))
+    fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
+    assert fixes and not any("sharding=full" in f or "cluster.nodes=" in f for f in fixes), fixes
+
+
 def test_qlora_shapes_that_cannot_shard_are_refused_with_the_fix():
     with pytest.raises(ConfigError) as e:
         make_spec("model=8b", "finetune=qlora", "cluster.nproc_per_node=3")
@@ -208,6 +224,11 @@ def test_qlora_shapes_that_cannot_shard_are_refused_with_the_fix():
     (["finetune=lora", "finetune.target_modules=[q_proj,lm_head]"], "finetune.target_modules"),
     (["finetune=lora", "finetune.dropout=1.0"], "finetune.dropout=1.0"),
     (["finetune=full", "finetune.export_merged=true"], "finetune.export_merged applies"),
+    # qlora's NF4 shape check must not crash on options already refused (it raised KeyError
+    # and ZeroDivisionError instead of the report)
+    (["finetune=qlora", "finetune.target_modules=[qproj]"], "finetune.target_modules"),
+    (["finetune=qlora", "finetune.nf4_block_size=0"], "must be >= 2"),
+    (["finetune=lora", "save.export_hf=true"], "use finetune.export_merged=true instead"),
     (["finetune=qlora", "sharding.cpu_offload=true", "cluster.device=cuda", "dry_run=true"],
      "finetune=qlora with sharding.cpu_offload=true"),
 ])
