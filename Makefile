@@ -10,10 +10,10 @@ install:
 run: install
 	$(PY) -m llama_fsdp
 
-# three pytest workers on 2 cores: tests wait on the processes they start (ranks, SLURM, a
-# server, paced steps), so with two the cores sat idle a fifth of the time (35 min of CPU in a
-# 22 min run); a module's tests stay on one worker, the SLURM tests share one
-TEST_WORKERS ?= 3
+# two pytest workers: most tests wait on processes they start (ranks, SLURM, a server), so two
+# at once fill 2 cores (measured: 22:11 with two, 23:46 with three); a module's tests stay on
+# one worker, the SLURM tests share one
+TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15

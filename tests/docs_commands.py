@@ -218,7 +218,7 @@ REGISTRY: dict[str, Entry] = {
                                             "runs the same scripts/install.sh)"),)),
     "make test": Entry(
         "make_test", f"{LOCAL}::test_make_test_is_what_ci_runs",
-        "the recipe is scripts/install.sh then pytest -n 3 --dist loadscope",
+        "the recipe is scripts/install.sh then pytest -n 2 --dist loadscope",
         (Replace("make test", "make -n test", "print the recipe: the suite cannot run itself"),),
         ci=".ci/run runs `make test`: the whole suite, this module included"),
     "python -m llama_fsdp": Entry(

@@ -157,7 +157,7 @@ def test_make_test_is_what_ci_runs():
     lines = _recipe("make_test")
     pytest_line = next(line for line in lines if " -m pytest " in line)
     assert lines.index("bash scripts/install.sh") < lines.index(pytest_line)
-    assert pytest_line.startswith(".venv/bin/python -m pytest") and "-n 3" in pytest_line
+    assert pytest_line.startswith(".venv/bin/python -m pytest") and "-n 2" in pytest_line
     assert "\nmake test\n" in (REPO / ".ci" / "run").read_text()
 
 

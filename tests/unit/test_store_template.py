@@ -4,6 +4,7 @@ experiment alike, and work as one. (Why: MLflow's ~90 migrations cost 2-3 s of C
 store, in every first run of a directory and every test that tracks.)"""
 from __future__ import annotations
 
+import re
 import sqlite3
 
 from mlflow.tracking import MlflowClient
@@ -11,9 +12,18 @@ from mlflow.tracking import MlflowClient
 from llama_fsdp.tracking import store
 
 
+def _normal(sql: str) -> str:
+    """A CREATE statement with its lines (columns, constraints) sorted and the values of each
+    ``IN (...)`` sorted: MLflow writes some tables' constraints from Python sets, in an order
+    that differs between two stores it makes itself (hash seed)."""
+    sql = re.sub(r"IN \(([^)]*)\)", lambda m: "IN (" + ", ".join(
+        sorted(v.strip() for v in m.group(1).split(","))) + ")", sql)
+    return "\n".join(sorted(line.strip().rstrip(",") for line in sql.splitlines()))
+
+
 def _dump(db):
     with sqlite3.connect(db) as conn:
-        schema = sorted(r[0] for r in conn.execute(
+        schema = sorted(_normal(r[0]) for r in conn.execute(
             "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL"))
         head = conn.execute("SELECT version_num FROM alembic_version").fetchall()
         exps = conn.execute("SELECT experiment_id, name, artifact_location, lifecycle_stage "
