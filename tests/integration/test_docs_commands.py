@@ -597,6 +597,12 @@ def test_planner_70b_8bit_dry_run(work):
     peak = plan_gb(out, "predicted peak (max over phases: layers)")
     (doc_peak,) = doc_states("docs/planner.md", r"with 8-bit moments it needs ([\d.]+) GB and fits")
     assert same(doc_peak, peak), (doc_peak, peak)
+    # README's example says the same (its AdamW figure is planner.md's, checked against the
+    # printed plan in test_optimizer_70b_adamw_dry_run)
+    readme_peak, readme_adamw = doc_states(
+        "README.md", r"8-bit AdamW moments fit \(([\d.]+) GB per GPU; AdamW needs ([\d.]+)\)")
+    (doc_adamw,) = doc_states("docs/planner.md", r"needs ([\d.]+) GB per GPU with AdamW")
+    assert same(readme_peak, peak) and readme_adamw == doc_adamw, (readme_peak, readme_adamw)
     # docs/optimizer.md: 8-bit moments on an H100 node, "cluster.gpu_type=a100: the same"
     usable = _check_row(_optimizer_table()["8-bit moments"], out,
                         "optimizer (AdamW 8-bit moments, block 256)")
