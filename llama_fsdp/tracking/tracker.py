@@ -38,8 +38,9 @@ class SystemSampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        sample = 0
-        while not self._halt.wait(self.interval_s):
+        sample, halted = 0, False
+        while not halted:  # every interval, and once more at the end (a run shorter than one
+            halted = self._halt.wait(self.interval_s)  # interval still has its sample)
             metrics: dict[str, float] = {}
             for m in self.monitors:
                 try:
