@@ -130,10 +130,6 @@ def unsharded_nf4(model: nn.Module, shard: int) -> set[nn.Parameter]:
     return {m.weight for _, m in lora_modules(model) if m.nf4}
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 # --- this rank's values -------------------------------------------------------------------------
 
 
