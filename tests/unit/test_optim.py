@@ -19,6 +19,16 @@ RECIPE_70B = ["model=70b", "cluster=slurm", "cluster.gpus_per_node=8", "precisio
               "checkpointing=full", "train.batch_size=1", "train.seq_len=2048"]
 
 
+def kv_repeat_gb() -> float:
+    """What the docs' 70B numbers leave out on a torch whose varlen_attn has no enable_gqa
+    (2.11, the GPU image's): k and v repeated from 8 to 64 heads before the kernel, saved by the
+    one layer recomputed in backward (2 x 2 bytes x (8192 - 1024) x 2048 tokens = 0.06 GB). The
+    pages state the numbers of torch >= 2.12; scripts/test_floor.sh runs these tests on 2.11."""
+    from llama_fsdp.attention import VARLEN_GQA
+
+    return 0.0 if VARLEN_GQA else 2 * 2 * (8192 - 1024) * 2048 / GB
+
+
 def make_spec(*overrides: str):
     return conftest.make_spec(list(overrides), output_dir="/tmp/llama_fsdp_test/optim")
 
@@ -35,14 +45,17 @@ def test_70b_on_one_node_of_8x80gb_fits_with_8bit_moments_not_adamw(gpu):
     assert adamw.capacity_bytes == 85 * GB and not adamw.fits
     with pytest.raises(P.PlanError) as err:
         P.check_fits(adamw.spec, adamw)
-    assert "  - optim=adamw8bit (8-bit AdamW moments): 65.1 GB (fits)" in str(err.value)
-    assert "  - optim=adamw4bit (4-bit AdamW moments): 56.6 GB (fits)" in str(err.value)
+    extra = kv_repeat_gb()
     for name, peak, margin, state in (("adamw8bit", 65.1, 11.4, 17.92),
                                       ("adamw4bit", 56.6, 19.9, 9.37)):
         plan = P.make_plan(make_spec(*base, f"optim={name}"))
         assert plan.fits and plan.peak_phase == "layers"
-        assert round(plan.predicted_peak_gb, 1) == peak
-        assert round((plan.usable_bytes - plan.predicted_peak_bytes) / GB, 1) == margin
+        assert round(plan.predicted_peak_gb - extra, 1) == peak
+        assert round((plan.usable_bytes - plan.predicted_peak_bytes) / GB + extra, 1) == margin
+        # AdamW's refusal lists it among the fixes, with this plan's peak
+        kind = name[len("adamw"):-len("bit")]
+        assert (f"  - optim={name} ({kind}-bit AdamW moments): {plan.predicted_peak_gb:.1f} GB "
+                "(fits)") in str(err.value)
         assert round(plan.memory.optimizer / GB, 2) == state
         P.check_fits(plan.spec, plan)  # no error
 
@@ -194,7 +207,8 @@ def test_the_docs_recipe_commands_plan_what_the_docs_say():
                 continue
             args = [a for a in shlex.split(line)[3:] if a != "dry_run=true"]
             spec = make_spec(*args, "cluster.device=auto")
-            peak = round(P.make_plan(spec).predicted_peak_gb, 1)
+            extra = kv_repeat_gb() if spec.optim.name != "adamw" else 0.0  # (its peak: the step)
+            peak = round(P.make_plan(spec).predicted_peak_gb - extra, 1)
             assert peak == expected[spec.optim.name] and f"{peak} GB" in text, (page, line)
             seen += 1
     assert seen == 2
