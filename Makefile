@@ -24,7 +24,7 @@ test-fast: install
 test-wheel: install  # the wheel in a fresh venv, run from an empty directory
 	bash scripts/check_wheel.sh
 
-test-floor: install  # the oldest supported transformers
+test-floor: install  # the oldest supported torch and transformers (the GPU image's), on the CPU
 	bash scripts/test_floor.sh
 
 clean-outputs:
