@@ -3,24 +3,19 @@
 # (llama_fsdp/compat.py FLOORS: torch 2.11 and transformers 5.17, the GPU image's releases),
 # overlaid on .venv, through the unit tests, the multi-rank tests (FSDP2 sharding and DDP, DCP
 # checkpoints and HF loading, NF4 under fully_shard, torchao's low-bit moments, mixed precision,
-# activation checkpointing and compile) and the default command end to end. CI installs newer releases; this is what keeps the GPU machines' stack working
-# between GPU sessions.
+# activation checkpointing and compile) and the default command end to end. CI installs newer
+# releases; this is what keeps the GPU machines' stack working between GPU sessions.
 #
 # torch 2.11 comes from PyPI, where Linux wheels are the CUDA build: about 2.6 GB with its
 # NVIDIA libraries, unpacked once into .floor/ (4.6 GB). It runs on the CPU here
-# (torch.cuda.is_available() is false). FLOOR_TORCH=0 overlays transformers alone.
+# (torch.cuda.is_available() is false).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 read -r TORCH TRANSFORMERS < <($PY -c 'from llama_fsdp.compat import FLOORS
 print(*(".".join(map(str, FLOORS[n])) + ".0" for n in ("torch", "transformers")))')
-PINS=("transformers==$TRANSFORMERS")
-NAME=transformers-$TRANSFORMERS
-if [ "${FLOOR_TORCH:-1}" = 1 ]; then
-  PINS=("torch==$TORCH" "${PINS[@]}")
-  NAME=torch-$TORCH-$NAME
-fi
-DIR=.floor/$NAME
+PINS=("torch==$TORCH" "transformers==$TRANSFORMERS")
+DIR=.floor/torch-$TORCH-transformers-$TRANSFORMERS
 if [ ! -f "$DIR/.complete" ]; then
   rm -rf "$DIR"
   # exactly what pip would change in .venv to have those releases, installed beside it instead
