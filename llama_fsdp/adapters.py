@@ -31,7 +31,7 @@ from torch import nn
 from . import nf4
 from .config import FinetuneConfig
 from .model import decoder_layers, init_buffers, init_rows
-from .spec import PrecisionPolicy
+from .precision import PrecisionPolicy
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from .checkpoint import (
     write_hf_dir,
 )
 from .rundir import HF_META, RunDir
-from .spec import DTYPE_BYTES
+from .precision import DTYPE_BYTES
 
 log = logging.getLogger("llama_fsdp.convert")
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .config import CheckpointingConfig
-from .spec import DTYPE_BYTES, PrecisionPolicy
+from .precision import DTYPE_BYTES, PrecisionPolicy
 from .strategies import DDP_BUCKET_MB, MeshSpec
 
 log = logging.getLogger(__name__)

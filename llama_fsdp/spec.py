@@ -36,6 +36,7 @@ from .config import (
     TrackingConfig,
     TrainConfig,
 )
+from .precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
 from .strategies import AUTO, MeshSpec
 
 log = logging.getLogger(__name__)
@@ -48,31 +49,6 @@ class ConfigError(ValueError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid run configuration ({len(problems)} problem(s)):\n{lines}")
-
-
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    """Dtype names (strings keep this module free of torch)."""
-
-    param_dtype: str  # dtype of the sharded parameters (and so the optimizer state)
-    compute_dtype: str  # dtype of the unsharded parameters used in forward/backward
-    reduce_dtype: str  # dtype of gradient reduce-scatter / all-reduce
-
-    @property
-    def frozen_dtype(self) -> str:
-        """dtype of weights that never train (a LoRA base): the compute dtype, since no
-        optimizer reads them and a master copy would be memory for nothing."""
-        return self.compute_dtype
-
-
-# Bytes per element of the dtypes a policy names (torch dtypes of the same names: getattr(torch, n)).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-PRECISION_POLICIES = {
-    "fp32": PrecisionPolicy("float32", "float32", "float32"),
-    "mixed": PrecisionPolicy("float32", "bfloat16", "float32"),
-    "bf16": PrecisionPolicy("bfloat16", "bfloat16", "bfloat16"),
-}
 
 
 @dataclass(frozen=True)
@@ -365,13 +341,6 @@ def field_type(schema: type, name: str) -> Any:
 
     kind = typing.get_type_hints(schema)[name]
     return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-
-
-def resolve_precision(name: str, device: str) -> str:
-    """precision=auto: mixed on CUDA (bf16 compute, fp32 master weights), fp32 on CPU."""
-    if name != "auto":
-        return name
-    return "mixed" if device == "cuda" else "fp32"
 
 
 def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packing: bool,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from .. import nf4
 from ..config import FinetuneConfig, ModelConfig
-from ..spec import DTYPE_BYTES, RunSpec
+from ..precision import DTYPE_BYTES
+from ..spec import RunSpec
 from ..strategies import DDP_BUCKET_MB
 from .activations import (
     _grad_logits_bytes,

@@ -2,7 +2,8 @@
 in DDP's buckets, one bucket all-reduced at a time."""
 from __future__ import annotations
 
-from ..spec import DTYPE_BYTES, RunSpec
+from ..precision import DTYPE_BYTES
+from ..spec import RunSpec
 from ..strategies import DDP_BUCKET_MB
 from .activations import _grad_logits_bytes, logits_loss_bytes
 from .shapes import count_params, layer_shapes, numel

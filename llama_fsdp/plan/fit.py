@@ -18,7 +18,8 @@ from ..config import (
     TrainConfig,
     model_preset,
 )
-from ..spec import PRECISION_POLICIES, ConfigError, RunSpec, build_spec
+from ..precision import PRECISION_POLICIES
+from ..spec import ConfigError, RunSpec, build_spec
 from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES, mesh_for
 from .adapters import adapter_lines, adapter_state_labels
 from .adapters import flops_per_token as adapter_flops

@@ -14,7 +14,8 @@ import math
 from typing import Optional
 
 from .. import nf4
-from ..spec import DTYPE_BYTES, RunSpec
+from ..precision import DTYPE_BYTES
+from ..spec import RunSpec
 from .device import GB, _host_ram_bytes
 from .shapes import param_shapes, projection_shapes
 

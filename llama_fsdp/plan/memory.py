@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import DTYPE_BYTES, RunSpec
+from ..precision import DTYPE_BYTES
+from ..spec import RunSpec
 from .activations import _grad_logits_bytes, activation_bytes, logits_loss_bytes, saved_layer_bytes
 from .ddp import _ddp_bucket_bytes, _ddp_kept, _ddp_phase_peaks
 from .optimizer import optimizer_state_bytes, optimizer_step_bytes

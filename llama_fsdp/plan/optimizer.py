@@ -15,7 +15,8 @@ import math
 from typing import Iterable
 
 from ..config import OptimConfig
-from ..spec import DTYPE_BYTES, RunSpec
+from ..precision import DTYPE_BYTES
+from ..spec import RunSpec
 from .shapes import param_shapes, sharded_numel
 
 # torchao/optim/adam.py: "follow bitsandbytes, only quantize tensors >= 4096 values"

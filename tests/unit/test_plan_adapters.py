@@ -30,7 +30,7 @@ def _lora_model(m: ModelConfig, ft: FinetuneConfig, dtype: torch.dtype):
     """A LoRA / QLoRA model on one process (no FSDP), as worker.build_model makes it."""
     from llama_fsdp.adapters import apply_adapters, init_adapters, init_base
     from llama_fsdp.model import build_meta_model
-    from llama_fsdp.spec import PRECISION_POLICIES
+    from llama_fsdp.precision import PRECISION_POLICIES
 
     policy = PRECISION_POLICIES["bf16" if dtype == torch.bfloat16 else "fp32"]
     model = build_meta_model(m)
