@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from .projections import projection_shapes
+
 # The inner tensors of an NF4Tensor (FSDP2 shards the first three).
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 LUT_SIZE = 16
@@ -147,8 +149,6 @@ def inner_tensors(t: Any) -> list[Any]:
 def target_problems(ft: Any, m: Any, shard: int) -> list[str]:
     """finetune=qlora: each target projection of model ``m`` that cannot be NF4 over a shard
     group of ``shard`` ranks, with the fixes (the shard sizes that work, lora, fewer targets)."""
-    from .plan.shapes import projection_shapes
-
     def bad_at(n: int) -> dict[str, str]:
         out = {}
         for name in ft.target_modules:
