@@ -87,7 +87,7 @@ def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
     ckpt = resolve_resume(str(checkpoint), checkpoint, named="")
     assert ckpt is not None
     sd = read_model_state(ckpt)
-    from .adapters import is_adapter
+    from .lora import is_adapter
 
     if all(is_adapter(k) for k in sd):
         raise ValueError(

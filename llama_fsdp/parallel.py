@@ -172,7 +172,7 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
                 preserve_rng_state: bool = False) -> nn.Module:
     """AC -> compile -> FSDP (or DDP for no_shard), in place; the model may still be on the meta
     device. ``ignored_params`` (FSDP only) and ``preserve_rng_state`` (AC): the adapters' needs
-    (adapters.py)."""
+    (lora.py)."""
     wrapped = apply_activation_checkpointing(layers, ac, preserve_rng_state=preserve_rng_state)
     if compile:
         apply_compile(layers)

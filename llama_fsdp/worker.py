@@ -13,11 +13,11 @@ From the command line to one optimizer step, the functions on the way:
     worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
       init_distributed                         process group (gloo, or nccl + gloo)
       train_on_rank -> RankRun.build           build_model (model.build_meta_model,
-                                               [adapters.apply_adapters,] parallel.parallelize,
+                                               [lora.apply_adapters,] parallel.parallelize,
                                                model.init_weights or
                                                checkpoint.load_hf_weights; adapters: their
                                                base from checkpoint.load_hf_base or
-                                               adapters.init_base), data.build_data,
+                                               lora.init_base), data.build_data,
                                                train.build_optimizer, checkpoint.Checkpointer
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is
@@ -48,7 +48,7 @@ from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
-from .adapters import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
+from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan

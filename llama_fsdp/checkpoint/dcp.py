@@ -165,7 +165,7 @@ class AppState(Stateful):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         keys = set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                               optim_state_dict=sd["optim"], options=self._options())
-        from ..adapters import clean_name
+        from ..lora import clean_name
 
         trained = {clean_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
         missing = [k for k in getattr(keys, "missing_keys", []) if k in trained]

@@ -44,7 +44,7 @@ def _logits(model):
 def _base(model) -> dict[str, list[torch.Tensor]]:
     """This rank's frozen weights (every inner tensor of an NF4 one), copied."""
     from llama_fsdp import nf4
-    from llama_fsdp.adapters import is_adapter
+    from llama_fsdp.lora import is_adapter
 
     out = {}
     for name, p in model.named_parameters():
@@ -61,7 +61,7 @@ def _nf4_equals_whole_tensor_quantized(model, hf_dir: str) -> bool:
     from safetensors.torch import load_file
 
     from llama_fsdp import nf4
-    from llama_fsdp.adapters import local_rows, lora_modules
+    from llama_fsdp.lora import local_rows, lora_modules
 
     full = {}
     for f in Path(hf_dir).glob("*.safetensors"):

@@ -28,7 +28,7 @@ def make_spec(*overrides: str):
 
 def _lora_model(m: ModelConfig, ft: FinetuneConfig, dtype: torch.dtype):
     """A LoRA / QLoRA model on one process (no FSDP), as worker.build_model makes it."""
-    from llama_fsdp.adapters import apply_adapters, init_adapters, init_base
+    from llama_fsdp.lora import apply_adapters, init_adapters, init_base
     from llama_fsdp.model import build_meta_model
     from llama_fsdp.precision import PRECISION_POLICIES
 
