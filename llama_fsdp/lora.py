@@ -9,13 +9,13 @@ parameters like any other and share their base's FSDP unit. worker.build_model's
     build_meta_model -> apply_adapters (targets replaced, base frozen, NF4 shapes; on meta)
     -> parallel.parallelize (AC -> compile -> fully_shard; ``unsharded_nf4`` lists the NF4
        weights FSDP must leave alone) -> to_empty -> the base: HF rows
-       (checkpoint.adapters.load_hf_base) or ``init_base`` -> ``init_adapters``
+       (checkpoint.peft.load_hf_base) or ``init_base`` -> ``init_adapters``
 
 The frozen base is kept in the compute dtype (``PrecisionPolicy.frozen_dtype``): no optimizer
 reads it, so an fp32 master copy would be memory for nothing; adapters are in the param dtype.
 Why our own module and not PEFT's: PEFT renames the base weight (``base_layer.weight``), so
 HF loading, init and export would each need a key map, and its save_pretrained writes nothing
-from a sharded model; PEFT stays the export format (checkpoint/adapters.py writes it).
+from a sharded model; PEFT stays the export format (checkpoint/peft.py writes it).
 """
 from __future__ import annotations
 

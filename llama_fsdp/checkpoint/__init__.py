@@ -10,7 +10,7 @@ Three formats, three jobs:
   ``LlamaForCausalLM.from_pretrained`` reads; ``python -m llama_fsdp.convert`` makes the same
   files from any DCP checkpoint.
 
-``checks.py`` holds what can be checked before any process starts; ``adapters.py`` does the
+``checks.py`` holds what can be checked before any process starts; ``peft.py`` does the
 same jobs for a LoRA / QLoRA model (its base in per shard, NF4 included; the PEFT adapter and
 the merged model out).
 
@@ -24,7 +24,7 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "export_adapter": "adapters", "export_merged": "adapters", "load_hf_base": "adapters",
+    "export_adapter": "peft", "export_merged": "peft", "load_hf_base": "peft",
     "AppState": "dcp", "Checkpointer": "dcp", "load_model_weights": "dcp",
     "read_model_state": "dcp",
     "MAX_SHARD_BYTES": "hf", "export_hf": "hf", "hf_config": "hf", "load_hf_weights": "hf",

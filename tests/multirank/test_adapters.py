@@ -89,7 +89,7 @@ def _session(rank, world, specs):
         run = RankRun.build(spec, env, cpu)
         staging = None
         if spec.finetune.nf4:  # the base again, to read the 16-bit staging it held
-            from llama_fsdp.checkpoint.adapters import load_hf_base
+            from llama_fsdp.checkpoint.peft import load_hf_base
 
             staging = load_hf_base(run.model, spec.model.path, spec.finetune,
                                    device=cpu)["staging_bytes"]
