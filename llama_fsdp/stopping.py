@@ -15,7 +15,8 @@ import logging
 import signal
 from typing import Any, Callable
 
-from .train import StopRequested, TrainState
+from .train import StopRequested
+from .train_state import TrainState
 
 log = logging.getLogger(__name__)
 

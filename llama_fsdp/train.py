@@ -30,23 +30,9 @@ from .attention import model_inputs
 from .config import EvalConfig, OptimConfig, TrainConfig
 from .data.packing import IGNORE_INDEX
 from .parallel import clip_grad_norm, uses_ddp
+from .train_state import TrainState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Counters a checkpoint must carry to continue a run exactly."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    losses: list[float] = field(default_factory=list)  # the logged steps' losses (this process)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimConfig) -> torch.optim.Optimizer:

@@ -12,7 +12,7 @@ import random
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import FinetuneConfig, OptimConfig, SaveConfig
 from ..rundir import HF_META, RunDir
+from ..train_state import TrainState
 from .hf import write_hf_meta
 from .optim_meta import optim_mismatch, write_optim_meta
 from .layout import (
@@ -46,9 +47,6 @@ from .layout import (
     verify,
     write_manifest,
 )
-
-if TYPE_CHECKING:
-    from ..train import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +132,7 @@ class AppState(Stateful):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, train_state: "TrainState", data: Any = None):
+                 scheduler: Any, train_state: TrainState, data: Any = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self.data = train_state, data
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -296,21 +294,21 @@ class Checkpointer:
         """Whether ``on_step_end`` starts a save at this step."""
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
-    def on_step_end(self, state: "TrainState") -> None:
+    def on_step_end(self, state: TrainState) -> None:
         """The loop's hook: publish a finished async save, start a save every ``every_steps``."""
         if self._pending is not None and self._all_done():
             self._finish_pending()
         if self.saves_at(state.step):
             self.save(state.step)
 
-    def finish(self, state: "TrainState") -> None:
+    def finish(self, state: TrainState) -> None:
         """At the end of training: the final checkpoint (if saving is on), then wait for it."""
         if self.cfg.every_steps:
             self.save_now(state)
         elif self._pending is not None:
             self._finish_pending()
 
-    def save_now(self, state: "TrainState") -> Path:
+    def save_now(self, state: TrainState) -> Path:
         """A published checkpoint of this step before returning, whatever ``every_steps`` says
         (end of training, preemption); no second write if this step is saved or in flight."""
         in_flight = self._pending is not None and self._pending[1] == state.step
