@@ -245,7 +245,8 @@ def warm_up(spec, batches: list[list[dict]]) -> None:
     left 23 MB. Warmed up, a case's own step leaves nothing behind on any CPU, so what remains
     after it ("end") is a real leak, and the peaks are the tensors alone.
     """
-    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import build_scheduler, train_step
     from llama_fsdp.worker import build_model
 
     import torch
@@ -269,7 +270,8 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
     import torch
 
     from llama_fsdp.model import decoder_layers
-    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import build_scheduler, train_step
     from llama_fsdp.worker import build_model, compile_cache
 
     heap = Heap()

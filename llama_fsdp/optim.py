@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
-
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -104,9 +102,11 @@ class AdamWStochasticRound(_EagerOption, _AdamW):
     moments stay in the parameters' dtype, as torch's AdamW keeps them)."""
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], t: TrainConfig,
+def build_optimizer(model: torch.nn.Module, t: TrainConfig,
                     o: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer ``o`` names, with train's hyperparameters."""
+    """The optimizer ``o`` names, with train's hyperparameters, over what trains: a LoRA model's
+    frozen base has no gradients and no optimizer state."""
+    params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
     match o.name:
         case "adamw" if o.bf16_stochastic_round:

@@ -27,20 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import model_inputs
-from .config import EvalConfig, OptimConfig, TrainConfig
+from .config import EvalConfig, TrainConfig
 from .data.packing import IGNORE_INDEX
 from .parallel import clip_grad_norm, uses_ddp
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
-
-
-def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer ``o`` names (llama_fsdp/optim.py) with train's hyperparameters."""
-    from .optim import build_optimizer as build  # torchao's optimizers, imported when used
-
-    # only what trains: a LoRA model's frozen base has no gradients and no optimizer state
-    return build([p for p in model.parameters() if p.requires_grad], t, o)
 
 
 def lr_factor(step: int, *, warmup: int, max_steps: int, min_ratio: float) -> float:

@@ -18,7 +18,7 @@ From the command line to one optimizer step, the functions on the way:
                                                checkpoint.load_hf_weights; adapters: their
                                                base from checkpoint.load_hf_base or
                                                lora.init_base), data.build_data,
-                                               train.build_optimizer, checkpoint.Checkpointer
+                                               optim.build_optimizer, checkpoint.Checkpointer
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is
           train.train_step                     micro-batches: attention.model_inputs,
@@ -50,6 +50,7 @@ from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
 from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
+from .optim import build_optimizer
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
 from .result import RunResult
@@ -61,7 +62,6 @@ from .train import (
     LoopContext,
     StopRequested,
     TrainState,
-    build_optimizer,
     build_scheduler,
     run_loop,
     steady_median,

@@ -47,7 +47,8 @@ def _spec(strategy: str, precision: str, ac: str, batch: int):
 
 def _measure(spec) -> tuple[int, int]:
     """(peak bytes of step 2 above the pre-build allocation, bytes left after teardown)."""
-    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import build_scheduler, train_step
     from llama_fsdp.worker import build_model
 
     device = torch.device("cuda", 0)

@@ -208,12 +208,12 @@ def _uneven_shards(rank, world, path):
         opt.step()
         opt.zero_grad()
 
-    opt = build_optimizer(model.parameters(), TrainConfig(), o)
+    opt = build_optimizer(model, TrainConfig(), o)
     step(opt)
     kinds = [type(opt.state[p]["exp_avg"].to_local()).__name__ for p in model.parameters()]
     sd = get_optimizer_state_dict(model, opt)
     dcp.save({"optim": sd}, checkpoint_id=path)
-    fresh = build_optimizer(model.parameters(), TrainConfig(), o)
+    fresh = build_optimizer(model, TrainConfig(), o)
     step(fresh)  # state exists, to load into
     sd2 = get_optimizer_state_dict(model, fresh)
     dcp.load({"optim": sd2}, checkpoint_id=path)

@@ -31,7 +31,8 @@ def _state_bytes(rank, world, specs):
     import torch
 
     from llama_fsdp.attention import model_inputs
-    from llama_fsdp.train import build_optimizer, loss_sum
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import loss_sum
     from llama_fsdp.worker import build_model
 
     out = {}
