@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import FinetuneConfig, OptimConfig, SaveConfig
+from ..manifest import write_manifest
 from ..rundir import HF_META, RunDir
 from ..train_state import TrainState
 from .hf import write_hf_meta
@@ -45,7 +46,6 @@ from .layout import (
     latest_checkpoint,
     step_dir,
     verify,
-    write_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class Checkpointer:
         if self.rank == 0:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
-            write_manifest(tmp)
+            write_manifest(tmp)  # every file with its size, last before it is published
             if final.exists():  # a fresh run (resume=none) reusing a run dir: replace
                 _remove(final, self.root)
             tmp.rename(final)

@@ -75,12 +75,6 @@ def resume_candidates(resume: str, output_dir: str | Path) -> list[Path]:
     return [path] if path is not None else []
 
 
-def write_manifest(path: Path) -> None:
-    """Every file of a finished checkpoint with its size, written before it is published: a
-    missing or truncated file (a partial copy, a disk that filled up) is caught on load."""
-    manifest.write_manifest(path)
-
-
 def verify(path: Path) -> Optional[str]:
     """None if the checkpoint's files are all there at their written sizes, else what is
     wrong (checkpoints written before manifests existed are not checked)."""
