@@ -77,3 +77,23 @@ def local_gpu() -> Optional[tuple[str, int]]:
     except (ImportError, RuntimeError):
         pass
     return None
+
+
+def local_bf16() -> bool:
+    """Whether this host's GPU computes in bf16 (False without one)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_bf16_supported())
+    except (ImportError, RuntimeError):
+        return False
+
+
+def local_cuda_count() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import strategies
+from . import devices, strategies
 from .config import (
     AC_MODES,
     CLUSTERS,
@@ -155,24 +155,6 @@ def resolve_tracking_uri(uri: str, base: Path) -> str:
     return uri
 
 
-def _local_bf16() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_bf16_supported())
-    except (ImportError, RuntimeError):
-        return False
-
-
-def _local_cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
 def _renamed_keys(c: ClusterConfig) -> ClusterConfig:
     """Config keys read under their earlier names: cluster.time_min is cluster.timeout_min."""
     if c.time_min is None:
@@ -187,7 +169,7 @@ def _resolve_device(cluster: ClusterConfig) -> str:
         return cluster.device
     if cluster.kind == "slurm":
         return "cuda" if cluster.gpus_per_node > 0 else "cpu"
-    return "cuda" if _local_cuda_count() > 0 else "cpu"
+    return "cuda" if devices.local_cuda_count() > 0 else "cpu"
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -229,7 +211,8 @@ def _resolve_nproc(cluster: ClusterConfig, device: str) -> int:
     if cluster.nproc_per_node is not None:
         return cluster.nproc_per_node
     if device == "cuda":
-        return cluster.gpus_per_node if cluster.kind == "slurm" else max(_local_cuda_count(), 1)
+        return (cluster.gpus_per_node if cluster.kind == "slurm"
+                else max(devices.local_cuda_count(), 1))
     return 2
 
 
@@ -392,7 +375,7 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
         )
     if device == "cuda" and c.kind in ("local", "torchrun") and not cfg.dry_run:
         # (torchrun: this node's GPUs; a dry run plans for GPUs it need not have)
-        have = _local_cuda_count()
+        have = devices.local_cuda_count()
         if have == 0:
             problems.append("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu")
         elif nproc > have:
@@ -418,7 +401,7 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
     precision = resolve_precision(cfg.precision.name, device)
     # (a machine with no GPU at all is told so by the launcher's preflight, not this)
     if device == "cuda" and precision in ("bf16", "mixed") and c.kind in ("local", "torchrun") \
-            and _local_cuda_count() > 0 and not _local_bf16():
+            and devices.local_cuda_count() > 0 and not devices.local_bf16():
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
     if cfg.sharding.cpu_offload and device != "cuda":

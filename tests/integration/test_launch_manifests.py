@@ -56,8 +56,8 @@ def test_an_example_composes_into_a_run_that_fits(example, monkeypatch, tmp_path
                        "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
     # the GPUs the launcher's nodes have, stood in (CUDA cannot exist here)
-    monkeypatch.setattr("llama_fsdp.spec._local_cuda_count", lambda: gpus)
-    monkeypatch.setattr("llama_fsdp.spec._local_bf16", lambda: True)
+    monkeypatch.setattr("llama_fsdp.devices.local_cuda_count", lambda: gpus)
+    monkeypatch.setattr("llama_fsdp.devices.local_bf16", lambda: True)
     h100 = ("NVIDIA H100 80GB HBM3", 85 * 10**9)
     monkeypatch.setattr("llama_fsdp.devices.local_gpu", lambda: h100)
     out = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))

@@ -191,11 +191,11 @@ def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
 
 
 def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
-    from llama_fsdp import spec as spec_mod
+    from llama_fsdp import devices
     from llama_fsdp.spec import ConfigError
 
-    monkeypatch.setattr(spec_mod, "_local_cuda_count", lambda: 2)
-    monkeypatch.setattr(spec_mod, "_local_bf16", lambda: True)
+    monkeypatch.setattr(devices, "local_cuda_count", lambda: 2)
+    monkeypatch.setattr(devices, "local_bf16", lambda: True)
     with pytest.raises(ConfigError, match=r"cluster.nproc_per_node=4 but only 2 GPU\(s\) are "
                                           r"visible: use cluster.nproc_per_node<=2"):
         make_spec(["cluster.device=cuda", "cluster.nproc_per_node=4"], output_dir=tmp_path)
