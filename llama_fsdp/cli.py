@@ -29,7 +29,8 @@ from omegaconf import DictConfig
 
 from .config import Config, register_configs
 from .launchers.common import skip_final_collection
-from .spec import ConfigError, RunSpec, build_spec, field_type, not_a_key
+from .spec import ConfigError, RunSpec, build_spec
+from .validate import field_type, not_a_key
 from .strategies import one_group_warning
 
 log = logging.getLogger("llama_fsdp")
@@ -84,7 +85,7 @@ def override_key_problems(args: list[str]) -> list[str]:
     each with the closest valid key: Hydra refuses them too, but says only "Key 'batchsize' not
     in 'TrainConfig'" and suggests ``+train.batchsize``, which fails in turn. Keys under a field
     that is not a dataclass (a dict, a list), ``+``/``~`` overrides, config groups and
-    ``hydra.*`` are left to Hydra and to ``spec.unknown_keys``."""
+    ``hydra.*`` are left to Hydra and to ``validate.unknown_keys``."""
     out = []
     for arg in args:
         o = parse_override(arg)
