@@ -101,7 +101,7 @@ def test_overrides_are_read_with_hydras_parser_a_list_is_no_sweep():
     """cluster.setup=[a,b] is one value (a list), not two points; train.batch_size=1,2 and
     +precision=bf16,fp32 are sweeps; a refused point keeps its group's choice for a key of the
     group (sharding.strategy from sharding=grad_op)."""
-    from llama_fsdp.cli import command_line, point_values, swept_overrides
+    from llama_fsdp.overrides import command_line, point_values, swept_overrides
 
     args = ["train.batch_size=1,2", "cluster.setup=[module load cuda,echo hi]",
             "+precision=bf16,fp32", "sharding=grad_op", "train.lr=range(1,3)"]
