@@ -81,7 +81,7 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     died before training (config.yaml rewritten, status left from before) is not skipped."""
     import dataclasses
 
-    from llama_fsdp.cli import finished_point as _finished_point
+    from llama_fsdp.multirun import finished_point as _finished_point
     from llama_fsdp.rundir import write_run_status
     from tests.conftest import make_spec
 

@@ -1,0 +1,128 @@
+"""A ``-m`` sweep as Hydra runs it: each point's sweep arguments, a point skipped because it
+finished in an earlier run of the sweep, a point's failure handed back instead of ending the
+process, and ``SweepCallback`` (conf/config.yaml names it), which makes the sweep's parent run
+when it starts, collects the points' outcomes and writes the summary when it ends (sweep.py
+holds the MLflow side)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .overrides import command_line, point_values, swept_overrides
+from .spec import RunSpec
+
+log = logging.getLogger("llama_fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class PointFailed:
+    """What a sweep point that did not finish hands back: its values and its exit code (2: its
+    config was refused before launch; 1: it failed)."""
+
+    values: dict[str, str]
+    code: int
+
+    @property
+    def name(self) -> str:
+        from .spec import point_name
+
+        return point_name(self.values)
+
+
+def sweep_kwargs() -> dict[str, Any]:
+    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
+    from .sweep import swept_keys_of, sweep_id_for
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    sweep_dir = str(Path(hc.sweep.dir).resolve())
+    return {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
+            "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
+
+
+def finished_point(spec: RunSpec) -> bool:
+    """A sweep started again in its directory (to resume its failed points) skips a point
+    whose run finished with this same config: it would train again from step 0 when it saved
+    no checkpoint, or start only to find nothing to train."""
+    from .rundir import config_digest, read_run_status
+
+    if spec.sweep_id is None:
+        return False
+    status = read_run_status(spec.output_dir)
+    done = (status.get("status") == "finished"
+            and status.get("config_sha256") == config_digest(spec.config_yaml))
+    if done:
+        log.info("point %s finished in an earlier run of this sweep (%s): skipped",
+                 spec.run_name, spec.output_dir)
+    return done
+
+
+def failed(code: int) -> Optional[PointFailed]:
+    """End a single run with ``code``; a sweep point hands its failure back instead, and the
+    sweep goes on to its other points (SweepCallback collects it)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return PointFailed(sweep_kwargs()["sweep_point"], code)
+    sys.exit(code)
+
+
+class SweepCallback(Callback):
+    """Hydra callback of a multirun: the parent run when it starts; each point's outcome as it
+    ends; the summary when the sweep ends (local sweeps), or the command that makes it (SLURM
+    sweeps, which return at submission). A sweep with failed points exits with the worst code
+    once every point had its turn."""
+
+    def __init__(self) -> None:
+        self.failed: list[PointFailed] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from .spec import resolve_tracking_uri
+        from .sweep import start_parent
+
+        if not config.tracking.enabled:
+            return
+        start_parent(str(Path(config.hydra.sweep.dir).resolve()),
+                     uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
+                     experiment=config.tracking.experiment, command=command_line(),
+                     swept=swept_overrides(list(config.hydra.overrides.task)))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if isinstance(outcome, PointFailed):
+            self.failed.append(outcome)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from .spec import resolve_tracking_uri
+        from .sweep import parent_run, summarize, sweep_id_for
+
+        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
+        sweep_id = sweep_id_for(sweep_dir)
+        uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
+        if not config.tracking.enabled:
+            table = None
+        elif config.cluster.kind == "slurm" and not config.cluster.wait:
+            table = None
+            log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
+                     "--uri %s", sweep_id, sweep_id, uri)
+        else:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own
+            table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
+                              parent_id=parent_run(sweep_dir),
+                              refused=[(p.values, p.code) for p in self.failed if p.code == 2])
+        if table:
+            log.info("sweep %s summary:\n%s", sweep_id, table)
+        if self.failed:
+            log.error("%d point(s) of sweep %s failed: %s; run the same command with "
+                      "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
+                      ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
+            raise SystemExit(max(p.code for p in self.failed))
