@@ -282,7 +282,7 @@ def test_tf32_for_fp32_on_cuda_sets_both_apis_alike():
     """torch.compile reads the legacy TF32 flag (dynamo) and the fp32_precision setting
     (inductor); setting only one makes reading the other raise. In a fresh process: the global
     flags are not this test process's to change."""
-    code = ("import torch\nfrom llama_fsdp.worker import enable_tf32\nenable_tf32()\n"
+    code = ("import torch\nfrom llama_fsdp.distributed import enable_tf32\nenable_tf32()\n"
             "print(torch._C._get_cublas_allow_tf32(), torch.backends.cuda.matmul.fp32_precision)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

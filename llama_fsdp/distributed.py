@@ -1,0 +1,114 @@
+"""A rank's process group: its place in the job from the environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE), its logging, its CPU threads and GPU, and the group itself
+(gloo on CPU; NCCL for GPU tensors and gloo for CPU ones on CUDA)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        e = os.environ
+        return cls(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)),
+                   int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    for noisy in ("alembic", "mlflow", "urllib3", "httpx", "filelock", "submitit"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cpus_for_rank(env: DistEnv) -> int:
+    """CPUs this rank may use: SLURM's cpus-per-task, else its CPU affinity (what the job or
+    container grants) split between the node's ranks."""
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        available = os.cpu_count() or 1
+    return max(1, available // max(env.local_world_size, 1))
+
+
+def _gpu_for_rank(env: DistEnv) -> torch.device:
+    n = torch.cuda.device_count()
+    if env.local_rank >= n:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        raise RuntimeError(
+            f"rank {env.rank} is local rank {env.local_rank} on {socket.gethostname()}, which "
+            f"shows {n} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): each rank needs a GPU of its "
+            f"own. Launch at most {n} rank(s) per node (cluster.nproc_per_node / "
+            "cluster.gpus_per_node)")
+    return torch.device("cuda", env.local_rank)
+
+
+def enable_tf32() -> None:
+    """TF32 matmuls for fp32 compute. ``set_float32_matmul_precision`` sets the legacy flag and
+    the fp32_precision setting (torch >= 2.9) together; setting only one of them makes a later
+    read of the other raise ("mix of the legacy and new APIs"), and torch.compile reads both
+    (dynamo the legacy flag, inductor the new setting). cuDNN's convolutions allow TF32 by
+    default."""
+    torch.set_float32_matmul_precision("high")
+
+
+def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
+    """Process group with the init timeout; CUDA ranks get NCCL for GPU tensors and gloo for
+    CPU ones (CPU offload's gradients, object collectives)."""
+    torch.set_num_threads(spec.cluster.threads_per_rank or cpus_for_rank(env))
+    timeout = datetime.timedelta(seconds=spec.cluster.init_timeout_s)
+    store = _attempt_store(env, timeout)
+    if spec.device == "cuda":
+        device = _gpu_for_rank(env)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout,
+                                **store)
+        if spec.policy.compute_dtype == "float32":
+            enable_tf32()
+            if env.rank == 0:
+                log.info("precision=fp32 on CUDA: TF32 matmuls enabled (10-bit mantissa products, "
+                         "fp32 accumulation); MFU is against the TF32 peak")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout, **store)
+    if dist.get_world_size() != spec.world_size:
+        raise RuntimeError(f"launched {dist.get_world_size()} ranks but the run expects "
+                           f"{spec.world_size}: the launcher and the spec disagree")
+    return device
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under torchrun, whose workers share its agent's store across restarts
+    (TORCHELASTIC_USE_AGENT_STORE=True), the process group's keys of each attempt under a
+    prefix of their own: a restarted rank 0 otherwise reads a dead rank's address left by the
+    attempt before and fails to connect (pytorch/pytorch#135712). The attempt is counted per
+    rank in the store (every restart starts every rank once), not by TORCHELASTIC_RESTART_COUNT,
+    which the agents of different nodes count apart. Elsewhere: {} (the env:// default)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          env.world_size, is_master=False, timeout=timeout)
+    attempt = store.add(f"llama_fsdp/starts/rank{env.rank}", 1)
+    return {"store": dist.PrefixStore(f"llama_fsdp/attempt{attempt}/", store),
+            "rank": env.rank, "world_size": env.world_size}
