@@ -1,63 +1,39 @@
-"""Dispatch a RunSpec to local rank processes or to SLURM nodes (both through submitit)."""
+"""The launchers, one per ``cluster.kind`` (base.py says what each answers): the command line
+asks ``launcher_for`` once and never branches on the kind itself.
+
+The package's names are imported on first use (PEP 562): a rank supervisor, which imports
+launchers/rank.py, does not load the launchers, the preparation and the tracking they use.
+"""
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
-
-from .common import Entry, Interrupted, LaunchError, RankFailure
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from .base import Launcher
 
-log = logging.getLogger(__name__)
+# cluster.kind -> the module and class of its launcher
+LAUNCHERS = {"local": ("local", "LocalLauncher"), "slurm": ("slurm", "SlurmLauncher"),
+             "torchrun": ("torchrun", "TorchrunLauncher")}
 
-
-def preflight(spec: RunSpec) -> list[str]:
-    """What this machine lacks to launch the run (checked before any preparation)."""
-    import shutil
-    import subprocess
-
-    if spec.cluster.kind != "slurm":
-        return []
-    if shutil.which("sbatch") is None:
-        return ["cluster=slurm but sbatch is not on PATH: this is not a SLURM login node. Run "
-                "from one, use cluster=local, or add dry_run=true to see the job script"]
-    # SLURM's commands are here: does its controller answer? (sinfo reads the same config and
-    # asks the same slurmctld as sbatch; a login node answers in well under a second)
-    try:
-        out = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True,
-                             text=True, timeout=30)
-        problem = None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        problem = f"sinfo did not answer: {e}"
-    if problem:
-        return [f"cluster=slurm but the SLURM controller does not answer here ({problem}). Run "
-                "from a login node of the cluster (or set SLURM_CONF), use cluster=local, or add "
-                "dry_run=true to see the job script"]
-    return []
+_WHERE = {"Launcher": "base", "Entry": "common", "Interrupted": "common",
+          "LaunchError": "common", "RankFailure": "common"}
+__all__ = sorted([*_WHERE, "LAUNCHERS", "launcher_for"])
 
 
-def launch(spec: RunSpec, entry: Entry, *, stream: bool = True,
-           on_submitted: Optional[Callable[[str, bool], None]] = None) -> Any:
-    """Run `entry(spec)` on every rank; local runs wait, SLURM runs wait if cluster.wait.
-    ``stream``: copy rank 0's log to this terminal while the job runs (callers that read the
-    logs themselves, as the tests do, pass False). ``on_submitted(job_id, detached)``: told a
-    SLURM job's id once submitted (detached: this call returns without waiting for it)."""
-    from .submitit_compat import check_version
-
-    if (warning := check_version()) is not None:
-        log.warning("%s", warning)
-    match spec.cluster.kind:
-        case "local":
-            from .local import launch_local
-
-            return launch_local(spec, entry, stream=stream)
-        case "slurm":
-            from .slurm import launch_slurm
-
-            return launch_slurm(spec, entry, stream=stream, on_submitted=on_submitted)
-        case other:
-            raise ValueError(f"cluster.kind={other!r} is not one of local, slurm")
+def launcher_for(cluster: Any, entry: str = "") -> Launcher:
+    """The launcher of ``cluster.kind`` (the config's cluster node), whose ranks run ``entry``
+    ("module:function": the launching process need not import it; without one, a launcher
+    that only answers questions, as whether it waits)."""
+    if cluster.kind not in LAUNCHERS:
+        raise ValueError(f"cluster.kind={cluster.kind!r} is not one of {', '.join(LAUNCHERS)}")
+    module, name = LAUNCHERS[cluster.kind]
+    return getattr(importlib.import_module(f".{module}", __name__), name)(cluster, entry)
 
 
-__all__ = ["Entry", "Interrupted", "LaunchError", "RankFailure", "launch", "preflight"]
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

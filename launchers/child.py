@@ -5,7 +5,6 @@ pickle its result, or leave the traceback with the time it happened.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import pickle
 import sys
@@ -13,12 +12,12 @@ import time
 import traceback
 from pathlib import Path
 
+from llama_fsdp.launchers.common import load_entry, skip_final_collection
+
 
 def main(inp: str, out: str, tb_file: str) -> int:
     entry, spec = pickle.loads(Path(inp).read_bytes())
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
+    entry = load_entry(entry)
     try:
         result = entry(spec)
     except BaseException:  # noqa: BLE001 - every way out is reported to the supervisor
@@ -33,8 +32,6 @@ def main(inp: str, out: str, tb_file: str) -> int:
 
 
 if __name__ == "__main__":
-    from llama_fsdp.launchers.common import skip_final_collection
-
     code = main(*sys.argv[1:4])
     skip_final_collection()
     sys.exit(code)

@@ -7,6 +7,7 @@ training.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
 import pickle
@@ -56,6 +57,14 @@ class Interrupted(LaunchError):
 def entry_ref(entry: Entry) -> str:
     """A module-level function as "module:qualname": the rank supervisor passes it on unread."""
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+
+def load_entry(entry: Entry) -> Callable[[Any], Any]:
+    """The function a "module:attr" entry point names (a function passes through)."""
+    if not isinstance(entry, str):
+        return entry
+    module, _, attr = entry.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def rank_entry(spec: RunSpec, entry: Entry, **kw: Any) -> RankEntry:

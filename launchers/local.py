@@ -1,13 +1,13 @@
-"""Local launch: submitit's local executor starts one rank supervisor per rank on this host."""
+"""cluster=local: submitit's local executor starts one rank supervisor per rank on this host."""
 from __future__ import annotations
 
 import logging
 import os
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .base import Launcher
 from .common import (
-    Entry,
     RankFailure,
     SignalGuard,
     free_port,
@@ -62,32 +62,41 @@ def _executor(spec: RunSpec) -> Any:
     return executor
 
 
-def launch_local(spec: RunSpec, entry: Entry, *, stream: bool = True) -> list[Any]:
-    """Run `entry(spec)` on spec.nproc_per_node local ranks; return each rank's result.
+class LocalLauncher(Launcher):
+    """cluster=local: submitit's local executor starts the controller, which starts one rank
+    supervisor per rank on this host; this process waits for them."""
 
-    A rank that dies stops every rank; with cluster.max_restarts the run then restarts from
-    its newest complete checkpoint, in the same MLflow run.
-    """
-    executor = _executor(spec)
-    restarts = spec.cluster.max_restarts
-    # the controller passes its environment to the ranks; this process's is restored after
-    env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir}
-    with scoped_environ({**env, ATTEMPT_ENV: "0"}), \
-            SignalGuard(saving=spec.save.every_steps > 0) as guard:
-        for attempt in range(restarts + 1):
-            os.environ[ATTEMPT_ENV] = str(attempt)
-            job = executor.submit(rank_entry(spec, entry, master_addr="127.0.0.1",
-                                             master_port=free_port()))
-            guard.job = job
-            log.info("started %d local rank(s) (job %s%s); logs in %s", spec.nproc_per_node,
-                     job.job_id, f", restart {attempt} of {restarts}" if attempt else "",
-                     executor.folder)
-            try:
-                with streaming(job, stream):
-                    return watch(job, spec.output_dir)
-            except RankFailure as failure:
-                if attempt == restarts:
-                    raise
-                log.warning("%s\nrestarting every rank from the newest checkpoint (restart %d "
-                            "of %d)", failure, attempt + 1, restarts)
-    raise AssertionError("unreachable")
+    def preview(self, spec: RunSpec) -> str:
+        return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, "
+                f"each running {self.entry} (backend {spec.backend}, device {spec.device})")
+
+    def start(self, spec: RunSpec, *, stream: bool = True,
+              on_submitted: Optional[Callable[[str, bool], None]] = None) -> list[Any]:
+        """Run the entry point on spec.nproc_per_node local ranks; return each rank's result.
+
+        A rank that dies stops every rank; with cluster.max_restarts the run then restarts from
+        its newest complete checkpoint, in the same MLflow run.
+        """
+        executor = _executor(spec)
+        restarts = spec.cluster.max_restarts
+        # the controller passes its environment to the ranks; this process's is restored after
+        env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir}
+        with scoped_environ({**env, ATTEMPT_ENV: "0"}), \
+                SignalGuard(saving=spec.save.every_steps > 0) as guard:
+            for attempt in range(restarts + 1):
+                os.environ[ATTEMPT_ENV] = str(attempt)
+                job = executor.submit(rank_entry(spec, self.entry, master_addr="127.0.0.1",
+                                                 master_port=free_port()))
+                guard.job = job
+                log.info("started %d local rank(s) (job %s%s); logs in %s", spec.nproc_per_node,
+                         job.job_id, f", restart {attempt} of {restarts}" if attempt else "",
+                         executor.folder)
+                try:
+                    with streaming(job, stream):
+                        return watch(job, spec.output_dir)
+                except RankFailure as failure:
+                    if attempt == restarts:
+                        raise
+                    log.warning("%s\nrestarting every rank from the newest checkpoint (restart "
+                                "%d of %d)", failure, attempt + 1, restarts)
+        raise AssertionError("unreachable")

@@ -166,9 +166,8 @@ class Supervisor:
             return result
         report = self._report(code, files["traceback"])
         report_path(where, self.rank).write_text(json.dumps(report, indent=1))
-        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts \
-                and spec.cluster.kind == "slurm" and not spec.cluster.wait:
-            _close_mlflow_run(spec)  # no launcher waits to do it
+        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts:
+            _close_mlflow_run(spec)  # the run's last attempt failed
         raise RankFailed(format_report(report))
 
     def _install_signals(self) -> None:
@@ -214,8 +213,10 @@ def _dies_with_parent() -> None:
 
 def _close_mlflow_run(spec: RunSpec) -> None:
     """Mark the run FAILED in MLflow when no launcher waits to do it (a SLURM job that
-    returned at submission); what rank 0 spooled is delivered with it."""
-    if not spec.tracking.enabled:
+    returned at submission: launchers/base.py); what rank 0 spooled is delivered with it."""
+    from . import launcher_for  # (the package imports this module first)
+
+    if not spec.tracking.enabled or launcher_for(spec.cluster).waits:
         return
     try:
         from llama_fsdp.tracking import close_run

@@ -1,12 +1,14 @@
-"""SLURM launch through submitit: one rank supervisor per task, nodes x tasks_per_node."""
+"""cluster=slurm through submitit: one rank supervisor per task, nodes x tasks_per_node."""
 from __future__ import annotations
 
 import logging
 import re
+import shutil
+import subprocess
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .base import Launcher
 from .common import (
-    Entry,
     LaunchError,
     SignalGuard,
     rank_entry,
@@ -16,6 +18,7 @@ from .common import (
 )
 from ..rundir import RunDir
 from .rank import ATTEMPT_ENV
+from .submitit_compat import restarting_slurm_executor, sbatch_text
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -68,8 +71,6 @@ def with_restarts(script: str, max_restarts: int) -> str:
 
 def make_executor(spec: RunSpec, *, preview: bool = False) -> Any:
     """The run's SLURM executor; ``preview``: one that only writes the script (no SLURM needed)."""
-    from .submitit_compat import restarting_slurm_executor
-
     cls = restarting_slurm_executor(spec.cluster.max_restarts, with_restarts, preview=preview)
     executor = cls(folder=RunDir(spec.output_dir).submitit / "%j",
                    max_num_timeout=spec.cluster.max_requeues)
@@ -85,26 +86,62 @@ def sbatch_preview(spec: RunSpec) -> str:
     return sbatch_text(make_executor(spec, preview=True))
 
 
-def launch_slurm(spec: RunSpec, entry: Entry, *, stream: bool = True,
-                 on_submitted: Optional[Callable[[str, bool], None]] = None) -> Any:
-    """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait.
-    ``on_submitted(job_id, detached)`` is told the job id once SLURM has it."""
-    executor = make_executor(spec)
-    try:
-        job = executor.submit(rank_entry(spec, entry))
-    except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
-        msg = re.sub(r"\s+", " ", str(e)).strip()
-        raise LaunchError(f"SLURM refused the job: {msg}") from e
-    if on_submitted is not None:
-        on_submitted(str(job.job_id), not spec.cluster.wait)
-    paths = job.paths
-    log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 err: %s",
-             job.job_id, spec.nodes, spec.nproc_per_node, paths.stdout, paths.stderr)
-    if not spec.cluster.wait:
-        return job
-    with SignalGuard(saving=spec.save.every_steps > 0) as guard:
-        guard.job = job
-        with streaming(job, stream):
-            # SLURM's accounting is asked each poll: not more often than every 2 s
-            return watch(job, spec.output_dir, max_restarts=spec.cluster.max_restarts,
-                         restarts_inside=True, poll_s=2.0)
+class SlurmLauncher(Launcher):
+    """cluster=slurm: submitit's SLURM executor submits one job of nodes x tasks_per_node
+    tasks; srun starts one rank supervisor per task. This process waits for the job when
+    cluster.wait (and streams rank 0's log), else returns at submission."""
+
+    @property
+    def waits(self) -> bool:
+        return bool(self.cluster.wait)
+
+    def preflight(self, spec: RunSpec) -> list[str]:
+        """sbatch on PATH, and a SLURM controller that answers."""
+        if shutil.which("sbatch") is None:
+            return ["cluster=slurm but sbatch is not on PATH: this is not a SLURM login node. Run "
+                    "from one, use cluster=local, or add dry_run=true to see the job script"]
+        # SLURM's commands are here: does its controller answer? (sinfo reads the same config
+        # and asks the same slurmctld as sbatch)
+        try:
+            out = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True,
+                                 text=True, timeout=30)
+            problem = (None if out.returncode == 0
+                       else (out.stderr.strip().splitlines() or ["?"])[-1])
+        except (OSError, subprocess.TimeoutExpired) as e:
+            problem = f"sinfo did not answer: {e}"
+        if problem:
+            return [f"cluster=slurm but the SLURM controller does not answer here ({problem}). "
+                    "Run from a login node of the cluster (or set SLURM_CONF), use "
+                    "cluster=local, or add dry_run=true to see the job script"]
+        return []
+
+    def preview(self, spec: RunSpec) -> str:
+        """The sbatch script this run would submit (what make_executor writes), on any
+        machine: a dry run plans on a laptop for the cluster."""
+        return sbatch_text(make_executor(spec, preview=True))
+
+    def start(self, spec: RunSpec, *, stream: bool = True,
+              on_submitted: Optional[Callable[[str, bool], None]] = None) -> list[Any]:
+        """Submit; print job id and log paths; wait (streaming rank 0) only if cluster.wait
+        (else no results: []). ``on_submitted(job_id, detached)`` is told the job id once SLURM
+        has it."""
+        executor = make_executor(spec)
+        try:
+            job = executor.submit(rank_entry(spec, self.entry))
+        except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
+            msg = re.sub(r"\s+", " ", str(e)).strip()
+            raise LaunchError(f"SLURM refused the job: {msg}") from e
+        if on_submitted is not None:
+            on_submitted(str(job.job_id), not spec.cluster.wait)
+        paths = job.paths
+        log.info("submitted SLURM job %s: %d node(s) x %d task(s)\n  rank 0 log: %s\n  rank 0 "
+                 "err: %s", job.job_id, spec.nodes, spec.nproc_per_node, paths.stdout,
+                 paths.stderr)
+        if not spec.cluster.wait:
+            return []
+        with SignalGuard(saving=spec.save.every_steps > 0) as guard:
+            guard.job = job
+            with streaming(job, stream):
+                # SLURM's accounting is asked each poll: not more often than every 2 s
+                return watch(job, spec.output_dir, max_restarts=spec.cluster.max_restarts,
+                             restarts_inside=True, poll_s=2.0)

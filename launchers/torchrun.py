@@ -21,9 +21,20 @@ need a filesystem every node shares (DCP writes each rank's shards where the ran
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..prepare import check_data, prepare_job, resolve_model
+from ..spec import ConfigError
+from .base import Launcher
+from .common import load_entry, scoped_environ, worker_env
+
+if TYPE_CHECKING:
+    from ..spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,5 +86,75 @@ class JobPreparationError(RuntimeError):
     """A rank could not prepare its node or the job; every rank stops with this message."""
 
 
-class NothingToTrain(Exception):
-    """Raised on every rank when the job has nothing to train (a finished run)."""
+
+
+HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+class TorchrunLauncher(Launcher):
+    """cluster=torchrun: this process is one rank of a job another launcher started (torchrun's
+    agent is the controller and the supervisor); ``launch`` does the job's once-only duties
+    inside the job, then runs the entry point here, in this process."""
+
+    @property
+    def waits(self) -> bool:
+        return rank() == 0  # it sees the job end; the others go with it
+
+    @property
+    def speaks(self) -> bool:
+        return rank() == 0
+
+    def run_dir(self, output_dir: str, *, given: bool) -> str:
+        """Every process of the job and every restart must agree on the run directory, and
+        Hydra's is made per process at its start time: output_dir= as given, else
+        outputs/runs/torchrun-<torchrun's run id>."""
+        if given:
+            return super().run_dir(output_dir, given=given)
+        if (run_id := job_run_id()) is None:
+            raise ConfigError(["cluster=torchrun without a torchrun run id (TORCHELASTIC_RUN_ID; "
+                               "a launch by environment variables, as Kubernetes operators do "
+                               "it, has none) needs a run directory every process and restart "
+                               "agrees on: give torchrun --rdzv-id=<name> "
+                               "(outputs/runs/torchrun-<name>) or output_dir=<dir>"])
+        return str((Path.cwd() / "outputs" / "runs" / f"torchrun-{run_id}").resolve())
+
+    def preflight(self, spec: RunSpec) -> list[str]:
+        if spec.sweep_id is not None:
+            return ["sweeps (-m) do not run under cluster=torchrun, which starts the processes "
+                    "of one run: start one torchrun job per point, or sweep with cluster=local "
+                    "or cluster=slurm"]
+        return []
+
+    def preview(self, spec: RunSpec) -> str:
+        return (f"this process as rank {rank()} of the {spec.world_size} that torchrun started "
+                f"({spec.nodes} node(s) x {spec.nproc_per_node}), running {self.entry} (backend "
+                f"{spec.backend}, device {spec.device})")
+
+    def launch(self, spec: RunSpec, *, held: contextlib.ExitStack,
+               command: str) -> Optional[list[Any]]:
+        """The process group first; then every node's first rank prepares its node and global
+        rank 0 the job (``once_per_job``); then this rank trains. This rank's result, or None
+        when the job has nothing to train."""
+        from ..distributed import process_group  # torch: this process is a rank
+
+        if restart := restart_count():  # torchrun restarted the job: go on from the checkpoint
+            spec = dataclasses.replace(spec, resume="auto", restart=restart)
+        # what the other launchers export to their ranks, but the allocator's settings, which
+        # act only from a process's start (torchrun's environment is the user's to give)
+        exported = worker_env(spec.output_dir, spec.device, environ={})
+        os.environ.update({k: v for k, v in exported.items()
+                           if not k.startswith("MALLOC_") and k not in HUB_OFFLINE})
+        entry = load_entry(self.entry)
+        with process_group(spec) as (env, _device):
+            if once_per_job(env, node=lambda: check_data(resolve_model(spec)),
+                            job=lambda: self._prepare_job(spec, held, command)):
+                return None
+            with scoped_environ(HUB_OFFLINE):  # the node's first rank fetched what it needs
+                spec = resolve_model(spec)
+            os.environ.update(HUB_OFFLINE)  # from here on, as a launched rank: no hub
+            return [entry(spec)]
+
+    @staticmethod
+    def _prepare_job(spec: RunSpec, held: contextlib.ExitStack, command: str) -> Optional[str]:
+        """Global rank 0's part: why there is nothing to train, or None."""
+        return "finished" if prepare_job(spec, held=held, command=command) is None else None

@@ -11,17 +11,17 @@ Nothing in the library imports this module: it is the entry point only.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
 from .config import register_configs
+from .launchers import Launcher, launcher_for
 from .launchers.common import skip_final_collection
 from .multirun import failed, finished_point, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
@@ -34,35 +34,15 @@ log = logging.getLogger("llama_fsdp")
 
 # --- one run ----------------------------------------------------------------------------------
 
-
-def run_dir_of(cfg: DictConfig) -> str:
-    """The run directory: Hydra's run dir (outputs/runs/<date>/<time>) unless output_dir= points
-    elsewhere (an earlier run, to resume it). Under cluster=torchrun every process of the job
-    and every restart must agree on it, and Hydra's dir is made per process at its start time:
-    output_dir= as given, else outputs/runs/torchrun-<torchrun's run id>."""
-    from .launchers.torchrun import job_run_id
-
-    if cfg.cluster.kind != "torchrun" or "output_dir" in overridden_keys():
-        return str(Path(cfg.output_dir).resolve())
-    if (run_id := job_run_id()) is None:
-        raise ConfigError(["cluster=torchrun without a torchrun run id (TORCHELASTIC_RUN_ID; a "
-                           "launch by environment variables, as Kubernetes operators do it, has "
-                           "none) needs a run directory every process and restart agrees on: "
-                           "give torchrun --rdzv-id=<name> (outputs/runs/torchrun-<name>) or "
-                           "output_dir=<dir>"])
-    return str((Path.cwd() / "outputs" / "runs" / f"torchrun-{run_id}").resolve())
+WORKER = "llama_fsdp.worker:run_worker"  # every rank's entry point, by name (no torch here)
 
 
-def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
+def plan_run(cfg: DictConfig, run_dir: str) -> tuple[RunSpec, Any]:
     """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
-    from .launchers.torchrun import restart_count
     from .plan import make_plan, resolve_auto
 
-    spec = resolve_auto(build_spec(cfg, output_dir=run_dir_of(cfg), launch_dir=Path.cwd(),
+    spec = resolve_auto(build_spec(cfg, output_dir=run_dir, launch_dir=Path.cwd(),
                                    **sweep_kwargs()))
-    if spec.cluster.kind == "torchrun" and (restart := restart_count()):
-        # torchrun restarted the job's processes: go on from the newest checkpoint
-        spec = dataclasses.replace(spec, resume="auto", restart=restart)
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
@@ -72,156 +52,30 @@ def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
     return spec, plan
 
 
-def _launch_preview(spec: RunSpec) -> str:
-    if spec.cluster.kind == "slurm":
-        from .launchers.slurm import sbatch_preview
-
-        return sbatch_preview(spec)
-    return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, each "
-            f"running llama_fsdp.worker.run_worker (backend {spec.backend}, device {spec.device})")
-
-
-def finished_run(spec: RunSpec) -> bool:
-    """A single run launched again into its directory (resume=auto) whose last attempt finished
-    every step it is asked for now: nothing to start. A larger train.max_steps trains on."""
-    from .rundir import read_run_status
-
-    if spec.sweep_id is not None or spec.resume != "auto":
-        return False
-    status = read_run_status(spec.output_dir)
-    target = spec.train.stop_after or spec.train.max_steps
-    if status.get("status") != "finished" or int(status.get("step", 0)) < target:
-        return False
-    log.info("this run finished at step %d (train.max_steps=%d) in %s: nothing to train, "
-             "nothing launched. Raise train.max_steps to train on from its last checkpoint, or "
-             "give a new output_dir", status["step"], spec.train.max_steps, spec.output_dir)
-    return True
-
-
-def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
-    """The whole path for one composed config (one point of a sweep); ``held`` keeps the run
-    directory owned until the caller is done with the run."""
-    from .launchers import launch, preflight
+def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
+            held: contextlib.ExitStack) -> Any:
+    """The whole path for one composed config (one point of a sweep): spec -> plan -> the
+    launcher's launch (preparation, then the ranks) -> summary. ``held`` keeps the run directory
+    owned until the caller is done with the run."""
     from .plan import check_fits, fixes_text
-    from .prepare import prepare
 
-    spec, plan = plan_run(cfg)
-    if not spec.dry_run and finished_point(spec):
-        return None
+    spec, plan = plan_run(cfg, run_dir)
     if spec.dry_run:
         if not plan.fits:
             log.warning("this run would be refused at launch: it does not fit.\n%s",
                         fixes_text(spec, plan))
-        log.info("dry_run=true: nothing launched. Would run:\n%s", _launch_preview(spec))
+        log.info("dry_run=true: nothing launched. Would run:\n%s", launcher.preview(spec))
+        return None
+    if finished_point(spec):
         return None
     check_fits(spec, plan)
-    if spec.cluster.kind == "torchrun":
-        return _run_torchrun_rank(spec, held)
-    problems = preflight(spec)
-    if problems:
+    if problems := launcher.preflight(spec):
         raise ConfigError(problems)
-    owner = _own(spec, held)
-    if finished_run(spec):
-        return None
-    prepared = prepare(spec, command=command_line())
-    results = launch(prepared.spec, "llama_fsdp.worker:run_worker",
-                     on_submitted=owner.slurm_job)
-    if spec.cluster.kind == "local" or spec.cluster.wait:
-        rank0 = next(r for r in results if r is not None and r.rank == 0)
+    results = launcher.launch(spec, held=held, command=command_line())
+    rank0 = next((r for r in results or [] if r is not None and r.rank == 0), None)
+    if launcher.waits and rank0 is not None:
         log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))
     return results
-
-
-def _own(spec: RunSpec, held: contextlib.ExitStack) -> Any:
-    """Hold the run directory until ``held`` closes; say so when a dead owner's is taken over."""
-    from .owner import own
-
-    owner = held.enter_context(own(spec.output_dir, command=command_line()))
-    if owner.previous:
-        log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
-                    "(killed, or its host went down): taking it over%s", spec.output_dir,
-                    owner.previous.get("pid"), owner.previous.get("host"),
-                    "; resume=auto continues from its newest checkpoint"
-                    if spec.resume == "auto" else "")
-    return owner
-
-
-def _run_torchrun_rank(spec: RunSpec, held: contextlib.ExitStack) -> Optional[list[Any]]:
-    """cluster=torchrun: this process is a rank. The once-per-job duties run inside the job
-    (launchers/torchrun.py): every node's first rank prepares its node, global rank 0 the job;
-    then every rank trains. Returns this rank's result (None: nothing to train)."""
-    from .launchers.common import worker_env
-    from .launchers.torchrun import NothingToTrain, once_per_job
-    from .prepare import check_data, prepare, resolve_model
-    from .worker import run_worker
-
-    if spec.sweep_id is not None:
-        raise ConfigError(["sweeps (-m) do not run under cluster=torchrun, which starts the "
-                           "processes of one run: start one torchrun job per point, or sweep "
-                           "with cluster=local or cluster=slurm"])
-    command = command_line()
-
-    def job() -> Optional[str]:
-        _own(spec, held)
-        if finished_run(spec):
-            return "finished"
-        prepare(spec, command=command)
-        return None
-
-    def prepared(s: RunSpec, env: Any) -> RunSpec:
-        if once_per_job(env, node=lambda: check_data(resolve_model(s)), job=job):
-            raise NothingToTrain()
-        with _hub_offline():  # the node's first rank fetched what a hub name needs
-            s = resolve_model(s)
-        os.environ.update(_hub_offline.VARS)  # from here on, as a launched rank: no hub
-        return s
-
-    # what the other launchers export to their ranks, but the allocator's settings, which act
-    # only from a process's start (torchrun's environment is the user's to give)
-    exported = worker_env(spec.output_dir, spec.device, environ={})
-    os.environ.update({k: v for k, v in exported.items()
-                       if not k.startswith("MALLOC_") and k not in _hub_offline.VARS})
-
-    try:
-        result = run_worker(spec, prepare=prepared)
-    except NothingToTrain:
-        return None
-    if result.rank == 0:
-        log.info("done\n  %s", "\n  ".join(summary_lines(spec, result)))
-    return [result]
-
-
-class _HubOffline:
-    """Hugging Face hub access off while the block runs (what is needed is in the cache)."""
-
-    VARS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-    @contextlib.contextmanager
-    def __call__(self) -> Any:
-        from .launchers.common import scoped_environ
-
-        with scoped_environ(self.VARS):
-            yield
-
-
-_hub_offline = _HubOffline()
-
-
-def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
-    """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
-    could not close (killed, crashed)."""
-    from .rundir import RunDir
-    from .tracking import close_run, deliver_pending, read_run_file
-
-    if not RunDir(output_dir).tracking.is_dir():
-        return
-    info = read_run_file(output_dir)
-    left = (close_run(output_dir, status, deadline_s=deadline_s) if status
-            else deliver_pending(output_dir, deadline_s=deadline_s))
-    if left:
-        log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
-                    "deliver them with: python -m llama_fsdp.tracking %s", left,
-                    info.get("tracking_uri"), output_dir)
 
 
 def _remove_if_empty(output_dir: str) -> None:
@@ -245,19 +99,6 @@ def _remove_if_empty(output_dir: str) -> None:
             return
 
 
-def _waits_for_ranks(cfg: DictConfig) -> bool:
-    """Whether this process saw the ranks end (and so closes the run's tracking): a local
-    launch, a SLURM launch that waits, rank 0 of a torchrun job."""
-    from .launchers.torchrun import rank
-
-    match cfg.cluster.kind:
-        case "local":
-            return True
-        case "torchrun":
-            return rank() == 0
-    return bool(cfg.cluster.wait)
-
-
 @hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
     with contextlib.ExitStack() as held:  # the run directory stays owned to the very end
@@ -270,19 +111,18 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     from .plan import PlanError
     from .prepare import PrepareError
 
-    from .launchers.torchrun import rank
-
-    if cfg.cluster.kind == "torchrun" and rank() != 0:
-        logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the job
+    launcher = launcher_for(cfg.cluster, WORKER)  # the one place the launch mode is chosen
+    if not launcher.speaks:
+        logging.getLogger().setLevel(logging.WARNING)  # another process speaks for the job
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
     output_dir = str(Path(cfg.output_dir).resolve())  # Hydra's until the spec says
     try:
-        output_dir = run_dir_of(cfg)
-        result = run_one(cfg, held)
+        output_dir = launcher.run_dir(cfg.output_dir, given="output_dir" in overridden_keys())
+        result = run_one(cfg, launcher, output_dir, held)
         launched = result is not None
-        if launched and _waits_for_ranks(cfg):
-            _finish_tracking(output_dir, status="", deadline_s=final_s)
+        if launched and launcher.waits:
+            launcher.close_tracking(output_dir, status="", deadline_s=final_s)
             if any(r is not None and r.status != "finished" for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result
@@ -292,12 +132,12 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     except Interrupted as e:
         launched = True
         log.error("%s", e)
-        _finish_tracking(output_dir, status="KILLED", deadline_s=final_s)
+        launcher.close_tracking(output_dir, status="KILLED", deadline_s=final_s)
         sys.exit(e.exit_code)  # a stopped sweep stops whole
     except LaunchError as e:
         launched = True
         log.error("%s", e)
-        _finish_tracking(output_dir, status="FAILED", deadline_s=final_s)
+        launcher.close_tracking(output_dir, status="FAILED", deadline_s=final_s)
         return failed(1)
     finally:
         if not launched:

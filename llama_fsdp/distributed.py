@@ -3,12 +3,13 @@ WORLD_SIZE, LOCAL_WORLD_SIZE), its logging, its CPU threads and GPU, and the gro
 (gloo on CPU; NCCL for GPU tensors and gloo for CPU ones on CUDA)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,3 +113,26 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dict[str, Any]:
     attempt = store.add(f"llama_fsdp/starts/rank{env.rank}", 1)
     return {"store": dist.PrefixStore(f"llama_fsdp/attempt{attempt}/", store),
             "rank": env.rank, "world_size": env.world_size}
+
+
+_OPEN: Optional[tuple[DistEnv, torch.device]] = None  # the group process_group holds open
+
+
+@contextlib.contextmanager
+def process_group(spec: RunSpec) -> Iterator[tuple[DistEnv, torch.device]]:
+    """This rank's place and device with its process group up while the block runs: logging set
+    up and the group made on entry, destroyed on exit. Entered again while it is open, the open
+    group (the torchrun launcher holds it for the job's once-only duties, then runs the worker
+    in it)."""
+    global _OPEN
+    if _OPEN is not None:
+        yield _OPEN
+        return
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    _OPEN = (env, init_distributed(spec, env))
+    try:
+        yield _OPEN
+    finally:
+        _OPEN = None
+        dist.destroy_process_group()

@@ -16,6 +16,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from .launchers import launcher_for
 from .overrides import command_line, point_values, swept_overrides
 from .spec import RunSpec
 
@@ -110,7 +111,7 @@ class SweepCallback(Callback):
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
         if not config.tracking.enabled:
             table = None
-        elif config.cluster.kind == "slurm" and not config.cluster.wait:
+        elif not launcher_for(config.cluster).waits:  # (SLURM jobs that outlive this process)
             table = None
             log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
                      "--uri %s", sweep_id, sweep_id, uri)

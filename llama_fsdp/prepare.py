@@ -1,13 +1,17 @@
-"""What the driver does once, before any rank exists.
+"""What the driver does once, before any rank trains (``prepare_job``: the launchers call it
+where their kind does the job's once-only duties, launchers/base.py).
 
-Everything that needs no process group happens here, so bad input fails in seconds with the fix
-and ranks never wait behind a barrier: the tracking store is reached (or the run refused, in
-about ten seconds), HF weights named by a hub id are downloaded once, the data is read,
-validated, tokenized into the cache and packed exactly as the ranks will pack it, and the MLflow
-run is created. The ranks then read prepared files only (they run with HF_HUB_OFFLINE=1).
+The run directory is owned first (one live launch per directory), and a run with nothing left
+to train stops there. Everything that needs no process group happens here, so bad input fails
+in seconds with the fix and ranks never wait behind a barrier: the tracking store is reached
+(or the run refused, in about ten seconds), HF weights named by a hub id are downloaded once,
+the data is read, validated, tokenized into the cache and packed exactly as the ranks will pack
+it, and the MLflow run is created. The ranks then read prepared files only (they run with
+HF_HUB_OFFLINE=1).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -30,6 +34,49 @@ class PreparedRun:
     spec: RunSpec  # with model.path resolved to a local directory
     data_stats: dict[str, float]
     tokenizer: Any
+    owner: Any = None  # the launch's hold on the run directory (owner.Ownership), prepare_job's
+
+
+def prepare_job(spec: RunSpec, *, held: contextlib.ExitStack, command: str
+                ) -> Optional[PreparedRun]:
+    """The job's once-only duties before any rank trains, wherever the launcher runs them:
+    own the run directory (until ``held`` closes), stop at a run that has nothing left to train
+    (None), then ``prepare``."""
+    owner = own_run_dir(spec, held, command)
+    if finished_run(spec):
+        return None
+    return dataclasses.replace(prepare(spec, command=command), owner=owner)
+
+
+def own_run_dir(spec: RunSpec, held: contextlib.ExitStack, command: str) -> Any:
+    """Hold the run directory until ``held`` closes; say so when a dead owner's is taken over."""
+    from .owner import own
+
+    owner = held.enter_context(own(spec.output_dir, command=command))
+    if owner.previous:
+        log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
+                    "(killed, or its host went down): taking it over%s", spec.output_dir,
+                    owner.previous.get("pid"), owner.previous.get("host"),
+                    "; resume=auto continues from its newest checkpoint"
+                    if spec.resume == "auto" else "")
+    return owner
+
+
+def finished_run(spec: RunSpec) -> bool:
+    """A single run launched again into its directory (resume=auto) whose last attempt finished
+    every step it is asked for now: nothing to start. A larger train.max_steps trains on."""
+    from .rundir import read_run_status
+
+    if spec.sweep_id is not None or spec.resume != "auto":
+        return False
+    status = read_run_status(spec.output_dir)
+    target = spec.train.stop_after or spec.train.max_steps
+    if status.get("status") != "finished" or int(status.get("step", 0)) < target:
+        return False
+    log.info("this run finished at step %d (train.max_steps=%d) in %s: nothing to train, "
+             "nothing launched. Raise train.max_steps to train on from its last checkpoint, or "
+             "give a new output_dir", status["step"], spec.train.max_steps, spec.output_dir)
+    return True
 
 
 def prepare(spec: RunSpec, *, command: str) -> PreparedRun:

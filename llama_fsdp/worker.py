@@ -34,7 +34,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from torch import nn
 from . import checkpoint as ckpt_io
 from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
-from .distributed import DistEnv, init_distributed, setup_logging
+from .distributed import DistEnv, process_group
 from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
 from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
@@ -316,17 +316,8 @@ def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResul
     return RankRun.build(spec, env, device).train()
 
 
-def run_worker(spec: RunSpec, *,
-               prepare: Optional[Callable[[RunSpec, DistEnv], RunSpec]] = None) -> RunResult:
-    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT.
-    ``prepare``: the job's once-only duties, run once the process group is up (collective), in
-    a job no launcher prepared for (cluster=torchrun: launchers/torchrun.py)."""
-    env = DistEnv.from_environ()
-    setup_logging(env.rank)
-    device = init_distributed(spec, env)
-    try:
-        if prepare is not None:
-            spec = prepare(spec, env)
+def run_worker(spec: RunSpec) -> RunResult:
+    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT. The
+    process group is this call's, or the launcher's when it opened one (cluster=torchrun)."""
+    with process_group(spec) as (env, device):
         return train_on_rank(spec, env, device)
-    finally:
-        dist.destroy_process_group()

@@ -43,11 +43,12 @@ def make_spec(overrides: list[str] | None = None, *, output_dir: str | Path = "/
 def launch_prepared(spec, *, command: str = "pytest"):
     """What `python -m llama_fsdp` does after planning: prepare in this process, then launch
     the real rank processes; returns the ranks' results."""
-    from llama_fsdp.launchers import launch
+    from llama_fsdp.launchers import launcher_for
     from llama_fsdp.prepare import prepare
 
     prepared = prepare(spec, command=command)
-    return launch(prepared.spec, "llama_fsdp.worker:run_worker", stream=False)
+    launcher = launcher_for(spec.cluster, "llama_fsdp.worker:run_worker")
+    return launcher.start(prepared.spec, stream=False)
 
 
 @pytest.fixture

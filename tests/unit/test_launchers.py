@@ -215,7 +215,10 @@ def test_a_machine_without_gpus_is_told_that_not_that_its_gpu_lacks_bf16(tmp_pat
 
 
 def test_slurm_without_sbatch_is_one_plain_line(monkeypatch, tmp_path):
-    from llama_fsdp.launchers import preflight
+    from llama_fsdp.launchers import launcher_for
+
+    def preflight(spec):
+        return launcher_for(spec.cluster).preflight(spec)
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM command anywhere
     spec = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path / "run")
@@ -229,13 +232,13 @@ def test_slurm_without_sbatch_is_one_plain_line(monkeypatch, tmp_path):
 def test_slurm_whose_controller_does_not_answer_is_refused(monkeypatch, tmp_path):
     """The commands are installed but no controller answers (a workstation with slurm-client):
     refused before any data work, with sinfo's own reason."""
-    from llama_fsdp.launchers import preflight
+    from llama_fsdp.launchers import launcher_for
 
     (tmp_path / "slurm.conf").write_text("ClusterName=nowhere\nSlurmctldHost=127.0.0.1\n"
                                          "SlurmctldPort=9\n")  # nothing listens on port 9
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
     spec = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path / "run")
-    (problem,) = preflight(spec)
+    (problem,) = launcher_for(spec.cluster).preflight(spec)
     assert problem.startswith("cluster=slurm but the SLURM controller does not answer here (")
     assert "use cluster=local" in problem
 
@@ -294,15 +297,16 @@ def test_the_sbatch_script_is_previewed_without_slurm(tmp_path, monkeypatch):
     (submitit's executor refuses to exist there)."""
     import shutil
 
-    from llama_fsdp.launchers.slurm import sbatch_preview
+    from llama_fsdp.launchers import launcher_for
 
     bare = tmp_path / "bin"
     bare.mkdir()
     monkeypatch.setenv("PATH", str(bare))
     assert shutil.which("srun") is None
-    script = sbatch_preview(make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.device=cpu",
-                                       "cluster.nproc_per_node=8", "cluster.max_restarts=1"],
-                                      output_dir=tmp_path / "run"))
+    spec = make_spec(["cluster=slurm", "cluster.nodes=4", "cluster.device=cpu",
+                      "cluster.nproc_per_node=8", "cluster.max_restarts=1"],
+                     output_dir=tmp_path / "run")
+    script = launcher_for(spec.cluster).preview(spec)
     assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
     assert "srun " in script and "(attempt $attempt of 1 restarts)" in script
 
