@@ -43,11 +43,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .attention_kernels import AUTO, SDPA, VARLEN
+
 log = logging.getLogger(__name__)
 
-VARLEN = "varlen"
-AUTO = "auto"
-FALLBACK = "sdpa"
+FALLBACK = SDPA  # where varlen cannot run
 SIXTEEN_BIT = ("bfloat16", "float16")
 
 

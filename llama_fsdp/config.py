@@ -13,6 +13,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .attention_kernels import AUTO as AUTO_KERNEL
+from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from .optimizers import OPTIMIZERS
+
 PRECISIONS = ("auto", "bf16", "mixed", "fp32")
 AC_MODES = ("none", "full", "selective")
 CLUSTERS = ("local", "slurm", "torchrun")
@@ -46,11 +50,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     # A Hugging Face directory or hub name to start from; its config.json must match the shape.
     path: Optional[str] = None
-    # Attention kernel: "auto" (varlen for packed rows on CPU and on CUDA in 16-bit, else
-    # sdpa), "varlen" (the records' bounds from the host, no dense mask: flash varlen_attn on
-    # CUDA, block-sparse SDPA on CPU; llama_fsdp/attention.py), or a name transformers knows
-    # ("sdpa", "eager", "flex_attention", "flash_attention_2"), passed to it unchanged.
-    attn_implementation: str = "auto"
+    # Attention kernel: a name of llama_fsdp/attention_kernels.py's table ("auto": varlen for
+    # packed rows on CPU and on CUDA in 16-bit, else sdpa), or a hub kernel.
+    attn_implementation: str = AUTO_KERNEL
     init_std: float = 0.02
 
 
@@ -349,11 +351,7 @@ class OptimConfig:
     in 8 or 4 bits with block-wise scales (torchao's low-bit AdamW). Its hyperparameters stay
     in train (lr, beta1, beta2, eps, weight_decay)."""
 
-    NAMES = ("adamw", "adamw8bit", "adamw4bit")  # valid values (a class attribute)
-    # torchao's default elements per scale of each low-bit optimizer (class attributes)
-    DEFAULT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
-
-    name: str = "adamw"
+    name: str = DEFAULT_OPTIMIZER  # a name of llama_fsdp/optimizers.py's table
     # Low-bit moments: elements per scale (null: torchao's default, 256 for 8-bit, 128 for 4-bit).
     block_size: Optional[int] = None
     # bf16 parameters updated by stochastic rounding (fp32 math, no extra memory).
@@ -364,12 +362,12 @@ class OptimConfig:
     @property
     def lowbit(self) -> bool:
         """Moments in 8 or 4 bits (torchao), not in the parameters' dtype."""
-        return self.name in OptimConfig.DEFAULT_BLOCK
+        return self.name in OPTIMIZERS and OPTIMIZERS[self.name].lowbit
 
     @property
     def block(self) -> int:
         """The low-bit block size in use (0 for adamw: no blocks)."""
-        return (self.block_size or OptimConfig.DEFAULT_BLOCK[self.name]) if self.lowbit else 0
+        return (self.block_size or OPTIMIZERS[self.name].default_block) if self.lowbit else 0
 
     def problems(self, *, param_dtype: str, cpu_offload: bool, full_state_dict: bool) -> list[str]:
         """What torchao's optimizers (or this project's use of them) cannot do with this run,
@@ -382,7 +380,7 @@ class OptimConfig:
                                               or self.block_size & (self.block_size - 1)):
             out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
                        "row of a Llama weight splits in whole blocks), e.g. the default "
-                       f"{OptimConfig.DEFAULT_BLOCK[self.name]}")
+                       f"{OPTIMIZERS[self.name].default_block}")
         if self.bf16_stochastic_round and param_dtype != "bfloat16":
             out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
                        f"{param_dtype} here: use precision=bf16, or drop it")

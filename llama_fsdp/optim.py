@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import OptimConfig, TrainConfig
+from .optimizers import OPTIMIZERS
 from .plan.optimizer import lowbit_everywhere, shard_numels
 
 # torchao logs import noise that llama_fsdp.quiet filters (installed by llama_fsdp/__init__.py)
@@ -97,6 +98,9 @@ class AdamW4bitFSDP(_EagerOption, _FSDPState, AdamW4bit):
     _state_cls = OptimState4bit
 
 
+LOWBIT_OPTIMIZERS = {8: AdamW8bitFSDP, 4: AdamW4bitFSDP}  # by optimizers.Optimizer.moment_bits
+
+
 class AdamWStochasticRound(_EagerOption, _AdamW):
     """AdamW in fp32 math whose bf16 parameters are written by stochastic rounding (its
     moments stay in the parameters' dtype, as torch's AdamW keeps them)."""
@@ -108,17 +112,15 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig,
     frozen base has no gradients and no optimizer state."""
     params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-    match o.name:
-        case "adamw" if o.bf16_stochastic_round:
-            return AdamWStochasticRound(params, eager=o.eager, bf16_stochastic_round=True, **hyper)
-        case "adamw":
-            return torch.optim.AdamW(params, foreach=True, **hyper)
-        case "adamw8bit" | "adamw4bit":
-            cls = AdamW8bitFSDP if o.name == "adamw8bit" else AdamW4bitFSDP
-            return cls(params, eager=o.eager, block_size=o.block,
-                       bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
-        case _:
-            raise ValueError(f"optim.name={o.name!r}: valid: {', '.join(OptimConfig.NAMES)}")
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={o.name!r}: valid: {', '.join(OPTIMIZERS)}")
+    if OPTIMIZERS[o.name].lowbit:
+        cls = LOWBIT_OPTIMIZERS[OPTIMIZERS[o.name].moment_bits]
+        return cls(params, eager=o.eager, block_size=o.block,
+                   bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
+    if o.bf16_stochastic_round:
+        return AdamWStochasticRound(params, eager=o.eager, bf16_stochastic_round=True, **hyper)
+    return torch.optim.AdamW(params, foreach=True, **hyper)
 
 
 def compile_cache_dir(cache_dir: str | Path, o: OptimConfig, rank: int) -> Path:

@@ -18,6 +18,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from . import devices, strategies, validate
+from .attention_kernels import AUTO as AUTO_KERNEL
+from .attention_kernels import SDPA, VARLEN
 from .config import (
     CheckpointingConfig,
     ClusterConfig,
@@ -33,6 +35,7 @@ from .config import (
     TrackingConfig,
     TrainConfig,
 )
+from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
 from .strategies import MeshSpec
 
@@ -220,13 +223,13 @@ def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packin
     rows: flash varlen_attn on CUDA (in 16-bit, where torch has it), block-sparse SDPA on CPU;
     SDPA otherwise (unpacked rows take its causal path)."""
     name = m.attn_implementation
-    if device == "cuda" and name in ("auto", "varlen"):
+    if device == "cuda" and name in (AUTO_KERNEL, VARLEN):
         from . import attention
 
         problems.extend(attention.problems(name, compute_dtype=compute_dtype))
         impl = attention.resolve_cuda(name, compute_dtype=compute_dtype, packing=packing)
-    elif name == "auto":
-        impl = "varlen" if packing and device == "cpu" else "sdpa"
+    elif name == AUTO_KERNEL:
+        impl = VARLEN if packing and device == "cpu" else SDPA
     else:
         impl = name
     return dataclasses.replace(m, attn_implementation=impl)
@@ -266,7 +269,7 @@ def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int
              f"b{cfg.train.batch_size}"]
     if cfg.checkpointing.mode != "none":
         parts.insert(3, f"ac={cfg.checkpointing.mode}")
-    if cfg.optim.name != "adamw":
+    if cfg.optim.name != DEFAULT_OPTIMIZER:
         parts.insert(3, cfg.optim.name)
     if cfg.finetune.method != "full":
         parts.insert(1, cfg.finetune.method)

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from . import devices, strategies
+from .attention_kernels import KERNELS
 from .config import (
     AC_MODES,
     CLUSTERS,
@@ -18,9 +19,9 @@ from .config import (
     Config,
     FinetuneConfig,
     ModelConfig,
-    OptimConfig,
     TrainConfig,
 )
+from .optimizers import OPTIMIZERS
 from .precision import resolve_precision
 from .strategies import AUTO, MeshSpec
 
@@ -33,7 +34,7 @@ def check_choices(cfg: Config, problems: list[str]) -> None:
         ("cluster.kind", cfg.cluster.kind, CLUSTERS),
         ("cluster.device", cfg.cluster.device, DEVICES),
         ("finetune.method", cfg.finetune.method, FinetuneConfig.METHODS),
-        ("optim.name", cfg.optim.name, OptimConfig.NAMES),
+        ("optim.name", cfg.optim.name, tuple(OPTIMIZERS)),
     ):
         if value not in choices:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -69,11 +70,6 @@ def check_positive(cfg: Config, problems: list[str]) -> None:
         problems.append("save.every_steps and eval.every_steps must be >= 0 (0 disables)")
 
 
-# model.attn_implementation: ours (auto, varlen: llama_fsdp/attention.py), then transformers'
-ATTENTION_KERNELS = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2",
-                     "flash_attention_3", "flash_attention_4")
-
-
 def check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                 "vocab_size"):
@@ -88,10 +84,10 @@ def check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
             f"{m.num_kv_heads} (grouped-query attention needs whole groups)"
         )
-    if m.attn_implementation not in ATTENTION_KERNELS and "/" not in m.attn_implementation:
+    if m.attn_implementation not in KERNELS and "/" not in m.attn_implementation:
         problems.append(
             f"model.attn_implementation={m.attn_implementation!r} is not one of "
-            f"{', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
+            f"{', '.join(KERNELS)} (or a hub kernel such as "
             "kernels-community/flash-attn)")
     if t.seq_len > m.max_position_embeddings:
         problems.append(

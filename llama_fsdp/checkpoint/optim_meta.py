@@ -20,7 +20,7 @@ def state_format(o: OptimConfig) -> str:
     """What the optimizer's state looks like: equal strings load into each other."""
     if o.lowbit:
         return f"{o.name}, block {o.block}"
-    return "adamw, torchao (bf16 stochastic rounding)" if o.bf16_stochastic_round else "adamw"
+    return f"{o.name}, torchao (bf16 stochastic rounding)" if o.bf16_stochastic_round else o.name
 
 
 def trained(ft: FinetuneConfig) -> str:
