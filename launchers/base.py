@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from ..prepare import prepare_job
+from ..result import mlflow_status
 from ..rundir import RunDir
 from ..tracking import close_run, deliver_pending, read_run_file
 from .submitit_compat import check_version
@@ -95,14 +96,15 @@ class Launcher:
         ``on_submitted(job_id, detached)``: told a SLURM job's id once submitted."""
         raise NotImplementedError
 
-    def close_tracking(self, output_dir: str, status: str, *, deadline_s: float) -> None:
-        """After the ranks are gone: deliver what rank 0 could not, and close with ``status``
-        (FAILED, KILLED; "" leaves the status rank 0 gave) a run the ranks could not close."""
+    def close_tracking(self, output_dir: str, status: Optional[str], *,
+                       deadline_s: float) -> None:
+        """After the ranks are gone: deliver what rank 0 could not, and close a run the ranks
+        could not close as ended with ``status`` (result.STATUSES; None: as rank 0 said)."""
         if not RunDir(output_dir).tracking.is_dir():
             return
         info = read_run_file(output_dir)
-        left = (close_run(output_dir, status, deadline_s=deadline_s) if status
-                else deliver_pending(output_dir, deadline_s=deadline_s))
+        left = (close_run(output_dir, mlflow_status(status), deadline_s=deadline_s)
+                if status else deliver_pending(output_dir, deadline_s=deadline_s))
         if left:
             log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
                         "deliver them with: python -m llama_fsdp.tracking %s", left,

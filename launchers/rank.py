@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..result import FAILED, PREEMPTED, mlflow_status
 from ..rundir import RunDir
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
 RUN_DIR_ENV = "LLAMA_FSDP_RUN_DIR"  # the run directory, for the local controller's reports
-PREEMPTED = "preempted"  # RunResult.status after a preemption checkpoint
 CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
 # Errors a rank raises because another rank went away first: reported after the cause.
 ECHO_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
@@ -221,7 +221,8 @@ def _close_mlflow_run(spec: RunSpec) -> None:
     try:
         from llama_fsdp.tracking import close_run
 
-        close_run(spec.output_dir, "FAILED", deadline_s=spec.tracking.final_delivery_s)
+        close_run(spec.output_dir, mlflow_status(FAILED),
+                  deadline_s=spec.tracking.final_delivery_s)
     except Exception as e:  # noqa: BLE001 - the rank's own failure is what matters
         print(f"could not mark the MLflow run failed: {e}", file=sys.stderr)
 

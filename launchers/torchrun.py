@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..prepare import check_data, prepare_job, resolve_model
+from ..result import FINISHED
 from ..spec import ConfigError
 from .base import Launcher
 from .common import load_entry, scoped_environ, worker_env
@@ -157,4 +158,4 @@ class TorchrunLauncher(Launcher):
     @staticmethod
     def _prepare_job(spec: RunSpec, held: contextlib.ExitStack, command: str) -> Optional[str]:
         """Global rank 0's part: why there is nothing to train, or None."""
-        return "finished" if prepare_job(spec, held=held, command=command) is None else None
+        return FINISHED if prepare_job(spec, held=held, command=command) is None else None

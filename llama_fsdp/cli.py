@@ -25,6 +25,7 @@ from .launchers import Launcher, launcher_for
 from .launchers.common import skip_final_collection
 from .multirun import failed, finished_point, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
+from .result import FAILED, FINISHED, USER_STOPPED
 from .spec import ConfigError, RunSpec, build_spec
 from .strategies import one_group_warning
 from .summary import summary_lines
@@ -122,8 +123,8 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         result = run_one(cfg, launcher, output_dir, held)
         launched = result is not None
         if launched and launcher.waits:
-            launcher.close_tracking(output_dir, status="", deadline_s=final_s)
-            if any(r is not None and r.status != "finished" for r in result):
+            launcher.close_tracking(output_dir, status=None, deadline_s=final_s)
+            if any(r is not None and r.status != FINISHED for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result
     except (ConfigError, PlanError, PrepareError, RunDirBusy) as e:
@@ -132,12 +133,12 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     except Interrupted as e:
         launched = True
         log.error("%s", e)
-        launcher.close_tracking(output_dir, status="KILLED", deadline_s=final_s)
+        launcher.close_tracking(output_dir, status=USER_STOPPED, deadline_s=final_s)
         sys.exit(e.exit_code)  # a stopped sweep stops whole
     except LaunchError as e:
         launched = True
         log.error("%s", e)
-        launcher.close_tracking(output_dir, status="FAILED", deadline_s=final_s)
+        launcher.close_tracking(output_dir, status=FAILED, deadline_s=final_s)
         return failed(1)
     finally:
         if not launched:

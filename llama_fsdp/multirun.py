@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from .launchers import launcher_for
 from .overrides import command_line, point_values, swept_overrides
+from .result import FINISHED
 from .spec import RunSpec
 
 log = logging.getLogger("llama_fsdp")
@@ -59,7 +60,7 @@ def finished_point(spec: RunSpec) -> bool:
     if spec.sweep_id is None:
         return False
     status = read_run_status(spec.output_dir)
-    done = (status.get("status") == "finished"
+    done = (status.get("status") == FINISHED
             and status.get("config_sha256") == config_digest(spec.config_yaml))
     if done:
         log.info("point %s finished in an earlier run of this sweep (%s): skipped",

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .result import FINISHED
 from .rundir import CONFIG_FILE, RunDir
 from .spec import RunSpec
 
@@ -71,7 +72,7 @@ def finished_run(spec: RunSpec) -> bool:
         return False
     status = read_run_status(spec.output_dir)
     target = spec.train.stop_after or spec.train.max_steps
-    if status.get("status") != "finished" or int(status.get("step", 0)) < target:
+    if status.get("status") != FINISHED or int(status.get("step", 0)) < target:
         return False
     log.info("this run finished at step %d (train.max_steps=%d) in %s: nothing to train, "
              "nothing launched. Raise train.max_steps to train on from its last checkpoint, or "

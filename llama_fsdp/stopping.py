@@ -15,13 +15,14 @@ import logging
 import signal
 from typing import Any, Callable
 
+from .result import PREEMPTED, USER_STOPPED
 from .train import StopRequested
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
 
 NONE, USER, PREEMPT = 0, 1, 2
-REASONS = {USER: "stopped by the user", PREEMPT: "preempted"}
+REASONS = {USER: USER_STOPPED, PREEMPT: PREEMPTED}  # the run's status when it stops
 
 
 class StopSignals:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .overrides import command_line
+from .result import FINISHED, SUMMARY
 from .spec import RunSpec
 
 
@@ -17,20 +18,20 @@ def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
                      + (f"   exact match {final['eval_exact_match']:.2f}"
                         if "eval_exact_match" in final else ""))
-    if "summary/tokens_per_sec" in s:
-        lines.append(f"tokens/s       {s['summary/tokens_per_sec']:.0f} global, "
-                     f"{s['summary/tokens_per_sec_per_device']:.0f} per device (median of the "
-                     "steady steps)" + (f", MFU {s['summary/mfu']:.1%}" if "summary/mfu" in s
+    if SUMMARY.tokens_per_sec in s:
+        lines.append(f"tokens/s       {s[SUMMARY.tokens_per_sec]:.0f} global, "
+                     f"{s[SUMMARY.tokens_per_sec_per_device]:.0f} per device (median of the "
+                     "steady steps)" + (f", MFU {s[SUMMARY.mfu]:.1%}" if SUMMARY.mfu in s
                                         else ""))
-    if "summary/peak_memory_gb" in s:
+    if SUMMARY.peak_memory_gb in s:
         what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
-        lines.append(f"peak memory    {s['summary/peak_memory_gb']:.2f} GB ({what}, max over "
-                     f"ranks; the plan's tensors {s['summary/predicted_peak_memory_gb']:.2f} GB)")
+        lines.append(f"peak memory    {s[SUMMARY.peak_memory_gb]:.2f} GB ({what}, max over "
+                     f"ranks; the plan's tensors {s[SUMMARY.predicted_peak_memory_gb]:.2f} GB)")
     lines.append(f"run dir        {spec.output_dir}")
-    if rank0.status != "finished" and rank0.checkpoints:
+    if rank0.status != FINISHED and rank0.checkpoints:
         lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
                      f"output_dir={spec.output_dir} resume=auto")
-    elif rank0.status != "finished":
+    elif rank0.status != FINISHED:
         lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
                      "continued from where it stopped. Set save.every_steps=N to make a stopped "
                      "run resumable")

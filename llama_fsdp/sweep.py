@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .result import FINISHED, SUMMARY, SUMMARY_PREFIX, mlflow_status
+
 log = logging.getLogger(__name__)
 
-SUMMARY_METRICS = ("summary/tokens_per_sec", "summary/peak_memory_gb", "summary/final_loss")
+SUMMARY_METRICS = (SUMMARY.tokens_per_sec, SUMMARY.peak_memory_gb, SUMMARY.final_loss)
 IGNORED_PARAMS = ("output_dir", "tracking.run_name")
 KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
 POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
@@ -142,7 +144,7 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
 
 
 def _header(col: str) -> str:
-    return col.removeprefix("summary/")
+    return col.removeprefix(SUMMARY_PREFIX)
 
 
 def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
@@ -200,15 +202,15 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
         (Path(tmp) / "sweep_summary.md").write_text(f"# {sweep_id}\n\n```\n{table}\n```\n")
         plot(keys, rows, Path(tmp) / "sweep_summary.png")
         client.log_artifacts(parent_id, tmp)
-    best = max((r for r in rows if r["summary/tokens_per_sec"]),
-               key=lambda r: r["summary/tokens_per_sec"], default=None)
+    best = max((r for r in rows if r[SUMMARY.tokens_per_sec]),
+               key=lambda r: r[SUMMARY.tokens_per_sec], default=None)
     now = int(time.time() * 1000)
     metrics = [Metric("points", float(len(rows)), now, 0)]
     if best is not None:
-        metrics.append(Metric("best/tokens_per_sec", best["summary/tokens_per_sec"], now, 0))
-    failed = sum(r["status"] != "FINISHED" for r in rows)
+        metrics.append(Metric("best/tokens_per_sec", best[SUMMARY.tokens_per_sec], now, 0))
+    failed = sum(r["status"] != mlflow_status(FINISHED) for r in rows)
     client.log_batch(parent_id, metrics=metrics, tags=[RunTag("failed_points", str(failed))])
-    client.set_terminated(parent_id, status="FINISHED")
+    client.set_terminated(parent_id, status=mlflow_status(FINISHED))
     return table
 
 

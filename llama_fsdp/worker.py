@@ -51,7 +51,7 @@ from .model import build_meta_model, decoder_layers, init_buffers, init_weights,
 from .optim import build_optimizer
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
-from .result import RunResult
+from .result import FAILED, FINISHED, SUMMARY, RunResult, mlflow_status
 from .rundir import RunDir, write_run_status
 from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
@@ -197,7 +197,7 @@ class RankRun:
         # The run's config is its params; what follows from it is in tags (strings) and step-0
         # metrics (numbers), so that the params that differ between runs are what was chosen.
         # The plan's prediction goes first: MLflow's compare page plots the first metric.
-        self.tracker.log_metrics({"summary/predicted_peak_memory_gb":
+        self.tracker.log_metrics({SUMMARY.predicted_peak_memory_gb:
                                   self.plan.predicted_peak_gb}, step=0)
         local = local_numel(self.model)
         trainable, total = param_counts(self.model)
@@ -232,7 +232,7 @@ class RankRun:
 
     def train(self) -> RunResult:
         stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
-        status, export_dir, final, summary = "FAILED", None, {}, {}
+        status, export_dir, final, summary = FAILED, None, {}, {}
         t = self.spec.train
         done_before = self.state.step >= (t.stop_after or t.max_steps)  # resumed a finished run
         try:
@@ -247,7 +247,7 @@ class RankRun:
                          self.state.step)
             else:
                 export_dir = self.export()
-            status = "finished"
+            status = FINISHED
         except StopRequested as e:
             status = e.reason
         finally:
@@ -255,7 +255,7 @@ class RankRun:
             self.checkpointer.close()
             self.console.close()
             self.tracker.log_metrics(summary, step=self.state.step)
-            self.tracker.finish({"finished": "FINISHED", "FAILED": "FAILED"}.get(status, "KILLED"))
+            self.tracker.finish(mlflow_status(status))
             if self.env.rank == 0:
                 write_run_status(self.spec.output_dir, status=status, step=self.state.step,
                                  config_yaml=self.spec.config_yaml)
@@ -297,15 +297,15 @@ class RankRun:
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""
         med = lambda key: steady_median(logged, key)  # noqa: E731
-        out = {"summary/tokens_per_sec": med("tokens_per_sec"),
-               "summary/tokens_per_sec_per_device": med("tokens_per_sec_per_device"),
-               "summary/step_time_s": med("step_time_s"),
-               "summary/mfu": med("mfu"),
-               "summary/peak_memory_gb": max((m["peak_memory_gb"] for m in logged), default=None),
-               "summary/predicted_peak_memory_gb": self.plan.predicted_peak_gb,
-               "summary/final_loss": final.get("loss"),
-               "summary/eval_loss": final.get("eval_loss"),
-               "summary/eval_exact_match": final.get("eval_exact_match")}
+        out = {SUMMARY.tokens_per_sec: med("tokens_per_sec"),
+               SUMMARY.tokens_per_sec_per_device: med("tokens_per_sec_per_device"),
+               SUMMARY.step_time_s: med("step_time_s"),
+               SUMMARY.mfu: med("mfu"),
+               SUMMARY.peak_memory_gb: max((m["peak_memory_gb"] for m in logged), default=None),
+               SUMMARY.predicted_peak_memory_gb: self.plan.predicted_peak_gb,
+               SUMMARY.final_loss: final.get("loss"),
+               SUMMARY.eval_loss: final.get("eval_loss"),
+               SUMMARY.eval_exact_match: final.get("eval_exact_match")}
         return {k: float(v) for k, v in out.items() if v is not None}
 
 

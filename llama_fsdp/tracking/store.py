@@ -7,16 +7,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..result import SUMMARY
+
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
 VIEW = "llama_fsdp"  # a saved runs-table view: open the runs page with ?viewStateShareKey=llama_fsdp
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
 VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
-                *(f"metrics.`summary/{m}`" for m in ("tokens_per_sec", "tokens_per_sec_per_device",
-                                                     "mfu", "peak_memory_gb",
-                                                     "predicted_peak_memory_gb", "final_loss",
-                                                     "eval_loss")),
+                *(f"metrics.`{m}`" for m in (SUMMARY.tokens_per_sec,
+                                             SUMMARY.tokens_per_sec_per_device, SUMMARY.mfu,
+                                             SUMMARY.peak_memory_gb,
+                                             SUMMARY.predicted_peak_memory_gb,
+                                             SUMMARY.final_loss, SUMMARY.eval_loss)),
                 *(f"params.`{p}`" for p in ("model.name", "finetune.method", "optim.name",
                                             "sharding.strategy", "precision.name",
                                             "train.batch_size")),
