@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..result import FAILED, PREEMPTED, mlflow_status
-from ..rundir import RunDir
+from ..rundir import RunDir, exchange_files, report_path
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -55,11 +55,6 @@ def rendezvous_port(job_id: str) -> int:
 
 def attempt_dir(output_dir: str | Path, job_id: str, requeue: int, attempt: int) -> Path:
     return RunDir(output_dir).attempt(job_id, requeue, attempt)
-
-
-def report_path(directory: Path, rank: int | str) -> Path:
-    """Where a failed rank's report is written (one per rank per attempt)."""
-    return Path(directory) / f"rank{rank}.json"
 
 
 def read_reports(directory: Path) -> list[dict[str, Any]]:
@@ -149,7 +144,7 @@ class Supervisor:
             spec = replace(spec, resume="auto", restart=self.attempt + self.requeue)
         where = attempt_dir(spec.output_dir, self.job_id, self.requeue, self.attempt)
         where.mkdir(parents=True, exist_ok=True)
-        files = {k: where / f"rank{self.rank}.{k}" for k in ("in", "out", "traceback")}
+        files = exchange_files(where, self.rank)
         for f in files.values():
             f.unlink(missing_ok=True)
         files["in"].write_bytes(pickle.dumps((entry, spec)))

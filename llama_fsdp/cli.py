@@ -26,6 +26,7 @@ from .launchers.common import skip_final_collection
 from .multirun import failed, finished_point, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
 from .result import FAILED, FINISHED, USER_STOPPED
+from .rundir import OWNER_LOCK
 from .spec import ConfigError, RunSpec, build_spec
 from .strategies import one_group_warning
 from .summary import summary_lines
@@ -89,10 +90,8 @@ def _remove_if_empty(output_dir: str) -> None:
     chain = [path, *path.parents]
     chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
              else chain[:2])
-    from .owner import LOCK
-
-    if [p.name for p in path.iterdir()] == [LOCK] if path.is_dir() else False:
-        (path / LOCK).unlink(missing_ok=True)  # a launch refused after it took the directory
+    if [p.name for p in path.iterdir()] == [OWNER_LOCK] if path.is_dir() else False:
+        (path / OWNER_LOCK).unlink(missing_ok=True)  # a launch refused after it took the directory
     for d in chain:
         try:
             d.rmdir()

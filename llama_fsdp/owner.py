@@ -23,9 +23,6 @@ from typing import Iterator, Optional
 
 from .rundir import RunDir, replace_text
 
-LOCK = "owner.lock"
-
-
 class RunDirBusy(RuntimeError):
     """Another live launch owns the run directory."""
 
@@ -85,7 +82,7 @@ def own(output_dir: str, *, command: str) -> Iterator[Ownership]:
     ``Ownership.previous`` is the record of a dead owner that was taken over ({} if none)."""
     o = Ownership(output_dir)
     o.dir.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(o.dir.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(o.dir.owner_lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -6,26 +6,44 @@ A run directory (``outputs/runs/<date>/<time>``, or ``output_dir=``) holds::
     config.yaml         the resolved config of the latest launch
     run_status.json     how the latest attempt ended, with its config's digest
     owner.json          the live launcher that owns the directory (host, pid, since)
+    owner.lock          the flock its owner holds (the kernel lets it go when the owner dies)
     checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight)
     export/             the consolidated HF directory (save.export_hf), or the PEFT adapter
                         (finetune=lora / qlora)
     export_merged/      the base with the adapters merged in (finetune.export_merged)
-    tracking/           rank 0's spool of MLflow events and its delivery state
-    launch/             per-attempt rank reports: <job>.<requeue>.<attempt>/rank<r>.json
+    tracking/           rank 0's MLflow events: spool.jsonl, how far they are delivered
+                        (shipped), run.json (the store and the MLflow run id), ship.lock
+    launch/             per attempt, <job>.<requeue>.<attempt>/: a failed rank's report
+                        rank<r>.json, and rank<r>.in / .out / .traceback, what its supervisor
+                        and worker exchange
     submitit/           submitit's job folders and the ranks' logs
     hang/               every thread's stack of a rank whose collective hung
+
+A sweep directory (``outputs/sweeps/<date>/<time>``) has a tracking/ of its own (the parent run).
+Below the launch directory, ``OUTPUT_ROOTS`` are where runs, sweeps, the default MLflow store and
+the caches go.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+# The launch directory's outputs/ (ignored by git)
+OUTPUTS = "outputs"
+RUNS = f"{OUTPUTS}/runs"  # run directories: <date>/<time>, or torchrun-<run id>
+SWEEPS = f"{OUTPUTS}/sweeps"  # sweep directories: <date>/<time>, one folder per point
+MLFLOW_DB = f"{OUTPUTS}/mlflow.db"  # the default MLflow store (tracking.uri)
+CACHE = f"{OUTPUTS}/cache"  # tokenizers, tokenized data, compiled optimizer steps (cache_dir)
+OUTPUT_ROOTS = {"runs": RUNS, "sweeps": SWEEPS, "mlflow": MLFLOW_DB, "cache": CACHE}
+
 CONFIG_FILE = "config.yaml"
 RUN_STATUS = "run_status.json"
 OWNER = "owner.json"
+OWNER_LOCK = "owner.lock"
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 EXPORT_MERGED = "export_merged"
 TRACKING = "tracking"
+SPOOL, SHIPPED, RUN_FILE, SHIP_LOCK = "spool.jsonl", "shipped", "run.json", "ship.lock"
 LAUNCH = "launch"
 SUBMITIT = "submitit"
 HANG = "hang"
@@ -55,6 +73,10 @@ class RunDir:
         return self.root / OWNER
 
     @property
+    def owner_lock(self) -> Path:
+        return self.root / OWNER_LOCK
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS
 
@@ -69,6 +91,22 @@ class RunDir:
     @property
     def tracking(self) -> Path:
         return self.root / TRACKING
+
+    @property
+    def spool(self) -> Path:
+        return self.tracking / SPOOL
+
+    @property
+    def shipped(self) -> Path:
+        return self.tracking / SHIPPED
+
+    @property
+    def run_file(self) -> Path:
+        return self.tracking / RUN_FILE
+
+    @property
+    def ship_lock(self) -> Path:
+        return self.tracking / SHIP_LOCK
 
     @property
     def launch(self) -> Path:
@@ -94,6 +132,18 @@ class RunDir:
     def attempt(self, job_id: str, requeue: int, attempt: int) -> Path:
         """One attempt's rank reports (a SLURM requeue, a restart after a failed rank)."""
         return self.launch / f"{job_id}.{requeue}.{attempt}"
+
+
+def report_path(directory: Path, rank: int | str) -> Path:
+    """Where a failed rank's report is written in an attempt's folder (one per rank per
+    attempt; rank "*" globs them)."""
+    return Path(directory) / f"rank{rank}.json"
+
+
+def exchange_files(directory: Path, rank: int) -> dict[str, Path]:
+    """What a rank's supervisor and its worker exchange in an attempt's folder: "in" (the
+    pickled entry point and spec), "out" (the pickled result), "traceback"."""
+    return {k: Path(directory) / f"rank{rank}.{k}" for k in ("in", "out", "traceback")}
 
 
 def replace_text(path: Path, text: str) -> None:

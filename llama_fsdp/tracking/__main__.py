@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from .delivery import deliver_pending
-from .spool import RUN_FILE, Spool, read_run_file, tracking_dir
+from ..rundir import RunDir
+from .spool import Spool, read_run_file
 
 log = logging.getLogger("llama_fsdp.tracking")
 
@@ -21,9 +22,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not (tracking_dir(args.run_dir) / RUN_FILE).is_file():
+    if not RunDir(args.run_dir).run_file.is_file():
         p.error(f"{args.run_dir} is not a run directory with tracking events (no "
-                f"{tracking_dir(args.run_dir) / RUN_FILE}): give a run's directory, as the "
+                f"{RunDir(args.run_dir).run_file}): give a run's directory, as the "
                 "launcher's warning or the run summary names it (outputs/runs/<date>/<time>)")
     spool = Spool(args.run_dir)
     before = spool.backlog()

@@ -1,6 +1,6 @@
 """The spool: append-only JSON lines of tracking events in the run directory
 (``<run>/tracking/spool.jsonl``), how far they have been delivered (``shipped``), and the run
-file (``run.json``: the store and, once created, the MLflow run id)."""
+file (``run.json``: the store and, once created, the MLflow run id); rundir.py names them."""
 from __future__ import annotations
 
 import contextlib
@@ -14,20 +14,16 @@ from typing import Any, Iterator
 from ..rundir import RunDir, replace_text
 from .events import Event, decode
 
-SPOOL, SHIPPED, RUN_FILE, LOCK = "spool.jsonl", "shipped", "run.json", "ship.lock"
-
-
-def tracking_dir(output_dir: str | Path) -> Path:
-    return RunDir(output_dir).tracking
-
 
 class Spool:
     """Append-only JSON lines in the run dir, and how far they have been delivered."""
 
     def __init__(self, output_dir: str | Path):
-        self.dir = tracking_dir(output_dir)
+        run_dir = RunDir(output_dir)
+        self.dir = run_dir.tracking
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path, self._offset_file = self.dir / SPOOL, self.dir / SHIPPED
+        self.path, self._offset_file, self._lock_file = (run_dir.spool, run_dir.shipped,
+                                                         run_dir.ship_lock)
         self._lock = threading.Lock()
 
     def append(self, event: Event) -> None:
@@ -75,7 +71,7 @@ class Spool:
     @contextlib.contextmanager
     def exclusive(self, wait: bool) -> Iterator[bool]:
         """Hold the shipping lock (one deliverer at a time); yields False if busy and not wait."""
-        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -88,7 +84,7 @@ class Spool:
 
 
 def read_run_file(output_dir: str | Path) -> dict[str, Any]:
-    path = tracking_dir(output_dir) / RUN_FILE
+    path = RunDir(output_dir).run_file
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -96,6 +92,6 @@ def read_run_file(output_dir: str | Path) -> dict[str, Any]:
 
 
 def write_run_file(output_dir: str | Path, info: dict[str, Any]) -> None:
-    path = tracking_dir(output_dir) / RUN_FILE
+    path = RunDir(output_dir).run_file
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_text(path, json.dumps(info))
