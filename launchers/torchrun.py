@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..prepare import check_data, prepare_job, resolve_model
 from ..result import FINISHED
+from ..rundir import RUNS
 from ..spec import ConfigError
 from .base import Launcher
 from .common import load_entry, scoped_environ, worker_env
@@ -117,7 +118,7 @@ class TorchrunLauncher(Launcher):
                                "it, has none) needs a run directory every process and restart "
                                "agrees on: give torchrun --rdzv-id=<name> "
                                "(outputs/runs/torchrun-<name>) or output_dir=<dir>"])
-        return str((Path.cwd() / "outputs" / "runs" / f"torchrun-{run_id}").resolve())
+        return str((Path.cwd() / RUNS / f"torchrun-{run_id}").resolve())
 
     def preflight(self, spec: RunSpec) -> list[str]:
         if spec.sweep_id is not None:

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from .attention_kernels import AUTO as AUTO_KERNEL
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
+from .rundir import MLFLOW_DB, OUTPUT_ROOTS
 
 PRECISIONS = ("auto", "bf16", "mixed", "fp32")
 AC_MODES = ("none", "full", "selective")
@@ -421,7 +422,7 @@ class SaveConfig:
 class TrackingConfig:
     enabled: bool = True
     # Relative sqlite paths resolve against the directory the command was launched from.
-    uri: str = "sqlite:///outputs/mlflow.db"
+    uri: str = f"sqlite:///{MLFLOW_DB}"
     experiment: str = "llama_fsdp"
     run_name: Optional[str] = None
     # An unreachable tracking server at launch: refuse the run (false), or train anyway and
@@ -455,15 +456,19 @@ class Config:
     force: bool = False
     # Where this run writes (checkpoints, logs, resolved config); Hydra's run dir by default.
     output_dir: str = "${hydra:runtime.output_dir}"
-    # Shared across runs: trained tokenizers, tokenized datasets. null: <launch dir>/outputs/cache.
+    # Shared across runs: trained tokenizers, tokenized datasets. null: <launch dir>/outputs/cache
+    # (rundir.CACHE).
     cache_dir: Optional[str] = None
 
 
 def register_configs() -> None:
     """Register the root schema. Every group is a typed field of it, so the group options
     (YAML, values only) and command-line overrides are checked against their dataclass when
-    merged: a misspelled key or a wrong type fails at compose time with the key's name."""
+    merged: a misspelled key or a wrong type fails at compose time with the key's name. The
+    ``outputs`` resolver names the roots of the outputs/ tree (rundir.OUTPUT_ROOTS)."""
     ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("outputs"):  # conf/config.yaml: ${outputs:runs}, rundir.py's
+        OmegaConf.register_new_resolver("outputs", lambda root: OUTPUT_ROOTS[root])
 
 
 def conf_dir() -> Path:

@@ -37,6 +37,7 @@ from .config import (
 )
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
+from .rundir import CACHE
 from .strategies import MeshSpec
 
 log = logging.getLogger(__name__)
@@ -351,7 +352,7 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         nodes=obj.cluster.nodes, nproc_per_node=nproc, world_size=world, mesh=mesh,
         policy=policy, global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
-        cache_dir=str((base / (obj.cache_dir or "outputs/cache")).resolve()),
+        cache_dir=str((base / (obj.cache_dir or CACHE)).resolve()),
         tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
         run_name=obj.tracking.run_name or point_name(sweep_point or {}) or _run_name(
             obj, strategy, precision.name, world, nproc, device),

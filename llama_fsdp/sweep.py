@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .config import TrackingConfig
 from .result import FINISHED, SUMMARY, SUMMARY_PREFIX, mlflow_status
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m llama_fsdp.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_id")
-    p.add_argument("--uri", default="sqlite:///outputs/mlflow.db")
-    p.add_argument("--experiment", default="llama_fsdp")
+    p.add_argument("--uri", default=TrackingConfig.uri)
+    p.add_argument("--experiment", default=TrackingConfig.experiment)
     args = p.parse_args(argv)
     from .spec import resolve_tracking_uri
 
