@@ -16,9 +16,10 @@ from omegaconf import MISSING, OmegaConf
 from .attention_kernels import AUTO as AUTO_KERNEL
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
+from .precision import PRECISION_POLICIES
 from .rundir import MLFLOW_DB, OUTPUT_ROOTS
 
-PRECISIONS = ("auto", "bf16", "mixed", "fp32")
+PRECISIONS = ("auto", *PRECISION_POLICIES)  # auto: resolved per device (precision.py)
 AC_MODES = ("none", "full", "selective")
 CLUSTERS = ("local", "slurm", "torchrun")
 DEVICES = ("auto", "cpu", "cuda")
