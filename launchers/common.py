@@ -140,9 +140,9 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
 def skip_final_collection() -> None:
     """Call last in a process that imported torch, transformers and mlflow: moves every object
     to the permanent generation, so the interpreter's collections at exit skip the ~500k
-    objects those imports leave (1.3-1.6 s of CPU per process on a 2-core VM: every rank,
-    and the launcher, paid it after the run had finished). atexit handlers, buffered files and
-    module teardown still run; only cyclic garbage left at exit goes to the OS uncollected."""
+    objects those imports leave, which every rank and the launcher paid after the run had
+    finished (benchmarks/cpu_runtime.md). atexit handlers, buffered files and module teardown
+    still run; only cyclic garbage left at exit goes to the OS uncollected."""
     gc.freeze()
 
 

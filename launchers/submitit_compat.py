@@ -11,7 +11,7 @@ The launchers need four things submitit does not offer publicly:
   now, not from submitit's cache (``local_controller``, ``slurm_job_done``);
 - the sbatch script a run submits, with the srun line in a restart loop
   (``RestartingSlurmExecutor``), and that script without a SLURM installation, for a dry run on
-  a laptop (``sbatch_preview``).
+  a laptop (``sbatch_text``, which SlurmLauncher.preview calls).
 
 ``check_version`` says when the installed submitit is not one of ``TESTED``.
 """

@@ -401,7 +401,7 @@ class OptimConfig:
 
 @dataclass
 class SaveConfig:
-    """Weight checkpoints (llama_fsdp/checkpoint.py); resume is the root ``resume`` key."""
+    """Weight checkpoints (llama_fsdp/checkpoint/); resume is the root ``resume`` key."""
 
     # A sharded DCP checkpoint in <output_dir>/checkpoints/step_N every N steps and at the end
     # of training; 0: none (resume=auto then finds nothing to resume from).

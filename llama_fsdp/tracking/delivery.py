@@ -202,9 +202,6 @@ class Shipper(threading.Thread):
                                     self.spool.path)
                     delay = min(self.interval_s * 2 ** self.failures, 30.0)
 
-    def nudge(self) -> None:
-        self._wake.set()
-
     def stop(self, timeout_s: float) -> bool:
         """Deliver what is left within timeout_s; True if the spool is empty."""
         end = time.monotonic() + timeout_s

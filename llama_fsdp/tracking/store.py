@@ -54,9 +54,9 @@ def _template_dir() -> Path:
 def _new_sqlite_store(db: Path) -> None:
     """A new sqlite store as a copy of an empty one this MLflow version made, with its default
     experiment's artifact location set as MLflow would have set it here. MLflow builds a fresh
-    store by running its ~90 schema migrations (2-3 s of CPU, every time); the empty store is
-    built that way once per MLflow version and machine (in ~/.cache/llama_fsdp) and copied
-    after. Anything unexpected (no writable cache, another layout) leaves the store to MLflow."""
+    store by running its ~90 schema migrations, every time (benchmarks/cpu_runtime.md); the empty
+    store is built that way once per MLflow version and machine (in ~/.cache/llama_fsdp) and
+    copied after. Anything unexpected (no writable cache, another layout) leaves the store to MLflow."""
     import shutil
     import sqlite3
 
