@@ -20,11 +20,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from .compat import check_versions
 from .config import register_configs
-from .launchers import Launcher, launcher_for
+from .launchers import Interrupted, LaunchError, Launcher, launcher_for
 from .launchers.common import skip_final_collection
 from .multirun import failed, finished_point, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
+from .owner import RunDirBusy
+from .plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
+from .prepare import PrepareError
 from .result import FAILED, FINISHED, USER_STOPPED
 from .rundir import OWNER_LOCK
 from .spec import ConfigError, RunSpec, build_spec
@@ -41,8 +45,6 @@ WORKER = "llama_fsdp.worker:run_worker"  # every rank's entry point, by name (no
 
 def plan_run(cfg: DictConfig, run_dir: str) -> tuple[RunSpec, Any]:
     """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
-    from .plan import make_plan, resolve_auto
-
     spec = resolve_auto(build_spec(cfg, output_dir=run_dir, launch_dir=Path.cwd(),
                                    **sweep_kwargs()))
     for key, value in spec.summary().items():
@@ -59,8 +61,6 @@ def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
     """The whole path for one composed config (one point of a sweep): spec -> plan -> the
     launcher's launch (preparation, then the ranks) -> summary. ``held`` keeps the run directory
     owned until the caller is done with the run."""
-    from .plan import check_fits, fixes_text
-
     spec, plan = plan_run(cfg, run_dir)
     if spec.dry_run:
         if not plan.fits:
@@ -106,11 +106,6 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
-    from .launchers import Interrupted, LaunchError
-    from .owner import RunDirBusy
-    from .plan import PlanError
-    from .prepare import PrepareError
-
     launcher = launcher_for(cfg.cluster, WORKER)  # the one place the launch mode is chosen
     if not launcher.speaks:
         logging.getLogger().setLevel(logging.WARNING)  # another process speaks for the job
@@ -148,8 +143,6 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
 
 
 def main() -> None:
-    from .compat import check_versions
-
     check_versions()
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     problems = override_key_problems(sys.argv[1:])
