@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -66,9 +68,6 @@ def cached_entry_ok(path: Path, *, digests: bool, damaged: Optional[str] = None)
     if problem is None:
         return True
     if damaged is not None:
-        import logging
-        import shutil
-
         logging.getLogger("llama_fsdp.cache").warning(damaged.format(problem=problem))
         shutil.rmtree(path, ignore_errors=True)
     return False

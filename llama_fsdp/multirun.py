@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -19,7 +20,9 @@ from omegaconf import DictConfig
 from .launchers import launcher_for
 from .overrides import command_line, point_values, swept_overrides
 from .result import FINISHED
-from .spec import RunSpec
+from .rundir import config_digest, read_run_status
+from .spec import RunSpec, point_name, resolve_tracking_uri
+from .sweep import parent_run, start_parent, summarize, sweep_id_for, swept_keys_of
 
 log = logging.getLogger("llama_fsdp")
 
@@ -34,15 +37,11 @@ class PointFailed:
 
     @property
     def name(self) -> str:
-        from .spec import point_name
-
         return point_name(self.values)
 
 
 def sweep_kwargs() -> dict[str, Any]:
     """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
-    from .sweep import swept_keys_of, sweep_id_for
-
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return {}
@@ -55,8 +54,6 @@ def finished_point(spec: RunSpec) -> bool:
     """A sweep started again in its directory (to resume its failed points) skips a point
     whose run finished with this same config: it would train again from step 0 when it saved
     no checkpoint, or start only to find nothing to train."""
-    from .rundir import config_digest, read_run_status
-
     if spec.sweep_id is None:
         return False
     status = read_run_status(spec.output_dir)
@@ -86,9 +83,6 @@ class SweepCallback(Callback):
         self.failed: list[PointFailed] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .spec import resolve_tracking_uri
-        from .sweep import start_parent
-
         if not config.tracking.enabled:
             return
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
@@ -97,16 +91,11 @@ class SweepCallback(Callback):
                      swept=swept_overrides(list(config.hydra.overrides.task)))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.utils import JobStatus
-
         outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
         if isinstance(outcome, PointFailed):
             self.failed.append(outcome)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from .spec import resolve_tracking_uri
-        from .sweep import parent_run, summarize, sweep_id_for
-
         sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
         sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())

@@ -13,15 +13,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import socket
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
+from .checkpoint.layout import resume_candidates
+from .hf_dir import resolve_hf_dir
+from .owner import own
 from .result import FINISHED
-from .rundir import CONFIG_FILE, RunDir
+from .rundir import CONFIG_FILE, RunDir, read_run_status
 from .spec import RunSpec
+from .sweep import parent_run, point_tags
+from .tracking import (
+    FAST_FAIL_ENV,
+    START_DELIVERY_S,
+    Spool,
+    deliver_pending,
+    events,
+    flatten,
+    open_client,
+    read_run_file,
+    write_run_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +70,6 @@ def prepare_job(spec: RunSpec, *, held: contextlib.ExitStack, command: str
 
 def own_run_dir(spec: RunSpec, held: contextlib.ExitStack, command: str) -> Any:
     """Hold the run directory until ``held`` closes; say so when a dead owner's is taken over."""
-    from .owner import own
-
     owner = held.enter_context(own(spec.output_dir, command=command))
     if owner.previous:
         log.warning("the launch that held %s before (pid %s on %s) ended without letting it go "
@@ -66,8 +83,6 @@ def own_run_dir(spec: RunSpec, held: contextlib.ExitStack, command: str) -> Any:
 def finished_run(spec: RunSpec) -> bool:
     """A single run launched again into its directory (resume=auto) whose last attempt finished
     every step it is asked for now: nothing to start. A larger train.max_steps trains on."""
-    from .rundir import read_run_status
-
     if spec.sweep_id is not None or spec.resume != "auto":
         return False
     status = read_run_status(spec.output_dir)
@@ -109,10 +124,6 @@ def check_tracking(spec: RunSpec) -> bool:
 
 def probe_store(uri: str) -> Optional[str]:
     """None if the store answers a search within ~10 s, else the reason."""
-    import os
-
-    from .tracking import FAST_FAIL_ENV, open_client
-
     os.environ.update(FAST_FAIL_ENV)
     try:
         open_client(uri).search_experiments(max_results=1)
@@ -124,8 +135,6 @@ def probe_store(uri: str) -> Optional[str]:
 
 def resolve_model(spec: RunSpec) -> RunSpec:
     """model.path as a local directory: a hub name is downloaded here, once."""
-    from .hf_dir import resolve_hf_dir
-
     path = spec.model.path
     if not path or Path(path).expanduser().is_dir():
         return spec
@@ -161,8 +170,6 @@ def check_data(spec: RunSpec) -> Any:
 
 def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
     """The run's tags: where and what it ran; a sweep point names its parent run."""
-    from .sweep import parent_run, point_tags
-
     tags = {"git_commit": spec.git_commit, "output_dir": spec.output_dir,
             "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
             "strategy": spec.strategy, "precision": spec.precision.name,
@@ -180,8 +187,6 @@ def dataset_inputs(spec: RunSpec, data: Any) -> list[dict[str, Any]]:
     """The train and eval splits as MLflow dataset inputs: name, digest (the tokenized cache's
     key: source files, options and tokenizer), source, columns and size, so runs on different
     data differ visibly in the runs table."""
-    import json
-
     cfg, info, stats = spec.data, data.info, data.stats
     match cfg.name:
         case "synthetic":
@@ -214,13 +219,6 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
               datasets: Optional[list[dict[str, Any]]] = None) -> None:
     """Create the MLflow run (or continue the one of this run dir) through the spool, with its
     data as dataset inputs, and deliver it now if the store answers (``deliver``)."""
-    from omegaconf import OmegaConf
-
-    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, events, flatten,
-                           read_run_file, write_run_file)
-
-    from .checkpoint.layout import resume_candidates
-
     spool = Spool(spec.output_dir)
     info = read_run_file(spec.output_dir)
     continuing = bool(info.get("run_id")) and info.get("tracking_uri") == spec.tracking_uri

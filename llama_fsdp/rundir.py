@@ -25,6 +25,8 @@ the caches go.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 # The launch directory's outputs/ (ignored by git)
@@ -155,16 +157,12 @@ def replace_text(path: Path, text: str) -> None:
 
 def config_digest(config_yaml: str) -> str:
     """The identity of a resolved config (run_status.json records the one that finished)."""
-    import hashlib
-
     return hashlib.sha256(config_yaml.encode()).hexdigest()
 
 
 def write_run_status(output_dir: str | Path, *, status: str, step: int, config_yaml: str) -> None:
     """How this attempt ended, and with which resolved config (config.yaml is rewritten by
     every attempt, also by one that dies before it trains)."""
-    import json
-
     replace_text(RunDir(output_dir).status,
                  json.dumps({"status": status, "step": step,
                              "config_sha256": config_digest(config_yaml)}))
@@ -172,8 +170,6 @@ def write_run_status(output_dir: str | Path, *, status: str, step: int, config_y
 
 def read_run_status(output_dir: str | Path) -> dict:
     """run_status.json as a dict ({} when there is none or it cannot be read)."""
-    import json
-
     try:
         return json.loads(RunDir(output_dir).status.read_text())
     except (OSError, ValueError):

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import devices, strategies, validate
 from .attention_kernels import AUTO as AUTO_KERNEL
 from .attention_kernels import SDPA, VARLEN
+from .checkpoint.checks import checkpoint_problems
 from .config import (
     CheckpointingConfig,
     ClusterConfig,
@@ -238,21 +239,20 @@ def resolve_attention(m: ModelConfig, *, device: str, compute_dtype: str, packin
 
 def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
     """The accelerator table key of this run's GPUs (None on CPU or for an unknown GPU)."""
-    from .devices import BY_KEY, DEFAULT_GPU, by_device_name, local_gpu
-
     c = cfg.cluster
     if device != "cuda":
         return None
     if c.gpu_type is not None:
-        if c.gpu_type not in BY_KEY:
-            problems.append(f"cluster.gpu_type={c.gpu_type!r} is not one of {', '.join(BY_KEY)}: "
-                            "pick one, or set cluster.peak_tflops and cluster.device_memory_gb")
+        if c.gpu_type not in devices.BY_KEY:
+            problems.append(f"cluster.gpu_type={c.gpu_type!r} is not one of "
+                            f"{', '.join(devices.BY_KEY)}: pick one, or set cluster.peak_tflops "
+                            "and cluster.device_memory_gb")
             return None
         return c.gpu_type
-    if c.kind in ("local", "torchrun") and (gpu := local_gpu()) is not None:
-        acc = by_device_name(gpu[0])
+    if c.kind in ("local", "torchrun") and (gpu := devices.local_gpu()) is not None:
+        acc = devices.by_device_name(gpu[0])
         return acc.key if acc else None
-    return DEFAULT_GPU
+    return devices.DEFAULT_GPU
 
 
 def point_name(values: dict[str, str]) -> str:
@@ -295,8 +295,6 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     validate.check_choices(obj, problems)
     validate.check_positive(obj, problems)
     validate.check_model(obj.model, obj.train, problems)
-    from .checkpoint.checks import checkpoint_problems  # model.path vs config.json, resume, saves
-
     base = launch_dir or Path.cwd()
     out = Path(output_dir or obj.output_dir)
     out = out if out.is_absolute() else (base / out)

@@ -7,6 +7,7 @@ from typing import Any
 from .overrides import command_line
 from .result import FINISHED, SUMMARY
 from .spec import RunSpec
+from .tracking import read_run_file, runs_page
 
 
 def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
@@ -36,8 +37,6 @@ def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      "continued from where it stopped. Set save.every_steps=N to make a stopped "
                      "run resumable")
     if rank0.mlflow_run_id:
-        from .tracking import read_run_file, runs_page
-
         lines.append(f"mlflow run     {rank0.mlflow_run_id} in experiment "
                      f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
         page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"))

@@ -22,6 +22,16 @@ from typing import Any, Optional
 
 from .config import TrackingConfig
 from .result import FINISHED, SUMMARY, SUMMARY_PREFIX, mlflow_status
+from .spec import resolve_tracking_uri
+from .tracking import (
+    START_DELIVERY_S,
+    Spool,
+    deliver_pending,
+    events,
+    open_client,
+    read_run_file,
+    write_run_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +49,11 @@ def sweep_id_for(sweep_dir: str) -> str:
 
 def swept_keys_of(sweep_dir: str) -> Optional[list[str]]:
     """The keys the sweep in ``sweep_dir`` varies (recorded when it started)."""
-    from .tracking import read_run_file
-
     return read_run_file(sweep_dir).get("swept")
 
 
 def parent_run(sweep_dir: str) -> Optional[str]:
     """The parent run id of the sweep in ``sweep_dir`` (None if none was made)."""
-    from .tracking import read_run_file
-
     return read_run_file(sweep_dir).get("run_id")
 
 
@@ -55,9 +61,6 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
                  swept: dict[str, str]) -> None:
     """Create the sweep's parent run (or keep the one of this sweep dir); ``swept``: the swept
     keys and their values as typed ({"train.batch_size": "1,2,4"})."""
-    from .tracking import (START_DELIVERY_S, Spool, deliver_pending, events, read_run_file,
-                           write_run_file)
-
     if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
         Spool(sweep_dir).append(events.Running())  # the same parent, running again
         deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
@@ -186,8 +189,6 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
     FINISHED (its tag failed_points counts the points that did not finish)."""
     from mlflow.entities import Metric, RunTag
 
-    from .tracking import open_client
-
     client = open_client(tracking_uri)
     parent_id = parent_id or _find_parent(client, experiment, sweep_id)
     if parent_id is None:
@@ -222,8 +223,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--uri", default=TrackingConfig.uri)
     p.add_argument("--experiment", default=TrackingConfig.experiment)
     args = p.parse_args(argv)
-    from .spec import resolve_tracking_uri
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     table = summarize(args.sweep_id, tracking_uri=resolve_tracking_uri(args.uri, Path.cwd()),
                       experiment=args.experiment)

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import typing
 from typing import Any
 
 from omegaconf import DictConfig
@@ -21,6 +23,7 @@ from .config import (
     ModelConfig,
     TrainConfig,
 )
+from .nf4 import target_problems
 from .optimizers import OPTIMIZERS
 from .precision import resolve_precision
 from .strategies import AUTO, MeshSpec
@@ -115,8 +118,6 @@ def unknown_keys(cfg: DictConfig, schema: type = Config, prefix: str = "") -> li
 def not_a_key(name: str, prefix: str, fields: set[str]) -> str:
     """``name`` (under ``prefix``, "train." or "") is no field of its schema: the valid ones, and
     the closest."""
-    import difflib
-
     close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(fields), n=1)
     hint = f"; did you mean {prefix}{close[0]}?" if close else ""
     return (f"{name} is not a config key (valid under {prefix.rstrip('.') or 'the root'}: "
@@ -125,8 +126,6 @@ def not_a_key(name: str, prefix: str, fields: set[str]) -> str:
 
 def field_type(schema: type, name: str) -> Any:
     """A dataclass field's type, Optional[X] as X."""
-    import typing
-
     kind = typing.get_type_hints(schema)[name]
     return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
 
@@ -203,8 +202,6 @@ def check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
             "finetune.export_merged=true instead")
     if not ft.nf4:
         return
-    from .nf4 import target_problems
-
     m = cfg.model
     shapes_known = min(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size) >= 1
     # (auto picks among the strategies whose shard group the NF4 shapes fit: plan.resolve_auto)

@@ -30,6 +30,7 @@ cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never t
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import socket
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
 from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
-from .optim import build_optimizer
+from .optim import build_optimizer, compile_cache_dir, use_compile_cache
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
+from .plan.optimizer import uses_torchao_step
 from .result import FAILED, FINISHED, SUMMARY, RunResult, mlflow_status
 from .rundir import RunDir, write_run_status
 from .spec import RunSpec
@@ -104,12 +106,8 @@ def compile_cache(spec: RunSpec, rank: int) -> None:
     """A compiled optimizer step (torchao's) gets an inductor cache of its own per optimizer,
     block size and rank, under cache_dir, so a later run's first step loads it instead of
     compiling again (llama_fsdp/optim.py says why it is not shared). AdamW changes nothing."""
-    from .plan.optimizer import uses_torchao_step
-
     if spec.optim.eager or not uses_torchao_step(spec.optim, spec.policy.param_dtype):
         return
-    from .optim import compile_cache_dir, use_compile_cache
-
     path = compile_cache_dir(spec.cache_dir, spec.optim, rank)
     use_compile_cache(path)
     if rank == 0:
@@ -119,8 +117,6 @@ def compile_cache(spec: RunSpec, rank: int) -> None:
 
 def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
     """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
-    import importlib
-
     hooks = []
     for path in spec.train.callbacks:
         module, _, attr = path.partition(":")
