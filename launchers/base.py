@@ -29,19 +29,19 @@ under cluster=torchrun, whose ranks run the entry point in their own process.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional
 
 from ..prepare import prepare_job
 from ..result import mlflow_status
 from ..rundir import RunDir
-from ..tracking import close_run, deliver_pending, read_run_file
+from ..tracking import close_run, deliver_pending, read_run_file, shipping
 from .submitit_compat import check_version
 
 if TYPE_CHECKING:
-    import contextlib
-
     from ..spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,16 @@ class Launcher:
         launcher waits. ``stream``: copy rank 0's log to this terminal while the job runs.
         ``on_submitted(job_id, detached)``: told a SLURM job's id once submitted."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def shipping(self, spec: RunSpec) -> Iterator[RunSpec]:
+        """The spec the ranks get while the block runs; with ``ships_tracking``, rank 0's spool
+        is delivered from here meanwhile and rank 0 only appends to it."""
+        if not (self.ships_tracking and spec.tracking.enabled):
+            yield spec
+            return
+        with shipping(spec.output_dir, spec.tracking_uri, final_s=spec.tracking.final_delivery_s):
+            yield dataclasses.replace(spec, launcher_ships=True)
 
     def close_tracking(self, output_dir: str, status: Optional[str], *,
                        deadline_s: float) -> None:

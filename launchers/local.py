@@ -64,7 +64,10 @@ def _executor(spec: RunSpec) -> Any:
 
 class LocalLauncher(Launcher):
     """cluster=local: submitit's local executor starts the controller, which starts one rank
-    supervisor per rank on this host; this process waits for them."""
+    supervisor per rank on this host; this process waits for them, and delivers rank 0's
+    tracking spool meanwhile."""
+
+    ships_tracking = True
 
     def preview(self, spec: RunSpec) -> str:
         return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, "
@@ -81,11 +84,11 @@ class LocalLauncher(Launcher):
         restarts = spec.cluster.max_restarts
         # the controller passes its environment to the ranks; this process's is restored after
         env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir}
-        with scoped_environ({**env, ATTEMPT_ENV: "0"}), \
+        with scoped_environ({**env, ATTEMPT_ENV: "0"}), self.shipping(spec) as ranks_spec, \
                 SignalGuard(saving=spec.save.every_steps > 0) as guard:
             for attempt in range(restarts + 1):
                 os.environ[ATTEMPT_ENV] = str(attempt)
-                job = executor.submit(rank_entry(spec, self.entry, master_addr="127.0.0.1",
+                job = executor.submit(rank_entry(ranks_spec, self.entry, master_addr="127.0.0.1",
                                                  master_port=free_port()))
                 guard.job = job
                 log.info("started %d local rank(s) (job %s%s); logs in %s", spec.nproc_per_node,

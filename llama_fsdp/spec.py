@@ -92,6 +92,7 @@ class RunSpec:
     sweep_dir: Optional[str] = None  # a sweep point: its sweep's directory (the parent run)
     sweep_point: dict[str, str] = field(default_factory=dict)  # its values of the swept keys
     restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
+    launcher_ships: bool = False  # set by a launcher that delivers rank 0's spool while it waits
 
     @property
     def dp_size(self) -> int:

@@ -18,7 +18,7 @@ with the same methods doing nothing, so training code never asks which rank it i
 """
 from . import events
 from .console import Console, NullConsole
-from .delivery import START_DELIVERY_S, Delivery, Shipper, close_run, deliver_pending
+from .delivery import START_DELIVERY_S, Delivery, Shipper, close_run, deliver_pending, shipping
 from .spool import Spool, read_run_file, write_run_file
 from .store import FAST_FAIL_ENV, flatten, open_client, runs_page
 from .tracker import NullTracker, Tracker, open_tracker
@@ -26,4 +26,4 @@ from .tracker import NullTracker, Tracker, open_tracker
 __all__ = ["Console", "Delivery", "FAST_FAIL_ENV", "NullConsole", "NullTracker",
            "START_DELIVERY_S", "Shipper", "Spool", "Tracker", "close_run", "deliver_pending",
            "events", "flatten", "open_client", "open_tracker", "read_run_file", "runs_page",
-           "write_run_file"]
+           "shipping", "write_run_file"]

@@ -1,17 +1,19 @@
 """Delivering the spool to MLflow: in order, at least once, in batches; a transient failure
 leaves the rest in the spool, a permanent one (the store refuses that event for good) skips it.
 
-``Shipper`` is rank 0's background thread; ``deliver_pending`` is what the launcher (after the
-ranks end), the driver (a new run's first events) and ``python -m llama_fsdp.tracking`` call.
+``Shipper`` is the background thread of rank 0, or of a launcher that ships while it waits
+(``shipping``); ``deliver_pending`` is what the launcher (after the ranks end), the driver (a new
+run's first events) and ``python -m llama_fsdp.tracking`` call.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from . import events as ev
 from .spool import Spool, read_run_file, write_run_file
@@ -212,3 +214,16 @@ class Shipper(threading.Thread):
         self._wake.set()
         self.join(timeout=max(0.0, end - time.monotonic()) + 1.0)
         return self.spool.backlog() == 0
+
+
+@contextlib.contextmanager
+def shipping(output_dir: str | Path, uri: str, *, final_s: float) -> Iterator[Shipper]:
+    """The spool delivered by a ``Shipper`` of this process while the block runs; at its end, up
+    to ``final_s`` for what is left (none while the store is failing: the caller's last
+    delivery has its own deadline)."""
+    shipper = Shipper(Spool(output_dir), uri)
+    shipper.start()
+    try:
+        yield shipper
+    finally:
+        shipper.stop(final_s if shipper.failures == 0 else 0.0)

@@ -69,7 +69,9 @@ class Tracker:
     """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
 
     def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0,
-                 system_metrics_s: Optional[float] = None):
+                 system_metrics_s: Optional[float] = None, ship: bool = True):
+        """``ship=False``: only append; the launcher delivers the spool while it waits (it
+        then never loads MLflow here, unless for system metrics)."""
         self.output_dir, self.uri = output_dir, uri
         self.spool = Spool(output_dir)
         self.flush_timeout_s = flush_timeout_s
@@ -79,8 +81,9 @@ class Tracker:
         # initialized module 'mlflow.tracking'"). System metrics that cannot start are a
         # warning, never a stopped run.
         self.sampler = _system_sampler(self, system_metrics_s) if system_metrics_s else None
-        self.shipper = Shipper(self.spool, uri)
-        self.shipper.start()
+        self.shipper = Shipper(self.spool, uri) if ship else None
+        if self.shipper is not None:
+            self.shipper.start()
         if self.sampler is not None:
             self.sampler.start()
 
@@ -121,6 +124,8 @@ class Tracker:
         if self.sampler is not None:
             self.sampler.stop()
         self.spool.append(ev.Status(status))
+        if self.shipper is None:
+            return
         # a store that is not answering gets a short last chance, not the whole timeout
         timeout = self.flush_timeout_s if self.shipper.failures == 0 else 5.0
         if not self.shipper.stop(timeout):
@@ -150,5 +155,5 @@ def open_tracker(spec: Any) -> Any:
     if not spec.tracking.enabled:
         return NullTracker()
     t = spec.tracking
-    return Tracker(spec.output_dir, spec.tracking_uri,
+    return Tracker(spec.output_dir, spec.tracking_uri, ship=not spec.launcher_ships,
                    system_metrics_s=t.system_metrics_interval_s if t.system_metrics else None)
