@@ -23,92 +23,29 @@ The worker's interface:
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
-from pathlib import Path
-from typing import Optional
+import importlib
+from typing import Any
 
-from ..config import DataConfig
-from .cache import Tokenized, as_config, build_tokenizer, resolve_tokenizer, tokenize_splits
-from .packing import IGNORE_INDEX, Packed, TokenStore, pack
-from .report import DataInfo, data_notes, describe_source, tokenizer_override_note
-from .module import DataModule
-from .synthetic import SYNTHETIC_TASKS, synthetic_corpus, synthetic_records
-from .tokenizer import token_id_bound, vocab_problem
+# The package's names are imported on first use (PEP 562): the driver's check of data the cache
+# already holds (warm.py) loads neither transformers nor datasets.
+_WHERE = {
+    "build_data": "build",
+    "Tokenized": "cache", "as_config": "cache", "build_tokenizer": "cache",
+    "resolve_tokenizer": "cache", "tokenize_splits": "cache",
+    "IGNORE_INDEX": "packing", "Packed": "packing", "TokenStore": "packing", "pack": "packing",
+    "DataInfo": "report", "data_notes": "report", "describe_source": "report",
+    "tokenizer_override_note": "report",
+    "DataModule": "module",
+    "SYNTHETIC_TASKS": "synthetic", "synthetic_corpus": "synthetic",
+    "synthetic_records": "synthetic",
+    "token_id_bound": "tokenizer", "vocab_problem": "tokenizer",
+}
+__all__ = sorted(_WHERE)
 
-log = logging.getLogger(__name__)
 
-__all__ = ["DataInfo", "DataModule", "IGNORE_INDEX", "Packed", "SYNTHETIC_TASKS", "TokenStore",
-           "Tokenized", "build_data", "build_tokenizer", "pack", "resolve_tokenizer",
-           "synthetic_corpus", "synthetic_records", "tokenize_splits"]
-
-
-def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int, dp_world: int,
-               seed: int, cache_dir: Path, vocab_size: int, model_path: Optional[str] = None,
-               announce: Optional[bool] = None) -> DataModule:
-    """Tokenize (or load from cache), pack, and return this rank's ``DataModule``.
-
-    ``model_path``: the HF model directory being fine-tuned (model.path): its tokenizer encodes
-    the data unless data.tokenizer is set. ``announce``: log the data's notes (the split, the
-    tokenizer used, advice); default: on dp rank 0. The driver announces; ranks need not again.
-    """
-    cfg = as_config(cfg)
-    problems = cfg.problems()
-    if problems:
-        raise ValueError("invalid data config: " + "; ".join(problems))
-    announce = dp_rank == 0 if announce is None else announce
-    tok, choice = resolve_tokenizer(cfg, Path(cache_dir), model_path=model_path)
-    problem = vocab_problem(tok, choice, vocab_size)
-    if problem:
-        raise ValueError(problem)
-    # the announcing process (the driver) checks the cache's digests before any rank reads it
-    prep = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
-                           show_progress=dp_rank == 0, verify_digests=announce)
-    pad = tok.pad_token_id
-    train = Packed.build(TokenStore(prep.train), seq_len, pad, cfg.packing)
-    ev = Packed.build(TokenStore(prep.eval), seq_len, pad, cfg.packing)
-    tr_meta, ev_meta = prep.meta["train"], prep.meta["eval"]
-    chars = tr_meta["chars"] + ev_meta["chars"]
-    tokens_per_char = (tr_meta["full_tokens"] + ev_meta["full_tokens"]) / max(1, chars)
-    size = token_id_bound(tok)
-    stats = {
-        "packing_efficiency": train.efficiency,
-        "eval_packing_efficiency": ev.efficiency,
-        "train_records": float(len(train.store)),
-        "train_rows": float(len(train)),
-        "train_tokens": float(train.store.lengths.sum()),
-        "train_target_tokens": float(train.store.mask.sum()),
-        "eval_records": float(len(ev.store)),
-        "eval_rows": float(len(ev)),
-        "records_truncated": float(tr_meta["truncated"] + ev_meta["truncated"]),
-        "records_dropped": float(tr_meta["dropped"] + ev_meta["dropped"]),
-        "records_without_targets": float(tr_meta["no_target"] + ev_meta["no_target"]),
-        "record_tokens_p50": float(tr_meta["length"]["p50"]),
-        "record_tokens_p95": float(tr_meta["length"]["p95"]),
-        "tokens_per_char": float(tokens_per_char),
-        "tokenized_from_cache": float(prep.from_cache),
-        "tokenizer_size": float(size),
-    }
-    info = DataInfo(
-        source=describe_source(cfg), format=tr_meta["format"],
-        tokenizer=(str(choice.name_or_path) if not choice.is_project
-                   else str(Path(tok.name_or_path).resolve())),
-        tokenizer_source=choice.source, tokenizer_size=size,
-        train_records=len(train.store), eval_records=len(ev.store),
-        train_origin=tr_meta["origin"], eval_origin=ev_meta["origin"],
-        tokens_per_char=float(tokens_per_char), cache_path=str(prep.path))
-    dm = DataModule(train=train, eval=ev, tokenizer=tok, micro_batch=micro_batch, dp_rank=dp_rank,
-                    dp_world=dp_world, seed=seed, stats=stats, info=info)
-    notes = data_notes(cfg, prep.meta, info, seq_len=seq_len, vocab_size=vocab_size,
-                       repeats=dm.repeats, rows=len(train), global_batch=micro_batch * dp_world)
-    if announce:
-        override = tokenizer_override_note(choice, tok, model_path)
-        if override:
-            notes.append(override)
-    dm.info = info = dataclasses.replace(info, notes=tuple(notes))
-    if announce:
-        info.announce(log)
-        log.info("data: %d training rows of %d tokens (packing efficiency %.3f), %d eval rows; "
-                 "cached in %s", len(train), seq_len, train.efficiency, len(ev), prep.path)
-    return dm
-
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,6 @@
 """Tokenize both splits once into the cache (rank-safe), or find them there."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -19,8 +18,8 @@ from ..config import DataConfig
 from ..manifest import cached_entry_ok, write_manifest
 from .formats import Encoder, detect_format
 from .packing import record_lengths
-from .sources import Split, hook_fingerprint, load_sources
-from .synthetic import synthetic_corpus, synthetic_records
+from .sources import Split, hook_fingerprint, load_sources, source_stamp
+from .synthetic import synthetic_corpus
 from .tokenizer import (
     TokenizerChoice,
     choose_tokenizer,
@@ -119,27 +118,8 @@ def _cache_key(cfg: DataConfig, seq_len: int, tok) -> str:
         fields.pop("num_records")
     fields["preprocess_source"] = hook_fingerprint(cfg.preprocess)
     blob = {"v": _CACHE_VERSION, "cfg": fields, "seq_len": seq_len,
-            "tokenizer": tokenizer_fingerprint(tok), "files": _source_stamp(cfg)}
+            "tokenizer": tokenizer_fingerprint(tok), "files": source_stamp(cfg)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _source_stamp(cfg: DataConfig) -> list:
-    """Size and mtime of every local source file, so edited files are tokenized again (for
-    synthetic data: a sample of the generator's output, so changed tasks are too)."""
-    if cfg.name == "synthetic":
-        sample = json.dumps([synthetic_records(64, cfg.seed, s) for s in ("train", "eval")])
-        return [hashlib.sha256(sample.encode()).hexdigest()]
-    stamps = []
-    for spec in (cfg.path, cfg.eval_path):
-        if not spec:
-            continue
-        p = Path(spec).expanduser()
-        paths = (sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir()
-                 else [Path(f) for f in sorted(glob.glob(str(p)))])
-        for f in paths:
-            st = f.stat()
-            stamps.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    return stamps
 
 
 def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,

@@ -337,3 +337,22 @@ def hook_fingerprint(spec: Optional[str], *, load: bool = True) -> Optional[str]
             load_hook(spec)  # raises the error that says why it cannot be found
         return None
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def source_stamp(cfg: DataConfig) -> list:
+    """Size and mtime of every local source file, so edited files are tokenized again (for
+    synthetic data: a sample of the generator's output, so changed tasks are too)."""
+    if cfg.name == "synthetic":
+        sample = json.dumps([synthetic_records(64, cfg.seed, s) for s in ("train", "eval")])
+        return [hashlib.sha256(sample.encode()).hexdigest()]
+    stamps = []
+    for spec in (cfg.path, cfg.eval_path):
+        if not spec:
+            continue
+        p = Path(spec).expanduser()
+        paths = (sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir()
+                 else [Path(f) for f in sorted(glob.glob(str(p)))])
+        for f in paths:
+            st = f.stat()
+            stamps.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return stamps

@@ -25,12 +25,14 @@ import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from filelock import FileLock
 
 from ..manifest import cached_entry_ok, write_manifest
-from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
     for errors. A tokenizer without a pad token gets its EOS as pad (labels mask padding by
     position, never by id, so this is safe).
     """
+    from transformers import AutoTokenizer  # (the driver's warm path never loads a tokenizer)
+
     if name_or_path is None:
         if corpus is None:
             raise ValueError("the project tokenizer needs its training corpus (data.tokenizer is null)")
@@ -224,6 +228,7 @@ def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size
     filled with reserved special tokens (as Llama 3 does), so ``len(tokenizer) == vocab_size``.
     """
     import sentencepiece as spm
+    from transformers import AutoTokenizer, LlamaTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
