@@ -345,3 +345,42 @@ def test_the_earlier_name_of_the_time_limit_still_sets_it(tmp_path, caplog):
     assert "read as cluster.timeout_min=240" in caplog.text
     new = make_spec(["cluster=slurm", "cluster.device=cpu"], output_dir=tmp_path)
     assert executor_parameters(new)["time"] == 60
+
+
+RANK0_PROBE = """
+import pickle, sys, threading
+from llama_fsdp.tracking import open_tracker
+tracker = open_tracker(pickle.load(open(sys.argv[1], "rb")))
+for step in (1, 2, 3):
+    tracker.log_metrics({"loss": 1.0 / step}, step=step)
+tracker.finish("FINISHED")
+print("RANK0", "mlflow" in sys.modules, sorted(t.name for t in threading.enumerate()))
+"""
+
+
+def test_the_local_launcher_delivers_rank_0s_spool_while_it_waits(tmp_path):
+    """cluster=local: the launcher ships rank 0's spool to MLflow while the ranks run, so rank 0
+    (a process of its own here, as a rank is) appends and ends without a shipper of its own or
+    MLflow loaded; SLURM's ranks ship their own."""
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.launchers import launcher_for
+    from llama_fsdp.prepare import start_run
+    from llama_fsdp.tracking import read_run_file
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = make_spec([f"tracking.uri={uri}"], output_dir=tmp_path / "run")
+    start_run(spec, command="pytest")
+    with launcher_for(spec.cluster).shipping(spec) as ranks_spec:
+        (tmp_path / "spec.pkl").write_bytes(pickle.dumps(ranks_spec))
+        r = subprocess.run([sys.executable, "-c", RANK0_PROBE, str(tmp_path / "spec.pkl")],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RANK0 False ['MainThread']" in r.stdout, r.stdout + r.stderr[-2000:]
+    client = MlflowClient(uri)
+    run = client.get_run(read_run_file(spec.output_dir)["run_id"])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+    slurm = make_spec(["cluster=slurm", "cluster.timeout_min=5"], output_dir=tmp_path / "s")
+    with launcher_for(slurm.cluster).shipping(slurm) as ranks_spec:
+        assert ranks_spec is slurm and not ranks_spec.launcher_ships
