@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..prepare import check_data, prepare_job, resolve_model
+from ..prepare import prepare_data, prepare_job, resolve_model
 from ..result import FINISHED
 from ..rundir import RUNS
 from ..spec import ConfigError
@@ -148,7 +148,7 @@ class TorchrunLauncher(Launcher):
                            if not k.startswith("MALLOC_") and k not in HUB_OFFLINE})
         entry = load_entry(self.entry)
         with process_group(spec) as (env, _device):
-            if once_per_job(env, node=lambda: check_data(resolve_model(spec)),
+            if once_per_job(env, node=lambda: prepare_data(resolve_model(spec)),
                             job=lambda: self._prepare_job(spec, held, command)):
                 return None
             with scoped_environ(HUB_OFFLINE):  # the node's first rank fetched what it needs

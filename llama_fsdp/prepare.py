@@ -24,6 +24,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from .checkpoint.layout import resume_candidates
+from .data import warm
 from .hf_dir import resolve_hf_dir
 from .owner import own
 from .result import FINISHED
@@ -53,7 +54,6 @@ class PrepareError(ValueError):
 class PreparedRun:
     spec: RunSpec  # with model.path resolved to a local directory
     data_stats: dict[str, float]
-    tokenizer: Any
     owner: Any = None  # the launch's hold on the run directory (owner.Ownership), prepare_job's
 
 
@@ -99,12 +99,12 @@ def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     """Reach the tracking store, fetch weights, prepare the data, create the MLflow run."""
     reachable = check_tracking(spec) if spec.tracking.enabled else False
     spec = resolve_model(spec)
-    data = check_data(spec)
+    data = prepare_data(spec)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     RunDir(spec.output_dir).config.write_text(spec.config_yaml)
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
-    return PreparedRun(spec, data.stats, data.tokenizer)
+    return PreparedRun(spec, data.stats)
 
 
 def check_tracking(spec: RunSpec) -> bool:
@@ -161,11 +161,35 @@ def check_data(spec: RunSpec) -> Any:
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=0, announce=True))
     except (ValueError, FileNotFoundError, OSError) as e:
         raise PrepareError(f"data: {e}") from e
-    log.info("data ready in %.1fs: %d training rows (%d micro-batches per rank per epoch), %d "
-             "held-out rows; tokenizer %s (%s)", time.perf_counter() - t0, len(data.train),
-             data.batches_per_epoch, len(data.eval), data.info.tokenizer,
-             data.info.tokenizer_source)
+    _log_ready(time.perf_counter() - t0, len(data.train), data.batches_per_epoch,
+               len(data.eval), data.info)
     return data
+
+
+def prepare_data(spec: RunSpec) -> Any:
+    """``check_data``, or for inputs checked before, the record of that check (data/warm.py):
+    the same notes and numbers, without loading transformers, datasets or the data here."""
+    t0 = time.perf_counter()
+    kwargs = spec.data_kwargs(dp_rank=0, announce=True)
+    cache_dir = kwargs.pop("cache_dir")
+    known = warm.lookup(spec.data, cache_dir=cache_dir, **kwargs)
+    if known is None:
+        data = check_data(spec)
+        try:
+            warm.record(spec.data, data, cache_dir=cache_dir, **kwargs)
+        except OSError as e:  # a read-only cache: the next launch checks the data again
+            log.debug("no record of the data's check: %s", e)
+        return data
+    known.announce()
+    _log_ready(time.perf_counter() - t0, known.train_rows, known.batches_per_epoch,
+               known.eval_rows, known.info)
+    return known
+
+
+def _log_ready(seconds: float, train_rows: int, batches: int, eval_rows: int, info: Any) -> None:
+    log.info("data ready in %.1fs: %d training rows (%d micro-batches per rank per epoch), %d "
+             "held-out rows; tokenizer %s (%s)", seconds, train_rows, batches, eval_rows,
+             info.tokenizer, info.tokenizer_source)
 
 
 def run_tags(spec: RunSpec, command: str) -> dict[str, str]:

@@ -11,7 +11,13 @@ from ..config import DataConfig
 from .cache import as_config, resolve_tokenizer, tokenize_splits
 from .module import DataModule
 from .packing import Packed, TokenStore
-from .report import DataInfo, data_notes, describe_source, tokenizer_override_note
+from .report import (
+    DataInfo,
+    data_notes,
+    describe_source,
+    ready_line,
+    tokenizer_override_note,
+)
 from .tokenizer import token_id_bound, vocab_problem
 
 log = logging.getLogger("llama_fsdp.data")
@@ -82,7 +88,8 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
     dm.info = info = dataclasses.replace(info, notes=tuple(notes))
     if announce:
         info.announce(log)
-        log.info("data: %d training rows of %d tokens (packing efficiency %.3f), %d eval rows; "
-                 "cached in %s", len(train), seq_len, train.efficiency, len(ev), prep.path)
+        log.info("%s", ready_line(train_rows=len(train), seq_len=seq_len,
+                                  efficiency=train.efficiency, eval_rows=len(ev),
+                                  cache_path=str(prep.path)))
     return dm
 

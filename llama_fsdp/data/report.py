@@ -47,6 +47,13 @@ class DataInfo:
             log.log(level, "%s", message)
 
 
+def ready_line(*, train_rows: int, seq_len: int, efficiency: float, eval_rows: int,
+               cache_path: str) -> str:
+    """The line the announcing process logs last about its data."""
+    return (f"data: {train_rows} training rows of {seq_len} tokens (packing efficiency "
+            f"{efficiency:.3f}), {eval_rows} eval rows; cached in {cache_path}")
+
+
 def describe_source(cfg: DataConfig) -> str:
     if cfg.name == "synthetic":
         return "synthetic"
