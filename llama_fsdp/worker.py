@@ -3,15 +3,21 @@
 From the command line to one optimizer step, the functions on the way:
 
     python -m llama_fsdp                       __main__.py -> cli.main
-      cli._hydra_main -> cli.run_one           compose conf/, then:
-        spec.build_spec                        the validated RunSpec
-        plan.make_plan, plan.check_fits        memory and FLOPs against the device
-        prepare.prepare                        tracking store, weights, data cache, MLflow run
-        launchers.launch                       launchers/local.py or launchers/slurm.py
-          launchers.rank.RankEntry             per rank: a supervisor (submitit's task) ...
-            launchers.child.main               ... starts this worker process, which calls
+      cli._hydra_main -> cli._run_and_report   compose conf/; launchers.launcher_for picks the
+                                               launcher of cluster.kind, then cli.run_one:
+        cli.plan_run                           spec.build_spec (the validated RunSpec),
+                                               plan.make_plan (memory and FLOPs, printed)
+        plan.check_fits, Launcher.preflight    refused here if it cannot fit or launch
+        Launcher.launch                        launchers/base.py:
+          prepare.prepare_job                  own the run dir; tracking store, weights, data
+                                               cache (prepare_data), MLflow run
+          LocalLauncher.start / SlurmLauncher.start
+            launchers.rank.RankEntry           per rank: a supervisor (submitit's task) ...
+              launchers.child.main             ... starts this worker process, which calls
     worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
-      init_distributed                         process group (gloo, or nccl + gloo)
+      distributed.process_group                process group (gloo, or nccl + gloo); under
+                                               cluster=torchrun TorchrunLauncher.launch opened
+                                               it, did the job's duties and called this
       train_on_rank -> RankRun.build           build_model (model.build_meta_model,
                                                [lora.apply_adapters,] parallel.parallelize,
                                                model.init_weights or
