@@ -2,7 +2,8 @@
 
 Rank 0 appends every tracking event (params, metrics, tags, files, status: ``events.py``) to a
 spool in the run directory, ``<run>/tracking/spool.jsonl`` (``spool.py``), and a background
-shipper thread delivers the spool to MLflow (``delivery.py``). A step never waits for MLflow:
+shipper thread delivers the spool to MLflow (``delivery.py``): rank 0's, or the launcher's while
+it waits on a local run (launchers/base.py), which leaves rank 0 only appending. A step never waits for MLflow:
 an outage (server down, sqlite locked by parallel sweep jobs) only grows the spool; delivery
 resumes when the store answers. What is left when a rank ends is delivered by the launcher,
 or later with
