@@ -388,25 +388,18 @@ def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
                     info.get("tracking_uri"), output_dir)
 
 
-def _remove_if_empty(output_dir: str) -> None:
-    """Hydra made the run directory (and its parents); a run that did not launch leaves nothing
-    behind. rmdir removes only empty directories, so nothing of a user's is ever deleted; it
-    climbs to the working directory for a relative run dir (outputs/runs/<date>/<time>), and two
-    levels for one elsewhere."""
-    path = Path(output_dir).absolute()
-    cwd = Path.cwd().absolute()
-    chain = [path, *path.parents]
-    chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
-             else chain[:2])
-    from .owner import LOCK
+# The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,
+# recorded by HydraCallback.on_run_start / on_multirun_start (before Hydra's mkdir).
+_HYDRA_DIR_EXISTED: dict[str, Path] = {}
 
-    if [p.name for p in path.iterdir()] == [LOCK] if path.is_dir() else False:
-        (path / LOCK).unlink(missing_ok=True)  # a launch refused after it took the directory
-    for d in chain:
-        try:
-            d.rmdir()
-        except OSError:
-            return
+
+def _hydra_footprint() -> Any:
+    """Hydra's run directory of this job, and which of its parents Hydra made."""
+    from .rundir import Footprint
+
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    existed = _HYDRA_DIR_EXISTED.get("dir", hydra_dir)  # unknown: remove nothing above it
+    return Footprint(hydra_dir, existed=existed)
 
 
 def _waits_for_ranks(cfg: DictConfig) -> bool:
@@ -446,11 +439,16 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
 
     if cfg.cluster.kind == "torchrun" and rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the job
+    from .rundir import Footprint
+
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
-    output_dir = str(Path(cfg.output_dir).resolve())  # Hydra's until the spec says
+    hydra = _hydra_footprint()
+    output_dir, made = str(hydra.path), hydra  # Hydra's until the spec says
     try:
         output_dir = run_dir_of(cfg)
+        if output_dir != str(hydra.path):  # (before anything of this launch makes it)
+            made = Footprint(output_dir)
         result = run_one(cfg, held)
         launched = result is not None
         if launched and _waits_for_ranks(cfg):
@@ -474,27 +472,35 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     finally:
         if not launched:
             held.close()  # let the directory go first: a run that never started leaves nothing
-            _remove_if_empty(output_dir)
-        if str(Path(cfg.output_dir).resolve()) != output_dir:  # Hydra's, made but not used
-            _remove_if_empty(str(Path(cfg.output_dir).resolve()))
+            made.undo()  # of what it made; a directory that was there before stays
+        if made is not hydra:  # Hydra's, made but not used
+            hydra.undo()
 
 
 # --- sweeps -----------------------------------------------------------------------------------
 
 
 class SweepCallback(Callback):
-    """Hydra callback of a multirun: the parent run when it starts; each point's outcome as it
-    ends; the summary when the sweep ends (local sweeps), or the command that makes it (SLURM
-    sweeps, which return at submission). A sweep with failed points exits with the worst code
-    once every point had its turn."""
+    """Hydra callback: before a run, which parents of its directory exist (Hydra makes them,
+    and a run that does not launch removes what was made); of a multirun: the parent run when
+    it starts; each point's outcome as it ends; the summary when the sweep ends (local sweeps),
+    or the command that makes it (SLURM sweeps, which return at submission). A sweep with
+    failed points exits with the worst code once every point had its turn."""
 
     def __init__(self) -> None:
         self.failed: list[PointFailed] = []
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from .rundir import Footprint
+
+        _HYDRA_DIR_EXISTED["dir"] = Footprint.deepest_existing(Path(config.hydra.run.dir))
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from .rundir import Footprint
         from .spec import resolve_tracking_uri
         from .sweep import start_parent
 
+        _HYDRA_DIR_EXISTED["dir"] = Footprint.deepest_existing(Path(config.hydra.sweep.dir))
         if not config.tracking.enabled:
             return
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),

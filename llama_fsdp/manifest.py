@@ -72,3 +72,18 @@ def cached_entry_ok(path: Path, *, digests: bool, damaged: Optional[str] = None)
         logging.getLogger("llama_fsdp.cache").warning(damaged.format(problem=problem))
         shutil.rmtree(path, ignore_errors=True)
     return False
+
+
+def not_ours(path: Path) -> Optional[str]:
+    """None when ``path`` holds exactly the files its manifest lists, at their recorded sizes:
+    wholly what llama_fsdp wrote, so it may be replaced or deleted. Else what says otherwise
+    (no manifest, a file it does not list, a changed file), naming it."""
+    problem = verify_manifest(path, required=True)
+    if problem is not None:
+        return problem
+    listed = set(json.loads((Path(path) / MANIFEST).read_text()))
+    extra = sorted(str(f.relative_to(path)) for f in Path(path).rglob("*")
+                   if f.is_file() and f.name != MANIFEST and str(f.relative_to(path)) not in listed)
+    if extra:
+        return f"{Path(path) / extra[0]} is not one of the files llama_fsdp wrote there"
+    return None

@@ -8,8 +8,8 @@ from typing import Any
 
 from ..config import Config, ModelConfig, model_presets
 from ..hf_dir import hf_shape, shape_diff
-from ..rundir import OPTIM_META
-from .layout import resolve_resume, verify
+from ..rundir import OPTIM_META, RunDir, claim_problem
+from .layout import export_problem, resolve_resume, verify
 from .optim_meta import optim_mismatch
 
 
@@ -107,10 +107,25 @@ def resume_optim_problems(cfg: Config) -> list[str]:
     return [why] if why else []
 
 
+def export_problems(cfg: Config) -> list[str]:
+    """The run's export would replace a directory that is not wholly an earlier export of
+    llama_fsdp's (the user's files in <run>/export): refused now, not after training."""
+    run = RunDir(cfg.output_dir)
+    if claim_problem(run.root) is not None:  # not a run's directory: refused as a whole at launch
+        return []
+    outs = []
+    if cfg.finetune.method != "full" or cfg.save.export_hf:
+        outs.append(run.export)
+    if cfg.finetune.method != "full" and cfg.finetune.export_merged:
+        outs.append(run.export_merged)
+    return [f"this run's export would replace what is there: {why}" for p in outs
+            if not cfg.dry_run and (why := export_problem(p)) is not None]
+
+
 def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
     problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
-    problems += resume_optim_problems(cfg)
+    problems += resume_optim_problems(cfg) + export_problems(cfg)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "

@@ -393,13 +393,17 @@ class Checkpointer:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
             write_manifest(tmp)
-            if final.exists():  # a fresh run (resume=none) reusing a run dir: replace
-                _remove(final, self.root)
+            # a fresh run (resume=none) reusing a run dir replaces its own checkpoint of the
+            # same step; one holding what llama_fsdp did not write is kept and this save fails
+            if final.exists() and not _remove(final, self.root, published=True):
+                raise CheckpointError(f"checkpoint step {step} could not be published: {final} "
+                                      "holds what llama_fsdp did not write (see the warning); "
+                                      f"its files are in {tmp}")
             tmp.rename(final)
             _fsync_dir(self.root)
             size = dir_bytes(final)
             for old in expired(self.output_dir, self.cfg.keep_last):
-                _remove(old, self.root)
+                _remove(old, self.root, published=True)
             log.info("checkpoint step %d: %s (%.1f MB, written in %.2fs)", step, final,
                      size / 1e6, written)
             self._log({"checkpoint/write_s": written, "checkpoint/size_mb": size / 1e6}, step)
