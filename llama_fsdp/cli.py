@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from .config import Config, register_configs
 from .launchers.common import skip_final_collection
+from .secrets import export_credentials, redact, strip_credentials
 from .spec import ConfigError, RunSpec, build_spec, field_type, not_a_key
 from .strategies import one_group_warning
 
@@ -76,7 +77,19 @@ def command_line(*, drop: tuple[str, ...] = ()) -> str:
     prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
     args = [a for a in sys.argv[1:]
             if (o := parse_override(a)) is None or o.key_or_group not in drop]
-    return " ".join([prog, *map(shlex.quote, args)])
+    return " ".join([prog, *(shlex.quote(shown_override(a)) for a in args)])
+
+
+def shown_override(arg: str) -> str:
+    """An argument as it may be shown and stored: a tracking URI without its credentials (they
+    come from the environment), any other URL's redacted."""
+    o = parse_override(arg)
+    if o is not None and o.key_or_group == "tracking.uri" and not o.is_sweep_override():
+        try:
+            return f"{arg.split('=', 1)[0]}={strip_credentials(o.value())}"
+        except Exception:  # noqa: BLE001 - a secret MLflow cannot take: hidden, refused later
+            pass
+    return redact(arg)
 
 
 def override_key_problems(args: list[str]) -> list[str]:
@@ -167,6 +180,7 @@ def plan_run(cfg: DictConfig) -> tuple[RunSpec, Any]:
 
     spec = resolve_auto(build_spec(cfg, output_dir=run_dir_of(cfg), launch_dir=Path.cwd(),
                                    **_sweep_kwargs()))
+    export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
     if spec.cluster.kind == "torchrun" and (restart := restart_count()):
         # torchrun restarted the job's processes: go on from the newest checkpoint
         spec = dataclasses.replace(spec, resume="auto", restart=restart)
@@ -501,6 +515,7 @@ class SweepCallback(Callback):
         from .sweep import start_parent
 
         _HYDRA_DIR_EXISTED["dir"] = Footprint.deepest_existing(Path(config.hydra.sweep.dir))
+        _credentials_to_environ(config)
         if not config.tracking.enabled:
             return
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
@@ -540,6 +555,25 @@ class SweepCallback(Callback):
                       "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
                       ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
             raise SystemExit(max(p.code for p in self.failed))
+
+
+def _credentials_to_environ(config: DictConfig) -> None:
+    """A sweep's tracking URI without its credentials, in the config the sweeper saves
+    (multirun.yaml) and composes every point from (its task overrides); the credentials in
+    this process's environment, which the points (and their ranks, and their SLURM jobs)
+    inherit."""
+    from omegaconf import open_dict, read_write
+
+    try:
+        given = config.tracking.uri
+        clean = export_credentials(given)
+    except ValueError:  # a secret MLflow cannot take from the environment: every point says so
+        return
+    with read_write(config), open_dict(config):
+        config.tracking.uri = clean
+        config.hydra.overrides.task = [shown_override(a) for a in config.hydra.overrides.task]
+        config.hydra.job.override_dirname = redact(
+            config.hydra.job.override_dirname.replace(given, clean))
 
 
 def main() -> None:

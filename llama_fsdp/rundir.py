@@ -187,3 +187,14 @@ class Footprint:
                 d.rmdir()
             except OSError:
                 return
+
+
+def private_dir(path: str | Path) -> Path:
+    """``path`` as a directory only its owner can read: the pickled run (submitit's job file,
+    a rank's input) holds the run's resolved values, those of ${oc.env:...} keys included."""
+    import os
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

@@ -524,15 +524,21 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
                sweep_dir: Optional[str] = None,
                sweep_point: Optional[dict[str, str]] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError."""
+    from . import secrets
+
     if isinstance(cfg, DictConfig):
         unknown = unknown_keys(cfg)
         if unknown:
             raise ConfigError(unknown)
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     else:
         obj = cfg
-        config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    try:  # the credentials travel in the environment (cli.plan_run), never in the spec
+        obj = dataclasses.replace(obj, tracking=dataclasses.replace(
+            obj.tracking, uri=secrets.strip_credentials(obj.tracking.uri)))
+    except secrets.SecretInURI as e:
+        raise ConfigError([str(e)]) from None
+    config_yaml = secrets.config_yaml(cfg)  # oc.env values as their interpolation
     problems: list[str] = []
     _check_choices(obj, problems)
     _check_positive(obj, problems)

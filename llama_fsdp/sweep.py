@@ -219,10 +219,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--uri", default="sqlite:///outputs/mlflow.db")
     p.add_argument("--experiment", default="llama_fsdp")
     args = p.parse_args(argv)
+    from .secrets import export_credentials
     from .spec import resolve_tracking_uri
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    table = summarize(args.sweep_id, tracking_uri=resolve_tracking_uri(args.uri, Path.cwd()),
+    uri = export_credentials(args.uri)  # MLflow reads them from the environment
+    table = summarize(args.sweep_id, tracking_uri=resolve_tracking_uri(uri, Path.cwd()),
                       experiment=args.experiment)
     if table is None:
         raise SystemExit(1)

@@ -30,8 +30,10 @@ def open_client(uri: str) -> Any:
     jobs on a fresh store would: the first open is serialized by a lock file beside it."""
     from mlflow.tracking import MlflowClient
 
+    from ..secrets import client_uri
+
     if not uri.startswith("sqlite:///"):
-        return MlflowClient(tracking_uri=uri)
+        return MlflowClient(tracking_uri=client_uri(uri))
     from filelock import FileLock
 
     db = Path(uri[len("sqlite:///"):])
