@@ -19,6 +19,17 @@ CLUSTERS = ("local", "slurm", "torchrun")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def has_line_break(value: Any) -> bool:
+    """A value that would start a new line in a shell script or a #SBATCH line."""
+    return isinstance(value, str) and any(c in value for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def line_break(key: str, value: Any) -> str:
+    return (f"{key}={value!r} holds a line break, which would start a new line in the job "
+            "script (a command that runs, and every #SBATCH line after it ignored): give it on "
+            "one line")
+
+
 @dataclass
 class RopeScalingConfig:
     """Llama 3.1/3.2 frequency scaling (``rope_type: llama3``)."""
@@ -137,6 +148,19 @@ class ClusterConfig:
     # Overrides of that table: per-device memory (GB) and dense peak TFLOP/s.
     device_memory_gb: Optional[float] = None
     peak_tflops: Optional[float] = None
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        # every string that reaches the sbatch script: a line break there starts a new shell
+        # line (which runs), and every #SBATCH line after it is silently ignored
+        texts = [("cluster.partition", self.partition), ("cluster.account", self.account),
+                 ("cluster.qos", self.qos), ("cluster.constraint", self.constraint),
+                 *((f"cluster.setup[{i}]", v) for i, v in enumerate(self.setup)),
+                 *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(self.srun_args)),
+                 *((f"cluster.sbatch_extra.{k}", f"{k}{v}") for k, v in self.sbatch_extra.items())]
+        out += [line_break(key, value) for key, value in texts if has_line_break(value)]
+        return out
 
 
 @dataclass

@@ -497,6 +497,17 @@ def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
                         "CPU offload); drop sharding.cpu_offload, or use finetune=lora with it")
 
 
+def text_problems(cfg: Config, output_dir: Path) -> list[str]:
+    """Names that reach a shell or the sbatch script (a job name, the run directory in its
+    #SBATCH lines) with a line break in them (config.line_break)."""
+    from .config import has_line_break, line_break
+
+    texts = [("tracking.run_name", cfg.tracking.run_name)]
+    if cfg.cluster.kind == "slurm":
+        texts.append(("output_dir", str(output_dir)))
+    return [line_break(key, value) for key, value in texts if has_line_break(value)]
+
+
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("batch_size=2 sharding=full")."""
@@ -552,6 +563,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     # caller's output_dir, not the config's)
     problems.extend(checkpoint_problems(dataclasses.replace(obj, output_dir=str(out))))
     problems.extend(obj.data.problems())
+    problems.extend(obj.cluster.problems())
+    problems.extend(text_problems(obj, out))
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     device = _resolve_device(obj.cluster)
