@@ -9,7 +9,8 @@ from typing import Any
 from ..config import Config, ModelConfig, model_presets
 from ..hf_dir import hf_shape, shape_diff
 from ..rundir import OPTIM_META, RunDir, claim_problem
-from .layout import export_problem, resolve_resume, verify
+from .layout import METADATA, export_problem, resolve_resume, resume_candidates, verify
+from .pickles import check_file
 from .optim_meta import optim_mismatch
 
 
@@ -90,6 +91,17 @@ def resume_problems(resume: str, output_dir: str) -> list[str]:
     return []
 
 
+def resume_pickle_problems(cfg: Config) -> list[str]:
+    """A checkpoint this run may resume from whose .metadata would load more than DCP's
+    metadata classes (pickles.py): refused before any process starts."""
+    try:
+        candidates = resume_candidates(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    return [why for path in candidates if (path / METADATA).is_file()
+            and (why := check_file(path / METADATA)) is not None]
+
+
 def resume_optim_problems(cfg: Config) -> list[str]:
     """The checkpoint to resume from holds another optimizer's state, or what another finetune
     method trains (optim_meta.py)."""
@@ -125,7 +137,7 @@ def export_problems(cfg: Config) -> list[str]:
 def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
     problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
-    problems += resume_optim_problems(cfg) + export_problems(cfg)
+    problems += resume_pickle_problems(cfg) + resume_optim_problems(cfg) + export_problems(cfg)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "
