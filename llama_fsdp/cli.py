@@ -156,6 +156,7 @@ def run_dir_of(cfg: DictConfig) -> str:
     and every restart must agree on it, and Hydra's dir is made per process at its start time:
     output_dir= as given, else outputs/runs/torchrun-<torchrun's run id>."""
     from .launchers.torchrun import job_run_id
+    from .rundir import name_problem
 
     if cfg.cluster.kind != "torchrun" or "output_dir" in _overridden_keys():
         return str(Path(cfg.output_dir).resolve())
@@ -165,6 +166,8 @@ def run_dir_of(cfg: DictConfig) -> str:
                            "none) needs a run directory every process and restart agrees on: "
                            "give torchrun --rdzv-id=<name> (outputs/runs/torchrun-<name>) or "
                            "output_dir=<dir>"])
+    if (problem := name_problem("torchrun's run id (--rdzv-id)", run_id)) is not None:
+        raise ConfigError([problem])
     return str((Path.cwd() / "outputs" / "runs" / f"torchrun-{run_id}").resolve())
 
 

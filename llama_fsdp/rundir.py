@@ -137,6 +137,15 @@ def read_run_status(output_dir: str | Path) -> dict:
         return {}
 
 
+def name_problem(key: str, name: str) -> "str | None":
+    """Why ``name`` cannot be one folder's name inside another (a separator, `..`, a NUL): a
+    name that becomes a path must not leave the folder it is put in."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        return (f"{key}={name!r} becomes a folder name, and it would not stay one folder inside "
+                "its parent: use a name without '/', '\\' or '..'")
+    return None
+
+
 def claim_problem(output_dir: str | Path) -> "str | None":
     """None when a run may write into ``output_dir``: it does not exist yet, it is empty, or it
     is a run directory (it holds one of RUN_MARKERS). Else what is there, for the refusal: a

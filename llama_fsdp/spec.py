@@ -35,6 +35,8 @@ from .config import (
     ShardingConfig,
     TrackingConfig,
     TrainConfig,
+    has_line_break,
+    line_break,
 )
 from .strategies import AUTO, MeshSpec
 
@@ -285,18 +287,14 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
     ):
         if value < low:
             problems.append(f"{key}={value} must be >= {low}")
-    if t.lr <= 0:
-        problems.append(f"train.lr={t.lr} must be > 0")
-    if not 0 <= t.min_lr_ratio <= 1:
-        problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.warmup_steps < 0 or t.warmup_steps >= max(t.max_steps, 1):
+    # (train.lr, min_lr_ratio, max_grad_norm: TrainConfig.problems, NaN and infinity too;
+    # the warmup is judged against a max_steps that is valid, reported above otherwise)
+    if t.warmup_steps < 0 or (t.max_steps >= 1 and t.warmup_steps >= t.max_steps):
         problems.append(
             f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps={t.max_steps}): "
             f"set it below {max(t.max_steps, 1)} for a run this short, e.g. "
-            f"train.warmup_steps={t.max_steps // 10}"
+            f"train.warmup_steps={max(t.max_steps // 10, 0)}"
         )
-    if t.max_grad_norm < 0:
-        problems.append(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
     if cfg.save.every_steps < 0 or cfg.eval.every_steps < 0:
         problems.append("save.every_steps and eval.every_steps must be >= 0 (0 disables)")
 
@@ -497,17 +495,6 @@ def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
                         "CPU offload); drop sharding.cpu_offload, or use finetune=lora with it")
 
 
-def text_problems(cfg: Config, output_dir: Path) -> list[str]:
-    """Names that reach a shell or the sbatch script (a job name, the run directory in its
-    #SBATCH lines) with a line break in them (config.line_break)."""
-    from .config import has_line_break, line_break
-
-    texts = [("tracking.run_name", cfg.tracking.run_name)]
-    if cfg.cluster.kind == "slurm":
-        texts.append(("output_dir", str(output_dir)))
-    return [line_break(key, value) for key, value in texts if has_line_break(value)]
-
-
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("batch_size=2 sharding=full")."""
@@ -562,9 +549,10 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
     # caller's output_dir, not the config's)
     problems.extend(checkpoint_problems(dataclasses.replace(obj, output_dir=str(out))))
-    problems.extend(obj.data.problems())
-    problems.extend(obj.cluster.problems())
-    problems.extend(text_problems(obj, out))
+    for node in (obj.data, obj.model, obj.train, obj.eval, obj.cluster, obj.tracking):
+        problems.extend(node.problems())
+    if obj.cluster.kind == "slurm" and has_line_break(str(out)):  # in the #SBATCH lines
+        problems.append(line_break("output_dir", str(out)))
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     device = _resolve_device(obj.cluster)

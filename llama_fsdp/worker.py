@@ -248,14 +248,10 @@ def compile_cache(spec: RunSpec, rank: int) -> None:
 
 def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
     """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
-    import importlib
+    from .callbacks import resolve
 
-    hooks = []
-    for path in spec.train.callbacks:
-        module, _, attr = path.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-        hooks.append(factory(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir))
-    return hooks
+    return [resolve(path)(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir)
+            for path in spec.train.callbacks]
 
 
 def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.device) -> dict:

@@ -2,12 +2,11 @@
 resume targets, save options."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..config import Config, ModelConfig, model_presets
-from ..hf_dir import hf_shape, shape_diff
+from ..hf_dir import hf_shape, model_file_problems, read_config_json, shape_diff
 from ..rundir import OPTIM_META, RunDir, claim_problem
 from .layout import METADATA, export_problem, resolve_resume, resume_candidates, verify
 from .pickles import check_file
@@ -42,7 +41,7 @@ def _local_hf_problems(path: Path) -> list[str]:
     if not any(path.glob("*.safetensors")):
         return [f"model.path={path} has no *.safetensors files (only safetensors weights are "
                 "read; convert .bin checkpoints with transformers' save_pretrained first)"]
-    return []
+    return [f"model.path: {p}" for p in model_file_problems(path)]
 
 
 def model_path_problems(m: ModelConfig) -> list[str]:
@@ -54,14 +53,14 @@ def model_path_problems(m: ModelConfig) -> list[str]:
         problems = _local_hf_problems(local)
         if problems:
             return problems
-        hf = json.loads((local / "config.json").read_text())
+        hf = read_config_json(local)
     elif local.exists() or m.path.startswith((".", "/", "~")) or m.path.count("/") != 1:
         return [f"model.path={m.path} is neither a directory nor a hub name (org/name)"]
     else:
         try:
             from huggingface_hub import hf_hub_download
 
-            hf = json.loads(Path(hf_hub_download(m.path, "config.json")).read_text())
+            hf = read_config_json(Path(hf_hub_download(m.path, "config.json")).parent)
         except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report
             return [f"model.path={m.path}: not a local directory, and the hub lookup of its "
                     f"config.json failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
