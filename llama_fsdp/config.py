@@ -533,6 +533,7 @@ class TrackingConfig:
     system_metrics_interval_s: float = 10.0
 
     def problems(self) -> list[str]:
+        # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
         checks = [out_of_range("tracking.final_delivery_s", self.final_delivery_s, low=0),
                   out_of_range("tracking.system_metrics_interval_s",
                                self.system_metrics_interval_s, low=0, low_open=True)]

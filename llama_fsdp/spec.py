@@ -441,9 +441,6 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             problems.append(f"cluster.{key}={getattr(c, key)} must be >= 0")
     if min(c.init_timeout_s, c.train_timeout_s) < 1:
         problems.append("cluster.init_timeout_s and cluster.train_timeout_s must be >= 1 second")
-    if cfg.tracking.final_delivery_s < 0:
-        problems.append(f"tracking.final_delivery_s={cfg.tracking.final_delivery_s} must be >= 0 "
-                        "(seconds; 0 leaves undelivered events on disk at once)")
     precision = resolve_precision(cfg.precision.name, device)
     # (a machine with no GPU at all is told so by the launcher's preflight, not this)
     if device == "cuda" and precision in ("bf16", "mixed") and c.kind in ("local", "torchrun") \
