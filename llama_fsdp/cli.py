@@ -406,7 +406,7 @@ def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
 
 
 # The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,
-# recorded by HydraCallback.on_run_start / on_multirun_start (before Hydra's mkdir).
+# recorded by SweepCallback.on_run_start / on_multirun_start (before Hydra's mkdir).
 _HYDRA_DIR_EXISTED: dict[str, Path] = {}
 
 
