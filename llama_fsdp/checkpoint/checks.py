@@ -125,12 +125,12 @@ def export_problems(cfg: Config) -> list[str]:
     if claim_problem(run.root) is not None:  # not a run's directory: refused as a whole at launch
         return []
     outs = []
-    if cfg.finetune.method != "full" or cfg.save.export_hf:
+    if cfg.finetune.adapters or cfg.save.export_hf:
         outs.append(run.export)
-    if cfg.finetune.method != "full" and cfg.finetune.export_merged:
+    if cfg.finetune.adapters and cfg.finetune.export_merged:
         outs.append(run.export_merged)
     return [f"this run's export would replace what is there: {why}" for p in outs
-            if not cfg.dry_run and (why := export_problem(p)) is not None]
+            if (why := export_problem(p)) is not None]
 
 
 def checkpoint_problems(cfg: Config) -> list[str]:
