@@ -410,6 +410,21 @@ def _finish_tracking(output_dir: str, status: str, deadline_s: float) -> None:
 _HYDRA_DIR_EXISTED: dict[str, Path] = {}
 
 
+def _hydra_made_below(pattern: str) -> Path:
+    """Where the directories Hydra makes from a run / sweep dir ``pattern`` begin: its parts
+    from the first interpolation on (``${now:...}``: made per launch, also by a sibling process
+    of the same torchrun job) are Hydra's; of its fixed prefix (outputs/runs), what does not
+    exist yet."""
+    from .rundir import Footprint
+
+    fixed = []
+    for part in Path(pattern).parts:
+        if "${" in part:
+            break
+        fixed.append(part)
+    return Footprint.deepest_existing(Path(*fixed) if fixed else Path.cwd())
+
+
 def _hydra_footprint() -> Any:
     """Hydra's run directory of this job, and which of its parents Hydra made."""
     from .rundir import Footprint
@@ -508,16 +523,13 @@ class SweepCallback(Callback):
         self.failed: list[PointFailed] = []
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .rundir import Footprint
-
-        _HYDRA_DIR_EXISTED["dir"] = Footprint.deepest_existing(Path(config.hydra.run.dir))
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.run, "dir"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .rundir import Footprint
         from .spec import resolve_tracking_uri
         from .sweep import start_parent
 
-        _HYDRA_DIR_EXISTED["dir"] = Footprint.deepest_existing(Path(config.hydra.sweep.dir))
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.sweep, "dir"))
         _credentials_to_environ(config)
         if not config.tracking.enabled:
             return
@@ -558,6 +570,13 @@ class SweepCallback(Callback):
                       "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
                       ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
             raise SystemExit(max(p.code for p in self.failed))
+
+
+def _raw(node: DictConfig, key: str) -> str:
+    """A config value as written, its interpolations unresolved."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.to_container(node, resolve=False)[key])
 
 
 def _credentials_to_environ(config: DictConfig) -> None:
