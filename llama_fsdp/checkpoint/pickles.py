@@ -53,6 +53,11 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint file would load something other than DCP's metadata classes."""
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file that is not a whole pickle (truncated, overwritten): damaged, not
+    hostile; resume skips it for the one before (dcp.Checkpointer.resume)."""
+
+
 def _refuse(source: Any, what: str) -> UnsafeCheckpoint:
     return UnsafeCheckpoint(
         f"{source} is not a checkpoint llama_fsdp will read: unpickling it would load {what}, "
@@ -102,7 +107,7 @@ def scan(data: bytes, source: Any) -> None:
     except (ValueError, EOFError) as e:
         if isinstance(e, UnsafeCheckpoint):
             raise
-        raise UnsafeCheckpoint(f"{source} is not a readable pickle ({e})") from None
+        raise DamagedCheckpoint(f"{source} is not a readable pickle ({e})") from None
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -126,12 +131,13 @@ def load_metadata(path: str | Path) -> Any:
 
 
 def check_file(path: str | Path) -> str | None:
-    """None when ``path`` (a checkpoint's .metadata) loads only DCP's classes, else why not
-    (torch-free: what the command line asks before launch)."""
+    """Why ``path`` (a checkpoint's .metadata) would load more than DCP's classes, or None
+    (torch-free: what the command line asks before launch). A damaged or unreadable file is
+    None here: resume skips it for an older checkpoint, as any damaged one."""
     try:
         scan(Path(path).read_bytes(), path)
     except UnsafeCheckpoint as e:
         return str(e)
-    except OSError as e:
-        return f"{path} cannot be read ({e})"
+    except (DamagedCheckpoint, OSError):
+        return None
     return None

@@ -344,3 +344,17 @@ def test_dcps_own_metadata_reads_as_dcp_wrote_it(tmp_path):
         theirs = dcp.FileSystemReader(str(path)).read_metadata()
         assert ours.state_dict_metadata == theirs.state_dict_metadata
         assert ours.storage_data == theirs.storage_data
+
+
+def test_a_damaged_metadata_is_left_to_resumes_fallback_not_called_hostile(tmp_path):
+    """A truncated .metadata is damaged, not crafted: the check before launch lets the ranks
+    skip it for the checkpoint before (what resume=auto does with any damaged one)."""
+    from llama_fsdp.checkpoint.pickles import DamagedCheckpoint, check_file, load_metadata
+
+    ckpt = tmp_path / "c"
+    _dcp_checkpoint(ckpt)
+    meta = ckpt / layout.METADATA
+    meta.write_bytes(meta.read_bytes()[:100])
+    assert check_file(meta) is None
+    with pytest.raises(DamagedCheckpoint, match="is not a readable pickle"):
+        load_metadata(meta)
