@@ -104,13 +104,13 @@ def interrupted(output_dir: str | Path) -> list[Path]:
 def _remove(path: Path, root: Path, *, published: bool = False) -> bool:
     """Delete a checkpoint directory, refusing anything that is not directly under root. A
     ``published`` one (step_N, not an in-flight step_N.tmp) goes only when it is wholly what
-    llama_fsdp wrote (its manifest lists every file): else it stays, with a warning naming what
-    is not ours, and False is returned."""
+    llama_fsdp wrote (its manifest lists every file; a file cut short is damage to ours): else
+    it stays, with a warning naming what is not ours, and False is returned."""
     if path.parent.resolve() != root.resolve():
         raise RuntimeError(f"refusing to delete {path}: not inside {root}")
     if path.is_symlink():
         path.unlink()
-    elif published and path.exists() and (why := manifest.not_ours(path)) is not None:
+    elif published and path.exists() and (why := manifest.not_ours(path, edited=False)):
         import logging
 
         logging.getLogger(__name__).warning(

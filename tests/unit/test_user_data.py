@@ -133,6 +133,7 @@ def test_retention_deletes_only_checkpoints_wholly_its_own(tmp_path, caplog):
         (d / layout.METADATA).write_bytes(b"m")
         write_manifest(d)
     (theirs / "notes.txt").write_text("mine")
+    (ours / layout.METADATA).write_bytes(b"")  # damaged (cut short): still ours to prune
     assert layout._remove(ours, root, published=True) and not ours.exists()
     assert not layout._remove(theirs, root, published=True)
     assert (theirs / "notes.txt").read_text() == "mine"
