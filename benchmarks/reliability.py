@@ -1,7 +1,9 @@
 """Each fault of the fault suite, timed: what happens, how long until the run stops or
-recovers, what is lost. Writes benchmarks/reliability.md.
+recovers, what is lost; and each bad input, refused before launch with nothing of the user's
+lost. Writes benchmarks/reliability.md.
 
     .venv/bin/python benchmarks/reliability.py --out benchmarks/reliability.md
+    .venv/bin/python benchmarks/reliability.py --only-bad-inputs   # that table alone
 
 Every scenario drives the real command (`python -m llama_fsdp`, 2 CPU ranks, the tiny model)
 in a fresh directory, with the faults of tests/faults/hooks.py, a real `mlflow server` on
@@ -224,6 +226,190 @@ def corrupt_newest() -> dict:
     return {"code": code, "seconds": seconds, "fell_back": "step_000004 at step 4" in out}
 
 
+# --- bad input: each tried with the real command, refused before launch, nothing lost ---------
+
+
+def _user_files(root: Path) -> dict[str, bytes]:
+    """The user's things under ``root``: every file's bytes and every directory."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in [root, *root.rglob("*")]} if root.exists() else {}
+
+
+def _lost(before: dict[str, bytes], root: Path) -> int:
+    """Bytes (and directories, 1 each) of ``before`` that are gone or changed under ``root``."""
+    after = _user_files(root)
+    return sum(max(len(v), 1) for k, v in before.items() if after.get(k) != v)
+
+
+def _crafted(cwd: Path, marker: Path) -> Path:
+    from tests.unit.test_checkpoint import crafted_checkpoint
+
+    return crafted_checkpoint(cwd / "theirs" / "checkpoints" / "step_000004", marker)
+
+
+def _tiny_model(path: Path) -> Path:
+    from tests.unit.test_bad_input import _tiny_hf
+
+    return _tiny_hf(path)
+
+
+def _scenarios() -> list[tuple]:
+    """(row, what today's main did, setup(cwd, mine) -> overrides or argv, the text the refusal
+    must show, a check(cwd, mine) -> bool of what must not have happened)."""
+    def folder(cwd, mine):
+        (mine / "export").mkdir(parents=True)
+        (mine / "export" / "weights.bin").write_bytes(b"\x00" * 1000)
+        (mine / "config.yaml").write_text("mine: true\n")
+        return [f"output_dir={mine}", "save.export_hf=true"]
+
+    def empty(cwd, mine):
+        mine.mkdir()
+        return [f"output_dir={mine}", "train.lr=-1"]
+
+    def dry(cwd, mine):
+        mine.mkdir()
+        return [f"output_dir={mine}", "dry_run=true"]
+
+    def export(cwd, mine):
+        (mine / "export").mkdir(parents=True)
+        (mine / "owner.lock").touch()
+        (mine / "export" / "notes.txt").write_text("mine")
+        return [f"output_dir={mine}", "save.export_hf=true"]
+
+    def password(cwd, mine):
+        from llama_fsdp.launchers.common import free_port
+
+        return [f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{free_port()}",
+                "tracking.enabled=true"]
+
+    def line_break(cwd, mine):
+        return ["cluster=slurm", "dry_run=true", "cluster.partition='gpu\ntouch /tmp/x'"]
+
+    def crafted_resume(cwd, mine):
+        return [f"resume={_crafted(cwd, cwd / 'marker')}"]
+
+    def crafted_convert(cwd, mine):
+        return ["-m", "llama_fsdp.convert", str(_crafted(cwd, cwd / "marker")), str(cwd / "hf")]
+
+    def truncated(cwd, mine):
+        hf = _tiny_model(mine / "model")
+        shard = sorted(hf.glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[:-4096])
+        return [f"model.path={hf}"]
+
+    def bad_json(cwd, mine):
+        hf = _tiny_model(mine / "model")
+        (hf / "config.json").write_text('{"hidden_size": 256,')
+        return [f"model.path={hf}"]
+
+    def numbers(cwd, mine):
+        return ["train.lr=nan", "train.max_grad_norm=nan", "train.beta1=1.5", "train.eps=0",
+                "train.weight_decay=-1", "model.init_std=nan", "cluster.mem_gb=-8",
+                "cluster.timeout_min=-5", "train.max_steps=-5"]
+
+    def callback(cwd, mine):
+        return ["train.callbacks=[no_such_module:hook]"]
+
+    def gzipped(cwd, mine):
+        import gzip
+
+        mine.mkdir()
+        (mine / "train.jsonl").write_bytes(gzip.compress(b'{"text": "hi"}\n' * 100))
+        return ["data=jsonl", f"data.path={mine / 'train.jsonl'}"]
+
+    def run_id(cwd, mine):
+        return ["cluster=torchrun", "dry_run=true"]
+
+    return [
+        ("`output_dir=` at a folder of the user's (config.yaml, export/weights.bin)",
+         "trained there: config.yaml overwritten, run_status.json written, export/ deleted with "
+         "the user's file", folder, "is not empty and is not a llama_fsdp run directory", None),
+        ("a refused run whose `output_dir=` is an empty folder the user made",
+         "the folder removed", empty, "train.lr=-1.0 must be > 0", None),
+        ("`dry_run=true output_dir=<folder>`", "left an empty outputs/runs/<date>/<time>", dry,
+         "nothing launched", lambda cwd, mine: not (cwd / "outputs").exists()),
+        ("a run dir whose export/ holds a file of the user's, `save.export_hf=true`",
+         "export/ deleted (shutil.rmtree) at the end of training", export,
+         "export would replace what is there", None),
+        ("the tracking password in `tracking.uri` (store down)",
+         "the password in the refusal and, with a live store, in config.yaml, run.json, the "
+         "spool, owner.json, the submitit pickle and MLflow", password, "does not answer",
+         lambda cwd, mine: not any(SECRET.encode() in p.read_bytes()
+                                   for p in cwd.rglob("*") if p.is_file())),
+        ("a line break in `cluster.partition`",
+         "a shell line of its own in the job script, which ran", line_break,
+         "holds a line break", None),
+        ("`resume=` a checkpoint with a crafted .metadata",
+         "unpickled on every rank: the payload ran", crafted_resume,
+         "would load posix.system", lambda cwd, mine: not (cwd / "marker").exists()),
+        ("`convert` of that checkpoint", "the payload ran", crafted_convert,
+         "would load posix.system", lambda cwd, mine: not (cwd / "marker").exists()),
+        ("`model.path` with a truncated safetensors shard",
+         "passed every check; the ranks failed in DCP's reader (60 lines, no file named)",
+         truncated, "truncated", None),
+        ("`model.path` whose config.json is not JSON", "a raw JSONDecodeError", bad_json,
+         "is not valid JSON", None),
+        ("nine numbers out of range (lr=nan, max_grad_norm=nan, beta1=1.5, eps=0, "
+         "weight_decay=-1, init_std=nan, mem_gb=-8, timeout_min=-5, max_steps=-5)",
+         "8 of 9 accepted at compose (NaN trained silently; the rest failed in the ranks or "
+         "made a bogus plan); max_steps=-5 "
+         "suggested warmup_steps=-1", numbers, "train.lr=nan must be a finite number > 0",
+         None),
+        ("`train.callbacks=[no_such_module:hook]`", "imported only on the ranks, after the "
+         "model was built", callback, "cannot be imported", None),
+        ("a gzip'd `.jsonl`", "`line 1: malformed JSON`", gzipped, "not a text file", None),
+        ("a torchrun run id `../../x`", "the run dir outside outputs/runs", run_id,
+         "becomes a folder name", None),
+    ]
+
+
+SECRET = "pa55w0rd-never-written"
+
+
+def bad_inputs() -> list[dict]:
+    rows = []
+    for name, before, setup, shows, check in _scenarios():
+        cwd = _tmp()
+        mine = cwd / "mine"
+        args = setup(cwd, mine)
+        mine.mkdir(exist_ok=True)
+        user = _user_files(mine)
+        env = ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "../../x"}
+               if "cluster=torchrun" in args else None)
+        if args[0] == "-m":  # another module's command line
+            import subprocess
+
+            t0 = time.monotonic()
+            out = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True,
+                                 text=True, timeout=300)
+            code, log, seconds = out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+        else:
+            code, log, seconds = run_cli(cwd, *args, env=env)
+        rows.append({"name": name, "before": before, "code": code, "seconds": seconds,
+                     "named": shows in log, "lost": _lost(user, mine),
+                     "ok": check(cwd, mine) if check else True,
+                     "launched": "started" in log and "local rank" in log})
+    return rows
+
+
+def bad_input_markdown(rows: list[dict], command: str) -> str:
+    lines = ["", "## Bad input", "",
+             f"Each tried with the real command (`{command}`), in a fresh directory: what the "
+             "code before issue 36 did (commit 07052ee, by hand), and now: the exit code, "
+             "whether the message names the problem, whether any rank started, and the bytes of "
+             "the user's files lost or changed.", "",
+             "| input | before | now | time | user data lost |", "|---|---|---|---|---|"]
+    for r in rows:
+        now = (f"exit {r['code']}, named: {r['named']}, ranks started: {r['launched']}"
+               + ("" if r["ok"] else ", CHECK FAILED"))
+        lines.append(f"| {r['name']} | {r['before']} | {now} | {r['seconds']:.1f} s (whole "
+                     f"command) | {r['lost']} bytes |")
+    lost = sum(r["lost"] for r in rows)
+    lines += ["", f"{len(rows)} bad inputs tried; user data lost: {lost} bytes."]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: dict, command: str) -> str:
     k0, k1, ints, term, hup = (rows[k] for k in ("kill", "kill_restart", "int", "term", "hup"))
     dint, srv, unr, full, bad = (rows[k] for k in ("int2", "server", "unreachable", "disk",
@@ -313,7 +499,19 @@ def markdown(rows: dict, command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "reliability.md")
+    p.add_argument("--only-bad-inputs", action="store_true",
+                   help="run the bad-input table alone and replace that section of --out")
     args = p.parse_args()
+    command = "python benchmarks/reliability.py"
+    bad = bad_inputs()
+    for row in bad:
+        print("bad input", row)
+    assert not leftovers("reliability-"), leftovers("reliability-")
+    if args.only_bad_inputs:
+        head = args.out.read_text().split("\n## Bad input")[0].rstrip("\n") + "\n"
+        args.out.write_text(head + bad_input_markdown(bad, command + " --only-bad-inputs"))
+        print(f"wrote {args.out}")
+        return
     rows = {"kill": killed_rank(0), "kill_restart": killed_rank(1),
             "int": signal_launcher(signal.SIGINT), "int2": signal_launcher(signal.SIGINT, True),
             "term": signal_launcher(signal.SIGTERM), "hup": signal_launcher(signal.SIGHUP),
@@ -324,7 +522,7 @@ def main() -> None:
     for name, row in rows.items():
         print(name, row)
     assert not leftovers("reliability-"), leftovers("reliability-")
-    args.out.write_text(markdown(rows, "python benchmarks/reliability.py"))
+    args.out.write_text(markdown(rows, command) + bad_input_markdown(bad, command))
     print(f"wrote {args.out}")
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Union
 
-from ..rundir import RunDir
+from ..rundir import RunDir, private_dir
 from .rank import RankEntry, format_report, read_reports
 from .submitit_compat import local_controller, slurm_job_done
 
@@ -68,6 +68,11 @@ def load_entry(entry: Entry) -> Callable[[Any], Any]:
 
 
 def rank_entry(spec: RunSpec, entry: Entry, **kw: Any) -> RankEntry:
+    """The task submitit pickles into the run's submitit/ folder (and each rank into launch/):
+    both folders are the user's alone (rundir.private_dir)."""
+    run = RunDir(spec.output_dir)
+    private_dir(run.submitit)
+    private_dir(run.launch)
     return RankEntry(pickle.dumps((entry_ref(entry), spec)), **kw)
 
 

@@ -5,6 +5,7 @@ import logging
 import re
 import shutil
 import subprocess
+import shlex
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .base import Launcher
@@ -34,13 +35,14 @@ def executor_parameters(spec: RunSpec) -> dict[str, Any]:
         "ntasks_per_node": spec.nproc_per_node,
         "time": c.timeout_min,
         "signal_delay_s": c.signal_delay_s,
-        "job_name": spec.run_name.replace(" ", "_")[:64],
+        # (a sweep point's name holds its values: any blank or line break becomes _)
+        "job_name": re.sub(r"\s+", "_", spec.run_name)[:64],
         # One failing rank ends the job step at once instead of leaving its peers in a
         # collective; appending keeps the logs of earlier restarts.
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", *c.srun_args],
         # ours first, so that the user's own setup lines (an allocator, say) have the last word
-        "setup": [*(f"export {k}={v}" for k, v in worker_env(spec.output_dir, spec.device).items()),
-                  *c.setup],
+        "setup": [*(f"export {k}={shlex.quote(v)}"
+                    for k, v in worker_env(spec.output_dir, spec.device).items()), *c.setup],
     }
     optional = {"partition": c.partition, "account": c.account, "qos": c.qos,
                 "constraint": c.constraint, "cpus_per_task": c.cpus_per_task,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..prepare import prepare_data, prepare_job, resolve_model
 from ..result import FINISHED
-from ..rundir import RUNS
+from ..rundir import RUNS, name_problem
 from ..spec import ConfigError
 from .base import Launcher
 from .common import load_entry, scoped_environ, worker_env
@@ -118,6 +118,8 @@ class TorchrunLauncher(Launcher):
                                "it, has none) needs a run directory every process and restart "
                                "agrees on: give torchrun --rdzv-id=<name> "
                                "(outputs/runs/torchrun-<name>) or output_dir=<dir>"])
+        if (problem := name_problem("torchrun's run id (--rdzv-id)", run_id)) is not None:
+            raise ConfigError([problem])
         return str((Path.cwd() / RUNS / f"torchrun-{run_id}").resolve())
 
     def preflight(self, spec: RunSpec) -> list[str]:

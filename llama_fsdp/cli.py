@@ -24,13 +24,14 @@ from .compat import check_versions
 from .config import register_configs
 from .launchers import Interrupted, LaunchError, Launcher, launcher_for
 from .launchers.common import skip_final_collection
-from .multirun import failed, finished_point, sweep_kwargs
+from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
 from .owner import RunDirBusy
 from .plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
 from .prepare import PrepareError
 from .result import FAILED, FINISHED, USER_STOPPED
-from .rundir import OWNER_LOCK
+from .rundir import Footprint
+from .secrets import export_credentials
 from .spec import ConfigError, RunSpec, build_spec
 from .strategies import one_group_warning
 from .summary import summary_lines
@@ -47,6 +48,7 @@ def plan_run(cfg: DictConfig, run_dir: str) -> tuple[RunSpec, Any]:
     """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
     spec = resolve_auto(build_spec(cfg, output_dir=run_dir, launch_dir=Path.cwd(),
                                    **sweep_kwargs()))
+    export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
@@ -80,25 +82,6 @@ def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
     return results
 
 
-def _remove_if_empty(output_dir: str) -> None:
-    """Hydra made the run directory (and its parents); a run that did not launch leaves nothing
-    behind. rmdir removes only empty directories, so nothing of a user's is ever deleted; it
-    climbs to the working directory for a relative run dir (outputs/runs/<date>/<time>), and two
-    levels for one elsewhere."""
-    path = Path(output_dir).absolute()
-    cwd = Path.cwd().absolute()
-    chain = [path, *path.parents]
-    chain = ([d for d in chain if d != cwd and cwd in d.parents] if cwd in path.parents
-             else chain[:2])
-    if [p.name for p in path.iterdir()] == [OWNER_LOCK] if path.is_dir() else False:
-        (path / OWNER_LOCK).unlink(missing_ok=True)  # a launch refused after it took the directory
-    for d in chain:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
 @hydra.main(config_path="pkg://llama_fsdp.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> Any:
     with contextlib.ExitStack() as held:  # the run directory stays owned to the very end
@@ -111,9 +94,12 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         logging.getLogger().setLevel(logging.WARNING)  # another process speaks for the job
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
-    output_dir = str(Path(cfg.output_dir).resolve())  # Hydra's until the spec says
+    hydra = hydra_footprint()
+    output_dir, made = str(hydra.path), hydra  # Hydra's until the spec says
     try:
         output_dir = launcher.run_dir(cfg.output_dir, given="output_dir" in overridden_keys())
+        if output_dir != str(hydra.path):  # (before anything of this launch makes it)
+            made = Footprint(output_dir)
         result = run_one(cfg, launcher, output_dir, held)
         launched = result is not None
         if launched and launcher.waits:
@@ -137,9 +123,9 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     finally:
         if not launched:
             held.close()  # let the directory go first: a run that never started leaves nothing
-            _remove_if_empty(output_dir)
-        if str(Path(cfg.output_dir).resolve()) != output_dir:  # Hydra's, made but not used
-            _remove_if_empty(str(Path(cfg.output_dir).resolve()))
+            made.undo()  # of what it made; a directory that was there before stays
+        if made is not hydra:  # Hydra's, made but not used
+            hydra.undo()
 
 
 def main() -> None:

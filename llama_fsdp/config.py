@@ -25,6 +25,38 @@ CLUSTERS = ("local", "slurm", "torchrun")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def out_of_range(key: str, value: Any, *, low: Optional[float] = None,
+                 high: Optional[float] = None, low_open: bool = False,
+                 high_open: bool = False) -> Optional[str]:
+    """Why a number (None: not set, nothing to say) is not a finite value in its range, for a
+    problems() list: NaN and infinity pass every ``<`` test and would train (or plan) silently."""
+    import math
+
+    if value is None:
+        return None
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+    hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+    wanted = (f"in {lo}, {hi}" if lo and hi else f"{'>' if low_open else '>='} {low:g}" if lo
+              else f"{'<' if high_open else '<='} {high:g}")
+    if not math.isfinite(value):
+        return f"{key}={value} must be a finite number {wanted}"
+    if (low is not None and (value <= low if low_open else value < low)) or \
+            (high is not None and (value >= high if high_open else value > high)):
+        return f"{key}={value} must be {wanted}"
+    return None
+
+
+def has_line_break(value: Any) -> bool:
+    """A value that would start a new line in a shell script or a #SBATCH line."""
+    return isinstance(value, str) and any(c in value for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def line_break(key: str, value: Any) -> str:
+    return (f"{key}={value!r} holds a line break, which would start a new line in the job "
+            "script (a command that runs, and every #SBATCH line after it ignored): give it on "
+            "one line")
+
+
 @dataclass
 class RopeScalingConfig:
     """Llama 3.1/3.2 frequency scaling (``rope_type: llama3``)."""
@@ -34,6 +66,13 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def problems(self, key: str = "model.rope_scaling") -> list[str]:
+        checks = [out_of_range(f"{key}.{f}", getattr(self, f), low=0, low_open=True)
+                  for f in ("factor", "low_freq_factor", "high_freq_factor")]
+        checks.append(out_of_range(f"{key}.original_max_position_embeddings",
+                                   self.original_max_position_embeddings, low=1))
+        return [c for c in checks if c]
 
 
 @dataclass
@@ -56,6 +95,16 @@ class ModelConfig:
     # packed rows on CPU and on CUDA in 16-bit, else sdpa), or a hub kernel.
     attn_implementation: str = AUTO_KERNEL
     init_std: float = 0.02
+
+    def problems(self) -> list[str]:
+        """The numbers that are not shapes (those: spec._check_model), for RunSpec's report."""
+        checks = [out_of_range("model.rope_theta", self.rope_theta, low=0, low_open=True),
+                  out_of_range("model.rms_norm_eps", self.rms_norm_eps, low=0, low_open=True),
+                  out_of_range("model.init_std", self.init_std, low=0, low_open=True),
+                  out_of_range("model.max_position_embeddings", self.max_position_embeddings,
+                               low=1)]
+        out = [c for c in checks if c]
+        return out + (self.rope_scaling.problems() if self.rope_scaling is not None else [])
 
 
 @dataclass
@@ -141,6 +190,28 @@ class ClusterConfig:
     # Overrides of that table: per-device memory (GB) and dense peak TFLOP/s.
     device_memory_gb: Optional[float] = None
     peak_tflops: Optional[float] = None
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        # every string that reaches the sbatch script: a line break there starts a new shell
+        # line (which runs), and every #SBATCH line after it is silently ignored
+        texts = [("cluster.partition", self.partition), ("cluster.account", self.account),
+                 ("cluster.qos", self.qos), ("cluster.constraint", self.constraint),
+                 *((f"cluster.setup[{i}]", v) for i, v in enumerate(self.setup)),
+                 *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(self.srun_args)),
+                 *((f"cluster.sbatch_extra.{k}", f"{k}{v}") for k, v in self.sbatch_extra.items())]
+        out += [line_break(key, value) for key, value in texts if has_line_break(value)]
+        checks = [out_of_range("cluster.timeout_min", self.timeout_min, low=1),
+                  out_of_range("cluster.time_min", self.time_min, low=1),
+                  out_of_range("cluster.mem_gb", self.mem_gb, low=1),
+                  out_of_range("cluster.cpus_per_task", self.cpus_per_task, low=1),
+                  out_of_range("cluster.gpus_per_node", self.gpus_per_node, low=0),
+                  out_of_range("cluster.threads_per_rank", self.threads_per_rank, low=1),
+                  out_of_range("cluster.device_memory_gb", self.device_memory_gb, low=0,
+                               low_open=True),
+                  out_of_range("cluster.peak_tflops", self.peak_tflops, low=0, low_open=True)]
+        return out + [c for c in checks if c]
 
 
 @dataclass
@@ -276,6 +347,24 @@ class TrainConfig:
     # state.losses has the previous log step's loss, read once the next step is queued).
     callbacks: list[str] = field(default_factory=list)
 
+    def problems(self) -> list[str]:
+        """Its numbers as finite values in their ranges, and the callbacks' form (the integer
+        counts and the warmup: spec._check_positive; importing the callbacks: prepare)."""
+        checks = [out_of_range("train.lr", self.lr, low=0, low_open=True),
+                  out_of_range("train.min_lr_ratio", self.min_lr_ratio, low=0, high=1),
+                  out_of_range("train.weight_decay", self.weight_decay, low=0),
+                  out_of_range("train.beta1", self.beta1, low=0, high=1, high_open=True),
+                  out_of_range("train.beta2", self.beta2, low=0, high=1, high_open=True),
+                  out_of_range("train.eps", self.eps, low=0, low_open=True),
+                  out_of_range("train.max_grad_norm", self.max_grad_norm, low=0)]
+        out = [c for c in checks if c]
+        for path in self.callbacks:
+            module, _, attr = path.partition(":")
+            if not module or not attr.isidentifier():
+                out.append(f"train.callbacks: {path!r} is not 'module:attr' (a factory "
+                           "importable on every rank)")
+        return out
+
 
 @dataclass
 class EvalConfig:
@@ -286,6 +375,12 @@ class EvalConfig:
     task_prompts: int = 64
     # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
     max_new_tokens: Optional[int] = None
+
+    def problems(self) -> list[str]:
+        checks = [out_of_range("eval.max_batches", self.max_batches, low=1),
+                  out_of_range("eval.task_prompts", self.task_prompts, low=0),
+                  out_of_range("eval.max_new_tokens", self.max_new_tokens, low=1)]
+        return [c for c in checks if c]
 
 
 @dataclass
@@ -333,8 +428,8 @@ class FinetuneConfig:
         out = []
         if self.rank < 1:
             out.append(f"finetune.rank={self.rank} must be >= 1")
-        if self.alpha <= 0:
-            out.append(f"finetune.alpha={self.alpha} must be > 0")
+        if (alpha := out_of_range("finetune.alpha", self.alpha, low=0, low_open=True)):
+            out.append(alpha)
         if not 0 <= self.dropout < 1:
             out.append(f"finetune.dropout={self.dropout} must be in [0, 1)")
         unknown = [t for t in self.target_modules if t not in FinetuneConfig.TARGETS]
@@ -436,6 +531,16 @@ class TrackingConfig:
     # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0
+
+    def problems(self) -> list[str]:
+        # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
+        checks = [out_of_range("tracking.final_delivery_s", self.final_delivery_s, low=0),
+                  out_of_range("tracking.system_metrics_interval_s",
+                               self.system_metrics_interval_s, low=0, low_open=True)]
+        out = [c for c in checks if c]
+        if has_line_break(self.run_name):
+            out.append(line_break("tracking.run_name", self.run_name))
+        return out
 
 
 @dataclass

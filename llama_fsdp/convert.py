@@ -82,8 +82,11 @@ def _meta_dir(checkpoint: Path, config_yaml: Optional[Path], work: Path) -> Path
 
 
 def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
-            dtype: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write the HF directory ``out`` from a DCP checkpoint (or a run dir's newest one)."""
+            dtype: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+            overwrite: bool = False) -> Path:
+    """Write the HF directory ``out`` from a DCP checkpoint (or a run dir's newest one). An
+    existing ``out`` is replaced only with ``overwrite``, or when it is empty or an earlier
+    export of llama_fsdp's."""
     ckpt = resolve_resume(str(checkpoint), checkpoint, named="")
     assert ckpt is not None
     sd = read_model_state(ckpt)
@@ -102,7 +105,8 @@ def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
             cfg = json.loads((meta / "config.json").read_text())
             cfg["dtype"] = dtype
             (meta / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        path = write_hf_dir(sd, out, meta_dir=meta, max_shard_bytes=max_shard_bytes)
+        path = write_hf_dir(sd, out, meta_dir=meta, max_shard_bytes=max_shard_bytes,
+                            overwrite=overwrite)
     log.info("converted %s -> %s (%d tensors, %.1f MB)", ckpt, path, len(sd),
              dir_bytes(path) / 1e6)
     return path
@@ -129,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         convert(args.checkpoint, args.out, config_yaml=args.config, dtype=args.dtype,
-                max_shard_bytes=_parse_size(args.max_shard_size))
+                max_shard_bytes=_parse_size(args.max_shard_size), overwrite=args.overwrite)
     except (FileNotFoundError, ValueError) as e:
         log.error("%s", e)
         return 2

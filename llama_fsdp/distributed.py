@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import socket
@@ -79,7 +80,7 @@ def init_distributed(spec: RunSpec, env: DistEnv) -> torch.device:
     CPU ones (CPU offload's gradients, object collectives)."""
     torch.set_num_threads(spec.cluster.threads_per_rank or cpus_for_rank(env))
     timeout = datetime.timedelta(seconds=spec.cluster.init_timeout_s)
-    store = _attempt_store(env, timeout)
+    store = _attempt_store(env, timeout) or _loopback_store(env, timeout)
     if spec.device == "cuda":
         device = _gpu_for_rank(env)
         torch.cuda.set_device(device)
@@ -113,6 +114,32 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dict[str, Any]:
     attempt = store.add(f"llama_fsdp/starts/rank{env.rank}", 1)
     return {"store": dist.PrefixStore(f"llama_fsdp/attempt{attempt}/", store),
             "rank": env.rank, "world_size": env.world_size}
+
+
+def _loopback_store(env: DistEnv, timeout: datetime.timedelta) -> dict[str, Any]:
+    """A launch on this host alone (MASTER_ADDR a loopback address, as the local launcher
+    gives it): rank 0 serves the rendezvous store on that address only. torch's TCPStore
+    listens on every interface whatever host it is given, which would let anything that
+    reaches this machine talk to the ranks' store; handed a socket bound to loopback, it
+    listens there. Elsewhere: {} (the env:// default)."""
+    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT") or 0)
+    try:
+        family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        loopback = ipaddress.ip_address(where[0]).is_loopback
+    except (OSError, ValueError, IndexError):
+        return {}
+    if not loopback or not port:
+        return {}
+    listen_fd = None
+    if env.rank == 0:
+        sock = socket.socket(family, kind)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(max(env.world_size, 128))
+        listen_fd = sock.detach()  # the store owns the descriptor from here
+    store = dist.TCPStore(where[0], port, env.world_size, is_master=env.rank == 0,
+                          timeout=timeout, master_listen_fd=listen_fd)
+    return {"store": store, "rank": env.rank, "world_size": env.world_size}
 
 
 _OPEN: Optional[tuple[DistEnv, torch.device]] = None  # the group process_group holds open

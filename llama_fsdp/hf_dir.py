@@ -90,3 +90,73 @@ def hub_name(path: str) -> str:
     if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
         return p.parent.parent.name[len("models--"):].replace("--", "/")
     return path
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A model directory's config.json; ValueError naming the file when it is not JSON."""
+    import json
+
+    f = Path(path) / "config.json"
+    try:
+        out = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno}): a damaged download or an edit; fetch or write it again")
+    except UnicodeDecodeError:
+        raise ValueError(f"{f} is not a text file: fetch or write it again") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{f} holds a JSON {type(out).__name__}, not the object of a model's "
+                         "config")
+    return out
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def safetensors_problem(f: Path) -> "str | None":
+    """None when ``f``'s header parses and the file is as long as the header says (a truncated
+    download or copy fails here, naming the file, rather than inside the ranks' loader)."""
+    import json
+
+    size = f.stat().st_size
+    fix = "download or copy it again"
+    with f.open("rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            return (f"{f} is not a safetensors file or is truncated ({size} bytes; its header "
+                    f"length reads {n}): {fix}")
+        try:
+            header = json.loads(fh.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"{f} has a damaged safetensors header ({type(e).__name__}: {e}): {fix}"
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return (f"{f} has {size} bytes but its header describes {expected}: "
+                f"{'truncated' if size < expected else 'trailing bytes'}; {fix}")
+    return None
+
+
+def model_file_problems(path: Path) -> list[str]:
+    """A local model directory's files, checked before any process starts: config.json parses,
+    every *.safetensors header parses and its file has the length the header says, and an
+    index names only files that are there. Each problem names its file."""
+    import json
+
+    path = Path(path)
+    out = []
+    try:
+        read_config_json(path)
+    except (ValueError, OSError) as e:
+        out.append(str(e))
+    out += [p for f in sorted(path.glob("*.safetensors")) if (p := safetensors_problem(f))]
+    for index in sorted(path.glob("*.safetensors.index.json")):
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            out.append(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
+            continue
+        out += [f"{index} names {name}, which is not in {path}" for name in sorted(files)
+                if not (path / name).is_file()]
+    return out

@@ -71,3 +71,24 @@ def cached_entry_ok(path: Path, *, digests: bool, damaged: Optional[str] = None)
         logging.getLogger("llama_fsdp.cache").warning(damaged.format(problem=problem))
         shutil.rmtree(path, ignore_errors=True)
     return False
+
+
+def not_ours(path: Path, *, edited: bool = True) -> Optional[str]:
+    """None when ``path`` holds only the files its manifest lists: wholly what llama_fsdp
+    wrote, so it may be replaced or deleted. Else what says otherwise (no manifest, a file it
+    does not list), naming it. ``edited``: a listed file whose size changed counts as the
+    user's too (an export someone edited); without it, as damage to ours (a checkpoint cut
+    short, which a later save of the same step replaces)."""
+    manifest = Path(path) / MANIFEST
+    problem = verify_manifest(path, required=True)
+    if problem is not None and (edited or not manifest.is_file()):
+        return problem
+    try:
+        listed = set(json.loads(manifest.read_text()))
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    extra = sorted(str(f.relative_to(path)) for f in Path(path).rglob("*")
+                   if f.is_file() and f.name != MANIFEST and str(f.relative_to(path)) not in listed)
+    if extra:
+        return f"{Path(path) / extra[0]} is not one of the files llama_fsdp wrote there"
+    return None

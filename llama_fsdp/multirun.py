@@ -15,12 +15,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from .launchers import launcher_for
-from .overrides import command_line, point_values, swept_overrides
+from .overrides import command_line, point_values, shown_override, swept_overrides
 from .result import FINISHED
-from .rundir import config_digest, read_run_status
+from .rundir import Footprint, config_digest, read_run_status
+from .secrets import export_credentials, redact
 from .spec import RunSpec, point_name, resolve_tracking_uri
 from .sweep import parent_run, start_parent, summarize, sweep_id_for, swept_keys_of
 
@@ -74,15 +75,21 @@ def failed(code: int) -> Optional[PointFailed]:
 
 
 class SweepCallback(Callback):
-    """Hydra callback of a multirun: the parent run when it starts; each point's outcome as it
-    ends; the summary when the sweep ends (local sweeps), or the command that makes it (SLURM
-    sweeps, which return at submission). A sweep with failed points exits with the worst code
-    once every point had its turn."""
+    """Hydra callback: before a run, which parents of its directory exist (Hydra makes them,
+    and a run that does not launch removes what was made); of a multirun: the parent run when
+    it starts; each point's outcome as it ends; the summary when the sweep ends (local sweeps),
+    or the command that makes it (SLURM sweeps, which return at submission). A sweep with
+    failed points exits with the worst code once every point had its turn."""
 
     def __init__(self) -> None:
         self.failed: list[PointFailed] = []
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.run, "dir"))
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.sweep, "dir"))
+        _credentials_to_environ(config)
         if not config.tracking.enabled:
             return
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
@@ -117,3 +124,50 @@ class SweepCallback(Callback):
                       "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
                       ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
             raise SystemExit(max(p.code for p in self.failed))
+
+
+# The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,
+# recorded by SweepCallback.on_run_start / on_multirun_start (before Hydra's mkdir).
+_HYDRA_DIR_EXISTED: dict[str, Path] = {}
+
+
+def _hydra_made_below(pattern: str) -> Path:
+    """Where the directories Hydra makes from a run / sweep dir ``pattern`` begin: its parts
+    from the first interpolation on (``${now:...}``: made per launch, also by a sibling process
+    of the same torchrun job) are Hydra's; of its fixed prefix (outputs/runs), what does not
+    exist yet."""
+    fixed = []
+    for part in Path(pattern).parts:
+        if "${" in part:
+            break
+        fixed.append(part)
+    return Footprint.deepest_existing(Path(*fixed) if fixed else Path.cwd())
+
+
+def hydra_footprint() -> Footprint:
+    """Hydra's run directory of this job, and which of its parents Hydra made."""
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    existed = _HYDRA_DIR_EXISTED.get("dir", hydra_dir)  # unknown: remove nothing above it
+    return Footprint(hydra_dir, existed=existed)
+
+
+def _raw(node: DictConfig, key: str) -> str:
+    """A config value as written, its interpolations unresolved."""
+    return str(OmegaConf.to_container(node, resolve=False)[key])
+
+
+def _credentials_to_environ(config: DictConfig) -> None:
+    """A sweep's tracking URI without its credentials, in the config the sweeper saves
+    (multirun.yaml) and composes every point from (its task overrides); the credentials in
+    this process's environment, which the points (and their ranks, and their SLURM jobs)
+    inherit."""
+    try:
+        given = config.tracking.uri
+        clean = export_credentials(given)
+    except ValueError:  # a secret MLflow cannot take from the environment: every point says so
+        return
+    with read_write(config), open_dict(config):
+        config.tracking.uri = clean
+        config.hydra.overrides.task = [shown_override(a) for a in config.hydra.overrides.task]
+        config.hydra.job.override_dirname = redact(
+            config.hydra.job.override_dirname.replace(given, clean))

@@ -14,6 +14,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 
 from .config import Config
+from .secrets import redact, strip_credentials
 from .validate import field_type, not_a_key
 
 
@@ -55,7 +56,19 @@ def command_line(*, drop: tuple[str, ...] = ()) -> str:
     prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
     args = [a for a in sys.argv[1:]
             if (o := parse_override(a)) is None or o.key_or_group not in drop]
-    return " ".join([prog, *map(shlex.quote, args)])
+    return " ".join([prog, *(shlex.quote(shown_override(a)) for a in args)])
+
+
+def shown_override(arg: str) -> str:
+    """An argument as it may be shown and stored: a tracking URI without its credentials (they
+    come from the environment), any other URL's redacted."""
+    o = parse_override(arg)
+    if o is not None and o.key_or_group == "tracking.uri" and not o.is_sweep_override():
+        try:
+            return f"{arg.split('=', 1)[0]}={strip_credentials(o.value())}"
+        except Exception:  # noqa: BLE001 - a secret MLflow cannot take: hidden, refused later
+            pass
+    return redact(arg)
 
 
 def override_key_problems(args: list[str]) -> list[str]:

@@ -3,7 +3,8 @@
 A launch holds its run directory from preparation to the end of its ranks: an exclusive
 ``flock`` on ``<run>/owner.lock``, which the kernel releases when the process ends however it
 ends (a SIGKILL, a crash), and ``<run>/owner.json`` saying who holds it (host, pid, since, the
-command). A second launch into a live run's directory is refused at once with that record. A
+command). A second launch into a live run's directory is refused at once with that record, and so is a
+launch into a directory that is neither empty nor a run's (it holds the user's files). A
 record whose lock is free was left by an owner that died: the directory is taken over (the
 caller says so, and resume=auto continues from the newest checkpoint). A SLURM job submitted
 without waiting (cluster.wait=false) outlives its launcher: its record keeps the job id, and the
@@ -21,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .rundir import RunDir, replace_text
+from .rundir import RunDir, claim_problem, replace_text
+
 
 class RunDirBusy(RuntimeError):
-    """Another live launch owns the run directory."""
+    """The run directory cannot be taken: another live launch owns it, or it holds what no run
+    wrote (rundir.claim_problem)."""
 
 
 def _read(path: Path) -> dict:
@@ -81,6 +84,8 @@ def own(output_dir: str, *, command: str) -> Iterator[Ownership]:
     """Hold ``output_dir`` while the block runs; raise RunDirBusy if a live launch holds it.
     ``Ownership.previous`` is the record of a dead owner that was taken over ({} if none)."""
     o = Ownership(output_dir)
+    if (problem := claim_problem(output_dir)) is not None:
+        raise RunDirBusy(problem)
     o.dir.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(o.dir.owner_lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint.layout import resume_candidates
 from .data import warm
-from .hf_dir import resolve_hf_dir
+from .hf_dir import model_file_problems, resolve_hf_dir
 from .owner import own
 from .result import FINISHED
 from .rundir import CONFIG_FILE, RunDir, read_run_status
@@ -97,6 +97,7 @@ def finished_run(spec: RunSpec) -> bool:
 
 def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     """Reach the tracking store, fetch weights, prepare the data, create the MLflow run."""
+    check_callbacks(spec)
     reachable = check_tracking(spec) if spec.tracking.enabled else False
     spec = resolve_model(spec)
     data = prepare_data(spec)
@@ -105,6 +106,14 @@ def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
     return PreparedRun(spec, data.stats)
+
+
+def check_callbacks(spec: RunSpec) -> None:
+    """train.callbacks imported here, once: a bad one is named before any rank starts."""
+    from .callbacks import problems
+
+    if found := problems(spec.train.callbacks):
+        raise PrepareError("; ".join(found))
 
 
 def check_tracking(spec: RunSpec) -> bool:
@@ -139,8 +148,10 @@ def resolve_model(spec: RunSpec) -> RunSpec:
     if not path or Path(path).expanduser().is_dir():
         return spec
     log.info("downloading %s (config, safetensors, tokenizer) ...", path)
-    local = str(resolve_hf_dir(path))
-    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=local))
+    local = resolve_hf_dir(path)
+    if problems := model_file_problems(local):  # a damaged download: named before launch
+        raise PrepareError("model.path: " + "; ".join(problems))
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=str(local)))
 
 
 def check_data(spec: RunSpec) -> Any:

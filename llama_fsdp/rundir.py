@@ -6,7 +6,7 @@ A run directory (``outputs/runs/<date>/<time>``, or ``output_dir=``) holds::
     config.yaml         the resolved config of the latest launch
     run_status.json     how the latest attempt ended, with its config's digest
     owner.json          the live launcher that owns the directory (host, pid, since)
-    owner.lock          the flock its owner holds (the kernel lets it go when the owner dies)
+    owner.lock          the lock that launcher holds (kept: it marks the directory as a run's)
     checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight)
     export/             the consolidated HF directory (save.export_hf), or the PEFT adapter
                         (finetune=lora / qlora)
@@ -51,6 +51,11 @@ SUBMITIT = "submitit"
 HANG = "hang"
 HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
 OPTIM_META = "optimizer.json"  # inside a DCP checkpoint: the optimizer that wrote its state
+
+
+# What only a run writes: a directory holding one of these is a run directory, which a run may
+# write into (``claim_problem``). config.yaml alone is no proof: users name their files so too.
+RUN_MARKERS = (OWNER_LOCK, OWNER, RUN_STATUS, f"{TRACKING}/run.json")
 
 
 class RunDir:
@@ -174,3 +179,75 @@ def read_run_status(output_dir: str | Path) -> dict:
         return json.loads(RunDir(output_dir).status.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def name_problem(key: str, name: str) -> "str | None":
+    """Why ``name`` cannot be one folder's name inside another (a separator, `..`, a NUL): a
+    name that becomes a path must not leave the folder it is put in."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        return (f"{key}={name!r} becomes a folder name, and it would not stay one folder inside "
+                "its parent: use a name without '/', '\\' or '..'")
+    return None
+
+
+def claim_problem(output_dir: str | Path) -> "str | None":
+    """None when a run may write into ``output_dir``: it does not exist yet, it is empty, or it
+    is a run directory (it holds one of RUN_MARKERS). Else what is there, for the refusal: a
+    run overwrites config.yaml and run_status.json and replaces export/, which must never be
+    done to a folder of the user's."""
+    root = Path(output_dir)
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return f"output_dir={root} is a file, not a directory"
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())
+    if not entries or any((root / m).exists() for m in RUN_MARKERS):
+        return None
+    shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
+    return (f"output_dir={root} is not empty and is not a llama_fsdp run directory (it holds "
+            f"{shown}): a run writes config.yaml, run_status.json, checkpoints/ and export/ "
+            "there and would overwrite what is yours. Give an empty or new directory, or the "
+            "directory of an earlier run to continue it")
+
+
+class Footprint:
+    """What of a run directory's path existed before this launch, so that a launch that does
+    not happen removes exactly the empty directories it made and the lock it took, and never
+    a directory (or lock) that was there before it."""
+
+    def __init__(self, path: str | Path, *, existed: "Path | None" = None):
+        self.path = Path(path).absolute()
+        # the deepest directory of the path that was there before (None: record it now)
+        self.existed = existed if existed is not None else self.deepest_existing(self.path)
+        self.had_lock = (self.path / OWNER_LOCK).exists()
+
+    @staticmethod
+    def deepest_existing(path: Path) -> Path:
+        path = Path(path).absolute()
+        return next(p for p in (path, *path.parents) if p.exists())
+
+    def undo(self) -> None:
+        """Remove the lock this launch left in a directory that holds nothing else, then the
+        empty directories it made, deepest first (rmdir: never one that holds anything)."""
+        lock = self.path / OWNER_LOCK
+        if not self.had_lock and self.path.is_dir() and \
+                [p.name for p in self.path.iterdir()] == [OWNER_LOCK]:
+            lock.unlink(missing_ok=True)
+        for d in (self.path, *self.path.parents):
+            if d == self.existed or d in self.existed.parents:
+                return
+            try:
+                d.rmdir()
+            except OSError:
+                return
+
+
+def private_dir(path: str | Path) -> Path:
+    """``path`` as a directory only its owner can read: the pickled run (submitit's job file,
+    a rank's input) holds the run's resolved values, those of ${oc.env:...} keys included."""
+    import os
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

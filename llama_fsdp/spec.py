@@ -35,6 +35,8 @@ from .config import (
     ShardingConfig,
     TrackingConfig,
     TrainConfig,
+    has_line_break,
+    line_break,
 )
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
@@ -283,15 +285,21 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
                sweep_dir: Optional[str] = None,
                sweep_point: Optional[dict[str, str]] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError."""
+    from . import secrets
+
     if isinstance(cfg, DictConfig):
         unknown = validate.unknown_keys(cfg)
         if unknown:
             raise ConfigError(unknown)
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     else:
         obj = cfg
-        config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    try:  # the credentials travel in the environment (cli.plan_run), never in the spec
+        obj = dataclasses.replace(obj, tracking=dataclasses.replace(
+            obj.tracking, uri=secrets.strip_credentials(obj.tracking.uri)))
+    except secrets.SecretInURI as e:
+        raise ConfigError([str(e)]) from None
+    config_yaml = secrets.config_yaml(cfg)  # oc.env values as their interpolation
     problems: list[str] = []
     validate.check_choices(obj, problems)
     validate.check_positive(obj, problems)
@@ -302,7 +310,10 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
     # caller's output_dir, not the config's)
     problems.extend(checkpoint_problems(dataclasses.replace(obj, output_dir=str(out))))
-    problems.extend(obj.data.problems())
+    for node in (obj.data, obj.model, obj.train, obj.eval, obj.cluster, obj.tracking):
+        problems.extend(node.problems())
+    if obj.cluster.kind == "slurm" and has_line_break(str(out)):  # in the #SBATCH lines
+        problems.append(line_break("output_dir", str(out)))
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     device = _resolve_device(obj.cluster)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from .config import TrackingConfig
 from .result import FINISHED, SUMMARY, SUMMARY_PREFIX, mlflow_status
+from .secrets import export_credentials
 from .spec import resolve_tracking_uri
 from .tracking import (
     START_DELIVERY_S,
@@ -224,7 +225,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--experiment", default=TrackingConfig.experiment)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    table = summarize(args.sweep_id, tracking_uri=resolve_tracking_uri(args.uri, Path.cwd()),
+    uri = export_credentials(args.uri)  # MLflow reads them from the environment
+    table = summarize(args.sweep_id, tracking_uri=resolve_tracking_uri(uri, Path.cwd()),
                       experiment=args.experiment)
     if table is None:
         raise SystemExit(1)

@@ -36,7 +36,6 @@ cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never t
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import socket
 from dataclasses import dataclass
@@ -123,12 +122,10 @@ def compile_cache(spec: RunSpec, rank: int) -> None:
 
 def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
     """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
-    hooks = []
-    for path in spec.train.callbacks:
-        module, _, attr = path.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-        hooks.append(factory(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir))
-    return hooks
+    from .callbacks import resolve
+
+    return [resolve(path)(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir)
+            for path in spec.train.callbacks]
 
 
 def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.device) -> dict:

@@ -2,14 +2,14 @@
 resume targets, save options."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..config import Config, ModelConfig, model_presets
-from ..hf_dir import hf_shape, shape_diff
-from ..rundir import OPTIM_META
-from .layout import resolve_resume, verify
+from ..hf_dir import hf_shape, model_file_problems, read_config_json, shape_diff
+from ..rundir import OPTIM_META, RunDir, claim_problem
+from .layout import METADATA, export_problem, resolve_resume, resume_candidates, verify
+from .pickles import check_file
 from .optim_meta import optim_mismatch
 
 
@@ -41,7 +41,7 @@ def _local_hf_problems(path: Path) -> list[str]:
     if not any(path.glob("*.safetensors")):
         return [f"model.path={path} has no *.safetensors files (only safetensors weights are "
                 "read; convert .bin checkpoints with transformers' save_pretrained first)"]
-    return []
+    return [f"model.path: {p}" for p in model_file_problems(path)]
 
 
 def model_path_problems(m: ModelConfig) -> list[str]:
@@ -53,14 +53,14 @@ def model_path_problems(m: ModelConfig) -> list[str]:
         problems = _local_hf_problems(local)
         if problems:
             return problems
-        hf = json.loads((local / "config.json").read_text())
+        hf = read_config_json(local)
     elif local.exists() or m.path.startswith((".", "/", "~")) or m.path.count("/") != 1:
         return [f"model.path={m.path} is neither a directory nor a hub name (org/name)"]
     else:
         try:
             from huggingface_hub import hf_hub_download
 
-            hf = json.loads(Path(hf_hub_download(m.path, "config.json")).read_text())
+            hf = read_config_json(Path(hf_hub_download(m.path, "config.json")).parent)
         except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report
             return [f"model.path={m.path}: not a local directory, and the hub lookup of its "
                     f"config.json failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
@@ -90,6 +90,17 @@ def resume_problems(resume: str, output_dir: str) -> list[str]:
     return []
 
 
+def resume_pickle_problems(cfg: Config) -> list[str]:
+    """A checkpoint this run may resume from whose .metadata would load more than DCP's
+    metadata classes (pickles.py): refused before any process starts."""
+    try:
+        candidates = resume_candidates(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    return [why for path in candidates if (path / METADATA).is_file()
+            and (why := check_file(path / METADATA)) is not None]
+
+
 def resume_optim_problems(cfg: Config) -> list[str]:
     """The checkpoint to resume from holds another optimizer's state, or what another finetune
     method trains (optim_meta.py)."""
@@ -107,10 +118,25 @@ def resume_optim_problems(cfg: Config) -> list[str]:
     return [why] if why else []
 
 
+def export_problems(cfg: Config) -> list[str]:
+    """The run's export would replace a directory that is not wholly an earlier export of
+    llama_fsdp's (the user's files in <run>/export): refused now, not after training."""
+    run = RunDir(cfg.output_dir)
+    if claim_problem(run.root) is not None:  # not a run's directory: refused as a whole at launch
+        return []
+    outs = []
+    if cfg.finetune.adapters or cfg.save.export_hf:
+        outs.append(run.export)
+    if cfg.finetune.adapters and cfg.finetune.export_merged:
+        outs.append(run.export_merged)
+    return [f"this run's export would replace what is there: {why}" for p in outs
+            if (why := export_problem(p)) is not None]
+
+
 def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
     problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
-    problems += resume_optim_problems(cfg)
+    problems += resume_pickle_problems(cfg) + resume_optim_problems(cfg) + export_problems(cfg)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "

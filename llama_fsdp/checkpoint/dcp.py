@@ -1,7 +1,11 @@
 """Sharded DCP checkpoints: what a run needs to continue (model, optimizer, LR scheduler,
 counters, loader position, RNG), written by every rank in parallel, published atomically, kept
-K deep, resharded on load (2 ranks -> 4 ranks hybrid works). Nothing here unpickles beyond
-``torch.load(weights_only=True)``.
+K deep, resharded on load (2 ranks -> 4 ranks hybrid works).
+
+Reading a checkpoint unpickles two things, both restricted: DCP's ``.metadata`` file into DCP's
+metadata classes only (``SafeReader``, pickles.py: torch's own reader would unpickle anything,
+and a crafted file runs code), and the non-tensor values with ``torch.load(weights_only=True)``
+(``_WeightsOnlyLoadPlanner``). Every load here goes through both.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from ..rundir import HF_META, RunDir
 from ..train_state import TrainState
 from .hf import write_hf_meta
 from .optim_meta import optim_mismatch, write_optim_meta
+from .pickles import check_file, load_metadata
 from .layout import (
     METADATA,
     TMP_SUFFIX,
@@ -72,6 +77,20 @@ def _root_cause(err: BaseException) -> BaseException:
 
 # What a failed DCP write or read raises: DCP's CheckpointException derives from BaseException.
 SAVE_ERRORS = (Exception, dcp.api.CheckpointException)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader, its ``.metadata`` unpickled into DCP's classes only
+    (pickles.py); a crafted one raises UnsafeCheckpoint naming the file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = load_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -229,6 +248,9 @@ class Checkpointer:
             return None
         skipped = []
         for path in candidates:
+            if (unsafe := check_file(path / METADATA)) is not None and \
+                    (path / METADATA).is_file():
+                raise CheckpointError(unsafe)  # not damaged but hostile: nothing else is tried
             problem = verify(path)
             other = optim_mismatch(path, self.optim, self.finetune) if problem is None else None
             if other is not None:
@@ -277,14 +299,15 @@ class Checkpointer:
         return error
 
     def load(self, path: Path) -> None:
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        keys = SafeReader(str(path)).read_metadata().state_dict_metadata
         prefix = f"app.rng.rank_{self.app.rank}."
         self.app.rng_on_load = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
         if not self.app.rng_on_load:
             log.warning("%s has no RNG state for rank %d (saved with fewer ranks): keeping "
                         "this rank's seeded generators", path, self.app.rank)
         try:
-            dcp.load({"app": self.app}, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
+            dcp.load({"app": self.app}, storage_reader=SafeReader(str(path)),
+                     planner=_WeightsOnlyLoadPlanner())
         finally:
             self.app.rng_on_load = None
 
@@ -390,14 +413,18 @@ class Checkpointer:
         if self.rank == 0:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
-            write_manifest(tmp)  # every file with its size, last before it is published
-            if final.exists():  # a fresh run (resume=none) reusing a run dir: replace
-                _remove(final, self.root)
+            write_manifest(tmp)
+            # a fresh run (resume=none) reusing a run dir replaces its own checkpoint of the
+            # same step; one holding what llama_fsdp did not write is kept and this save fails
+            if final.exists() and not _remove(final, self.root, published=True):
+                raise CheckpointError(f"checkpoint step {step} could not be published: {final} "
+                                      "holds what llama_fsdp did not write (see the warning); "
+                                      f"its files are in {tmp}")
             tmp.rename(final)
             _fsync_dir(self.root)
             size = dir_bytes(final)
             for old in expired(self.output_dir, self.cfg.keep_last):
-                _remove(old, self.root)
+                _remove(old, self.root, published=True)
             log.info("checkpoint step %d: %s (%.1f MB, written in %.2fs)", step, final,
                      size / 1e6, written)
             self._log({"checkpoint/write_s": written, "checkpoint/size_mb": size / 1e6}, step)
@@ -434,14 +461,14 @@ def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
     """Only the weights of a DCP checkpoint into a (sharded) model, e.g. to evaluate it; each
     rank reads its shards, whatever the world size that saved it."""
     sd = get_model_state_dict(model)
-    dcp.load({"app": {"model": sd}}, checkpoint_id=str(checkpoint),
+    dcp.load({"app": {"model": sd}}, storage_reader=SafeReader(str(checkpoint)),
              planner=_WeightsOnlyLoadPlanner())
     set_model_state_dict(model, sd)
 
 
 def read_model_state(checkpoint: Path, prefix: str = "app.model.") -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint, on one process without a process group."""
-    md = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    md = SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
@@ -451,6 +478,6 @@ def read_model_state(checkpoint: Path, prefix: str = "app.model.") -> dict[str, 
                          "checkpoint")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(sd, checkpoint_id=str(checkpoint), planner=_WeightsOnlyLoadPlanner(),
-                 no_dist=True)
+        dcp.load(sd, storage_reader=SafeReader(str(checkpoint)),
+                 planner=_WeightsOnlyLoadPlanner(), no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import ModelConfig
 from ..hf_dir import resolve_hf_dir
-from .layout import TMP_SUFFIX, dir_bytes
+from .layout import dir_bytes, publish_dir, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +137,16 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_hf_dir(sd: dict[str, torch.Tensor], out: Path, *, config: Any = None,
                  meta_dir: Optional[Path] = None, tokenizer: Any = None,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                 max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """A complete HF directory, written beside ``out`` and renamed into place at the end.
 
     config.json and tokenizer files come from ``config`` / ``tokenizer``, or are copied from
     ``meta_dir`` (a checkpoint's ``hf/`` folder), so an export and a conversion of the same
-    weights give the same files.
+    weights give the same files. An existing ``out`` is replaced only when it is an earlier
+    export of llama_fsdp's or ``overwrite`` (layout.publish_dir); else ExportExists.
     """
     out = Path(out)
-    tmp = out.with_name(out.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = scratch_dir(out)
     if meta_dir is not None:
         for f in sorted(meta_dir.iterdir()):
             if f.is_file():
@@ -159,10 +157,7 @@ def write_hf_dir(sd: dict[str, torch.Tensor], out: Path, *, config: Any = None,
     if tied:  # the head is the embedding: HF files hold it once
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     write_hf_weights(sd, tmp, max_shard_bytes=max_shard_bytes)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return publish_dir(tmp, out, overwrite=overwrite)
 
 
 def export_hf(model: nn.Module, out: Path, *, config: Any, tokenizer: Any = None) -> Optional[Path]:

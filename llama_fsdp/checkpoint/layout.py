@@ -95,14 +95,80 @@ def interrupted(output_dir: str | Path) -> list[Path]:
                   if _STEP_RE.match(p.name[: -len(TMP_SUFFIX)]))
 
 
-def _remove(path: Path, root: Path) -> None:
-    """Delete a checkpoint directory, refusing anything that is not directly under root."""
+def _remove(path: Path, root: Path, *, published: bool = False) -> bool:
+    """Delete a checkpoint directory, refusing anything that is not directly under root. A
+    ``published`` one (step_N, not an in-flight step_N.tmp) goes only when it is wholly what
+    llama_fsdp wrote (its manifest lists every file; a file cut short is damage to ours): else
+    it stays, with a warning naming what is not ours, and False is returned."""
     if path.parent.resolve() != root.resolve():
         raise RuntimeError(f"refusing to delete {path}: not inside {root}")
     if path.is_symlink():
         path.unlink()
+    elif published and path.exists() and (why := manifest.not_ours(path, edited=False)):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "keeping %s: it holds what llama_fsdp did not write (%s); move it away to let "
+            "save.keep_last prune it", path, why)
+        return False
     elif path.exists():
         shutil.rmtree(path)
+    return True
+
+
+PARTIAL = ".llama_fsdp_partial"  # inside a directory being written, until it is published
+
+
+class ExportExists(FileExistsError):
+    """An export would replace a directory that is not wholly llama_fsdp's own."""
+
+
+def scratch_dir(out: Path) -> Path:
+    """An empty directory beside ``out`` to write it in, marked as ours while it is written:
+    ``<out>.tmp`` (a partial one left by an interrupted write is ours and replaced; anything
+    else of that name is left alone and a fresh name is taken)."""
+    import tempfile
+
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    if tmp.is_dir() and not tmp.is_symlink() and (tmp / PARTIAL).is_file():
+        shutil.rmtree(tmp)
+    if tmp.exists() or tmp.is_symlink():
+        tmp = Path(tempfile.mkdtemp(prefix=tmp.name + "-", dir=out.parent))
+    else:
+        tmp.mkdir(parents=True)
+    (tmp / PARTIAL).touch()
+    return tmp
+
+
+def export_problem(out: Path) -> Optional[str]:
+    """None when a directory may be written at ``out``: nothing is there, an empty directory,
+    or an earlier export of llama_fsdp's (its manifest lists every file). Else why not."""
+    if not out.exists() and not out.is_symlink():
+        return None
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return None
+    if out.is_dir() and not out.is_symlink() and manifest.not_ours(out) is None:
+        return None
+    why = manifest.not_ours(out) if out.is_dir() and not out.is_symlink() else "not a directory"
+    return (f"{out} exists and is not an export llama_fsdp wrote ({why}); it is left as it is. "
+            "Move it away (or choose another output directory)")
+
+
+def publish_dir(tmp: Path, out: Path, *, overwrite: bool = False) -> Path:
+    """Put the finished ``tmp`` (scratch_dir) in place as ``out``, with its manifest. What is
+    at ``out`` is replaced only when ``overwrite`` (the user asked) or it is empty or an earlier
+    export of ours (export_problem); else ExportExists, and ``tmp`` is removed."""
+    (tmp / PARTIAL).unlink(missing_ok=True)
+    manifest.write_manifest(tmp)
+    if not overwrite and (problem := export_problem(out)) is not None:
+        shutil.rmtree(tmp)
+        raise ExportExists(problem)
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def dir_bytes(path: Path) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -34,7 +33,7 @@ from ..config import FinetuneConfig
 from ..model import init_buffers
 from ..hf_dir import resolve_hf_dir
 from .hf import _unique_state, save_safetensors, write_hf_dir
-from .layout import TMP_SUFFIX, dir_bytes
+from .layout import dir_bytes, publish_dir, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -128,21 +127,6 @@ def peft_config(ft: FinetuneConfig, base_model: Optional[str]) -> dict[str, Any]
             "base_model_name_or_path": base_model}
 
 
-def _publish(tmp: Path, out: Path) -> Path:
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
-
-
-def _fresh(out: Path) -> Path:
-    tmp = out.with_name(out.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 def export_adapter(model: nn.Module, out: Path, *, ft: FinetuneConfig,
                    base_model: Optional[str], tokenizer: Any = None) -> Optional[Path]:
     """The PEFT adapter directory (module doc), written beside ``out`` and renamed into place
@@ -156,13 +140,13 @@ def export_adapter(model: nn.Module, out: Path, *, ft: FinetuneConfig,
                 sd[PEFT_PREFIX + clean_name(name)] = full.contiguous()
     path = None
     if _rank() == 0:
-        tmp = _fresh(Path(out))
+        tmp = scratch_dir(Path(out))
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(ft, base_model), indent=2,
                                                      sort_keys=True) + "\n")
         save_safetensors(sd, tmp / ADAPTER_WEIGHTS)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(tmp))
-        path = _publish(tmp, Path(out))
+        path = publish_dir(tmp, Path(out))
         log.info("exported the adapter to %s (%d tensors, %.2f MB) in %.2fs", path, len(sd),
                  dir_bytes(path) / 1e6, time.perf_counter() - t0)
     if dist.is_initialized():

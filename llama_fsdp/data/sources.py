@@ -53,6 +53,8 @@ def _load_files(spec: str, cache_dir: Path) -> Split:
         if os.path.getsize(f) == 0:
             raise ValueError(f"{f}: empty file (no records)")
         builder = FILE_BUILDERS[Path(f).suffix.lower()]
+        if builder != "parquet" and (why := _not_text(f)):
+            raise ValueError(why)
         try:
             ds = datasets.load_dataset(builder, data_files=f, split="train",
                                        cache_dir=str(cache_dir / "hf_datasets"))
@@ -85,6 +87,28 @@ def _resolve_files(spec: str) -> list[str]:
         if Path(f).suffix.lower() not in FILE_BUILDERS:
             raise ValueError(f"{f}: unsupported file type; use one of {', '.join(FILE_BUILDERS)}")
     return files
+
+
+def _not_text(path: str, probe: int = 1 << 16) -> Optional[str]:
+    """Why a .jsonl / .json / .csv / .txt file is not UTF-8 text (a NUL byte or bytes that do
+    not decode, in its first 64 KiB), or None: a binary file is named as one, not reported as
+    "malformed JSON line 1"."""
+    with open(path, "rb") as fh:
+        head = fh.read(probe)
+    bad = [at] if (at := head.find(b"\0")) >= 0 else []
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3 or len(head) < probe:  # (not a character cut by the probe)
+            bad.append(e.start)
+    if not bad:
+        return None
+    at = min(bad)
+    kind = ("gzip-compressed" if head[:2] == b"\x1f\x8b" else
+            "a parquet file" if head[:4] == b"PAR1" else "binary")
+    return (f"{path}: not a text file ({kind}: byte {at} is not UTF-8 text); "
+            f"{Path(path).suffix} files are read as UTF-8 text: decompress it, give a parquet "
+            "file its .parquet name, or point data.path at the text file")
 
 
 def _diagnose_load_error(path: str, err: Exception) -> Exception:

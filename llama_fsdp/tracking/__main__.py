@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..secrets import export_credentials
 from .delivery import deliver_pending
 from ..rundir import RunDir
 from .spool import Spool, read_run_file
@@ -26,6 +27,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"{args.run_dir} is not a run directory with tracking events (no "
                 f"{RunDir(args.run_dir).run_file}): give a run's directory, as the "
                 "launcher's warning or the run summary names it (outputs/runs/<date>/<time>)")
+    if args.uri is not None:  # its credentials, if any, as MLflow reads them: the environment
+        args.uri = export_credentials(args.uri)
     spool = Spool(args.run_dir)
     before = spool.backlog()
     left = deliver_pending(args.run_dir, deadline_s=args.timeout, uri=args.uri)

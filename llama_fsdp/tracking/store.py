@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..result import SUMMARY
+from ..rundir import name_problem
 
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -33,8 +34,10 @@ def open_client(uri: str) -> Any:
     jobs on a fresh store would: the first open is serialized by a lock file beside it."""
     from mlflow.tracking import MlflowClient
 
+    from ..secrets import client_uri
+
     if not uri.startswith("sqlite:///"):
-        return MlflowClient(tracking_uri=uri)
+        return MlflowClient(tracking_uri=client_uri(uri))
     from filelock import FileLock
 
     db = Path(uri[len("sqlite:///"):])
@@ -106,9 +109,15 @@ def artifact_location(uri: str, experiment: str) -> Optional[str]:
     whatever directory the run was started from. Servers keep their own default."""
     if not uri.startswith("sqlite:///"):
         return None
+    from urllib.parse import quote
+
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
-    return (db.parent / "mlartifacts" / experiment).resolve().as_uri()
+    # one folder per experiment, whatever its name ("a/b", "../x" stay inside mlartifacts/)
+    folder = experiment if name_problem("", experiment) is None else quote(experiment, safe="")
+    if folder in ("", ".", ".."):
+        folder = quote(folder, safe="").replace(".", "%2E") or "%00"
+    return (db.parent / "mlartifacts" / folder).resolve().as_uri()
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -87,21 +87,35 @@ def no_leftovers(marker: str, within_s: float = 10.0) -> list[str]:
 
 class MlflowServer:
     """`mlflow server` on loopback with its own sqlite store, stoppable like a crash (SIGKILL
-    to its whole process group) and restartable on the same port and store."""
+    to its whole process group) and restartable on the same port and store. ``admin``: a
+    (user, password) to run MLflow's basic-auth app with (it refuses any request without)."""
 
-    def __init__(self, root: Path):
-        self.root, self.port = root, free_port()
+    def __init__(self, root: Path, *, admin: Optional[tuple[str, str]] = None):
+        self.root, self.port, self.admin = root, free_port(), admin
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
 
+    def _auth(self) -> tuple[list[str], dict[str, str]]:
+        if self.admin is None:
+            return [], {}
+        ini = self.root / "auth.ini"
+        ini.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                       f"database_uri = sqlite:///{self.root}/auth.db\n"
+                       f"admin_username = {self.admin[0]}\nadmin_password = {self.admin[1]}\n"
+                       "authorization_function = mlflow.server.auth:"
+                       "authenticate_request_basic_auth\n")
+        return (["--app-name", "basic-auth"],
+                {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "test"})
+
     def start(self, timeout: float = 90) -> "MlflowServer":
         mlflow = Path(sys.executable).with_name("mlflow")
+        args, env = self._auth()
         self.proc = subprocess.Popen(
             [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
+             "--port", str(self.port), "--workers", "1", *args],
             cwd=self.root, stdout=subprocess.DEVNULL, stderr=(self.root / "server.log").open("a"),
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

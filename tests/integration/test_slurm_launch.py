@@ -4,6 +4,7 @@ The command is the one users type; the cluster comes from the `slurm_cluster` fi
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -169,3 +170,17 @@ def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster
     assert [(m.step, m.value) for m in restarts] == [(resume_step, 1.0)]
     ckpts = sorted(p.name for p in Path(run.data.tags["output_dir"], "checkpoints").iterdir())
     assert ckpts == [f"step_{resume_step:06d}", f"step_{steps:06d}"]
+
+
+def test_a_run_directory_with_quotes_and_substitutions_runs_as_named(tmp_path, slurm_cluster):
+    """A space, an apostrophe and `$(...)` in the run directory: the job runs, writes where it
+    was told, and nothing in the name runs. Before: the unquoted `export
+    TORCH_FR_DUMP_TEMP_FILE=...` line made the job script invalid (the apostrophe), and ran
+    `$(...)` on the node."""
+    marker = tmp_path / "marker"
+    run = tmp_path / f"it's a run $(touch {marker})"
+    out = _cli(tmp_path, slurm_cluster, f'output_dir="{run}"', "cluster.wait=true",
+               "train.max_steps=2", "tracking.enabled=false", *FAST)
+    assert out.returncode == 0, out.stderr[-4000:] + slurm_cluster.logs()
+    assert json.loads((run / "run_status.json").read_text())["status"] == "finished"
+    assert not marker.exists()

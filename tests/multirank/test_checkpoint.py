@@ -247,3 +247,42 @@ def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, t
     convert(runs["root"] / "b", out_b)
     resumed = LlamaForCausalLM.from_pretrained(out_b).eval()
     _close(_logits(resumed), runs["a_logits"], rtol=1e-5, atol=1e-5)
+
+
+def _resume_crafted(rank, world, ckpt):
+    """A rank resuming from a crafted checkpoint (the check before launch bypassed): the
+    Checkpointer refuses it, and DCP's own load path (SafeReader) refuses it too."""
+    from torch import nn
+
+    from llama_fsdp.checkpoint.pickles import UnsafeCheckpoint
+    from llama_fsdp.config import SaveConfig
+    from llama_fsdp.train import TrainState
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    app = dcp.AppState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       TrainState())
+    ckpter = dcp.Checkpointer(SaveConfig(), output_dir=str(Path(ckpt).parent.parent), app=app,
+                              device=torch.device("cpu"))
+    out = []
+    try:
+        ckpter.resume([Path(ckpt)])
+    except dcp.CheckpointError as e:
+        out.append(str(e))
+    try:
+        ckpter.load(Path(ckpt))
+    except UnsafeCheckpoint as e:
+        out.append(str(e))
+    return out
+
+
+def test_a_rank_never_unpickles_a_crafted_checkpoint(tmp_path):
+    """Before: Checkpointer.load read .metadata with torch's FileSystemReader (an unrestricted
+    pickle.load), so the payload ran on every rank."""
+    from tests.unit.test_checkpoint import crafted_checkpoint
+
+    marker = tmp_path / "marker"
+    ckpt = crafted_checkpoint(tmp_path / "run" / layout.CHECKPOINTS / "step_000004", marker)
+    resumed, loaded = run_ranks(_resume_crafted, 1, str(ckpt))[0]
+    assert "would load posix.system" in resumed and "would load posix.system" in loaded
+    assert not marker.exists()

@@ -281,3 +281,80 @@ def test_hf_weights_load_across_dtypes_and_with_tied_embeddings(tmp_path, dtype,
     for (name, a), b in zip(target.state_dict().items(), source.state_dict().values()):
         assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
     assert (target.lm_head.weight is target.model.embed_tokens.weight) is tied
+
+
+# --- a crafted checkpoint ------------------------------------------------------------------------
+
+class _Touch:
+    """Unpickled, creates a file: what a crafted .metadata can do with torch's own reader."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.path}'",))
+
+
+def crafted_checkpoint(ckpt: Path, marker: Path) -> Path:
+    """A real DCP checkpoint whose .metadata also carries a payload that runs on unpickling
+    (the Metadata object is DCP's own; only its planner_data is replaced)."""
+    import pickle
+
+    _dcp_checkpoint(ckpt)
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    md.planner_data = _Touch(marker)
+    (ckpt / layout.METADATA).write_bytes(pickle.dumps(md))
+    return ckpt
+
+
+def test_a_crafted_checkpoint_is_refused_by_convert_and_resume_and_runs_nothing(tmp_path, caplog):
+    """Before: torch's FileSystemReader unpickled .metadata with no restriction: convert (and
+    resume=) ran the payload."""
+    marker = tmp_path / "marker"
+    ckpt = crafted_checkpoint(tmp_path / "run" / layout.CHECKPOINTS / "step_000003", marker)
+    meta = ckpt / layout.METADATA
+    assert convert_main([str(ckpt), str(tmp_path / "hf")]) == 2
+    assert f"{meta} is not a checkpoint llama_fsdp will read: unpickling it would load " \
+           "posix.system" in caplog.text
+    with pytest.raises(ConfigError, match="would load posix.system"):
+        make_spec([f"resume={ckpt}"], output_dir=tmp_path / "new")
+    with pytest.raises(ConfigError, match="would load posix.system"):
+        make_spec(["resume=auto"], output_dir=tmp_path / "run")  # resume=auto finds it too
+    from llama_fsdp.checkpoint.pickles import UnsafeCheckpoint
+
+    with pytest.raises(UnsafeCheckpoint):  # what the ranks read it with (dcp.load included)
+        ckpt_dcp.SafeReader(str(ckpt)).read_metadata()
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+    import pickle
+
+    pickle.loads(meta.read_bytes())  # the payload is real: torch's reader would have run it
+    assert marker.exists()
+
+
+def test_dcps_own_metadata_reads_as_dcp_wrote_it(tmp_path):
+    """What torch (2.11 and 2.13) writes passes: tensors, bytes, paths, dtypes, layouts."""
+    from llama_fsdp.checkpoint.pickles import load_metadata
+
+    ckpt = tmp_path / "c"
+    _dcp_checkpoint(ckpt)
+    dcp.save({"extra": {"b": torch.ones(2, dtype=torch.bfloat16), "i": 3, "s": {"x": [1]}}},
+             checkpoint_id=ckpt / "more", no_dist=True)  # a Path as the checkpoint id
+    for path in (ckpt, ckpt / "more"):
+        ours = load_metadata(path / layout.METADATA)
+        theirs = dcp.FileSystemReader(str(path)).read_metadata()
+        assert ours.state_dict_metadata == theirs.state_dict_metadata
+        assert ours.storage_data == theirs.storage_data
+
+
+def test_a_damaged_metadata_is_left_to_resumes_fallback_not_called_hostile(tmp_path):
+    """A truncated .metadata is damaged, not crafted: the check before launch lets the ranks
+    skip it for the checkpoint before (what resume=auto does with any damaged one)."""
+    from llama_fsdp.checkpoint.pickles import DamagedCheckpoint, check_file, load_metadata
+
+    ckpt = tmp_path / "c"
+    _dcp_checkpoint(ckpt)
+    meta = ckpt / layout.METADATA
+    meta.write_bytes(meta.read_bytes()[:100])
+    assert check_file(meta) is None
+    with pytest.raises(DamagedCheckpoint, match="is not a readable pickle"):
+        load_metadata(meta)

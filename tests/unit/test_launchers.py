@@ -384,3 +384,64 @@ def test_the_local_launcher_delivers_rank_0s_spool_while_it_waits(tmp_path):
     slurm = make_spec(["cluster=slurm", "cluster.timeout_min=5"], output_dir=tmp_path / "s")
     with launcher_for(slurm.cluster).shipping(slurm) as ranks_spec:
         assert ranks_spec is slurm and not ranks_spec.launcher_ships
+HOSTILE = "it's a dir $(touch {marker}) `touch {marker}`"
+
+
+def test_every_value_in_the_job_script_is_quoted(tmp_path):
+    """A run directory with a space, an apostrophe and command substitutions: the script is
+    valid bash, and run (with srun a stub that records what it was given) it creates no marker
+    and hands the ranks the path as it is. Before: `export TORCH_FR_DUMP_TEMP_FILE=...` was
+    written unquoted (the apostrophe broke the script; $(...) ran on the node)."""
+    from llama_fsdp.launchers.slurm import sbatch_preview
+    from llama_fsdp.spec import build_spec
+    from tests.conftest import compose
+
+    marker = tmp_path / "marker"
+    run = tmp_path / HOSTILE.format(marker=marker)
+    cfg = compose(["output_dir=/tmp/unused", "cluster=slurm", "cluster.device=cpu",
+                   "cluster.max_restarts=1",
+                   "cluster.setup=[echo setup ran]"])
+    script = sbatch_preview(build_spec(cfg, output_dir=str(run)))
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "srun").write_text('#!/bin/sh\nprintf %s "$TORCH_FR_DUMP_TEMP_FILE" > "$SEEN"\n')
+    (stub / "srun").chmod(0o755)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PATH": f"{stub}:{os.environ['PATH']}",
+                              "SEEN": str(tmp_path / "seen")}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "setup ran" in out.stdout
+    assert not marker.exists()
+    assert (tmp_path / "seen").read_text() == str(run / "hang" / "nccl_trace_rank_")
+
+
+@pytest.mark.parametrize("key", ["cluster.partition", "cluster.account", "cluster.qos",
+                                 "cluster.constraint", "cluster.setup", "cluster.srun_args",
+                                 "cluster.sbatch_extra", "tracking.run_name", "output_dir"])
+def test_a_line_break_in_anything_that_reaches_sbatch_is_refused_naming_the_key(key, tmp_path):
+    """Before: a newline in cluster.partition (qos, account, ...) started a shell line of its
+    own in the job script, which ran, and the #SBATCH lines after it were ignored."""
+    from omegaconf import open_dict
+
+    from llama_fsdp.spec import ConfigError, build_spec
+    from tests.conftest import compose
+
+    cfg = compose([f"output_dir={tmp_path}/run", "cluster=slurm", "cluster.device=cpu"])
+    evil = "debug\ntouch /tmp/pwned"
+    with open_dict(cfg):
+        match key:
+            case "cluster.setup" | "cluster.srun_args":
+                cfg[key.split(".")[0]][key.split(".")[1]] = ["ok", evil]
+            case "cluster.sbatch_extra":
+                cfg.cluster.sbatch_extra = {"comment": evil}
+            case "output_dir":
+                cfg.output_dir = f"{tmp_path}/a\rb"
+            case _:
+                section, field = key.split(".")
+                cfg[section][field] = evil
+    with pytest.raises(ConfigError) as e:
+        build_spec(cfg)
+    assert f"{key}" in str(e.value) and "holds a line break" in str(e.value)

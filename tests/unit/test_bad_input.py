@@ -1,0 +1,135 @@
+"""Bad input is named before anything expensive starts: numbers that are not finite or out of
+range, damaged model files, a callback that does not import, a binary data file, names that
+would leave their folder."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_fsdp.spec import ConfigError
+from tests.conftest import make_spec
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=nan", "train.lr=nan must be a finite number > 0"),
+    ("train.lr=inf", "train.lr=inf must be a finite number > 0"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm=nan must be a finite number >= 0"),
+    ("train.beta1=1.5", "train.beta1=1.5 must be in [0, 1)"),
+    ("train.beta2=nan", "train.beta2=nan must be a finite number in [0, 1)"),
+    ("train.weight_decay=-1", "train.weight_decay=-1.0 must be >= 0"),
+    ("train.eps=0", "train.eps=0.0 must be > 0"),
+    ("train.min_lr_ratio=nan", "train.min_lr_ratio=nan must be a finite number in [0, 1]"),
+    ("model.init_std=nan", "model.init_std=nan must be a finite number > 0"),
+    ("model.rms_norm_eps=-1e-5", "model.rms_norm_eps=-1e-05 must be > 0"),
+    ("cluster.mem_gb=-8", "cluster.mem_gb=-8 must be >= 1"),
+    ("cluster.timeout_min=-5", "cluster.timeout_min=-5 must be >= 1"),
+    ("cluster.peak_tflops=inf", "cluster.peak_tflops=inf must be a finite number > 0"),
+    ("tracking.final_delivery_s=nan", "tracking.final_delivery_s=nan must be a finite number"),
+    ("eval.max_batches=0", "eval.max_batches=0 must be >= 1"),
+    ("finetune=lora finetune.alpha=inf", "finetune.alpha=inf must be a finite number > 0"),
+])
+def test_numbers_are_finite_and_in_range_at_compose(override, message, tmp_path):
+    """Before: NaN and infinity passed every check and trained silently; beta1=1.5,
+    weight_decay=-1 and eps=0 failed inside the ranks; a negative mem_gb or timeout_min made
+    a bogus plan and #SBATCH line."""
+    with pytest.raises(ConfigError) as e:
+        make_spec(override.split(), output_dir=tmp_path)
+    assert message in str(e.value)
+
+
+def test_a_negative_max_steps_suggests_no_invalid_warmup(tmp_path):
+    """Before: train.max_steps=-5 suggested train.warmup_steps=-1."""
+    with pytest.raises(ConfigError) as e:
+        make_spec(["train.max_steps=-5"], output_dir=tmp_path)
+    assert "train.max_steps=-5 must be >= 1" in str(e.value)
+    assert "warmup_steps=-" not in str(e.value)
+
+
+def _tiny_hf(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llama_fsdp.config import model_preset
+    from llama_fsdp.model import llama_config
+
+    cfg: LlamaConfig = llama_config(model_preset("tiny"))
+    LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")
+    return path
+
+
+def test_damaged_model_files_are_named_before_launch(tmp_path):
+    """Before: a truncated model.safetensors passed every check (the ranks then failed with a
+    60-line DCP traceback naming neither file nor fix); a malformed config.json raised a raw
+    JSONDecodeError."""
+    hf = _tiny_hf(tmp_path / "hf")
+    make_spec([f"model.path={hf}"], output_dir=tmp_path / "r")  # intact: accepted
+    shard = sorted(hf.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(ConfigError) as e:
+        make_spec([f"model.path={hf}"], output_dir=tmp_path / "r")
+    assert f"{shard} has {shard.stat().st_size} bytes but its header describes " \
+           f"{shard.stat().st_size + 1000}: truncated" in str(e.value)
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ConfigError, match=f"{shard} has a damaged safetensors header"):
+        make_spec([f"model.path={hf}"], output_dir=tmp_path / "r")
+    shard.unlink()
+    (hf / "config.json").write_text('{"hidden_size": 256,')
+    with pytest.raises(ConfigError) as e:
+        make_spec([f"model.path={hf}"], output_dir=tmp_path / "r")
+    assert f"{hf / 'config.json'} is not valid JSON" in str(e.value)
+    assert f"names {shard.name}, which is not in {hf}" in str(e.value)  # the index's missing file
+
+
+def test_a_bad_callback_is_named_before_any_rank_starts(tmp_path):
+    """Before: train.callbacks were imported only on the ranks, after the model was built."""
+    (tmp_path / "mycb.py").write_text("def ok(**kw):\n    return lambda s: None\n"
+                                      "NOT_A_FACTORY = 3\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    for callbacks, message in (("[mycb:nope]", "module 'mycb' has no 'nope'"),
+                               ("[no_such_module:f]", "'no_such_module:f' cannot be imported"),
+                               ("[mycb:NOT_A_FACTORY]", "is a int, not a factory")):
+        out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+                              "tracking.enabled=false", f"train.callbacks={callbacks}",
+                              f"output_dir={tmp_path}/run"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        log = out.stdout + out.stderr
+        assert out.returncode == 2 and message in log, log[-3000:]
+        assert "started" not in log and "tokenizing" not in log  # before data, before ranks
+    make_spec(["train.callbacks=[mycb:ok]"], output_dir=tmp_path / "r")
+
+
+def test_a_binary_data_file_is_named_as_not_text(tmp_path):
+    """Before: a gzip'd (or any binary) .jsonl was reported as "line 1: malformed JSON"."""
+    import gzip
+
+    from llama_fsdp.data.sources import _load_files
+
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(gzip.compress(b'{"text": "hello"}\n' * 50))
+    with pytest.raises(ValueError) as e:
+        _load_files(str(data), tmp_path / "cache")
+    assert str(e.value).startswith(f"{data}: not a text file (gzip-compressed: byte 1")
+    data.write_text('{"text": "h\u00e9llo"}\n' * 50)  # UTF-8 beyond ASCII is text
+    assert len(_load_files(str(data), tmp_path / "cache").records) == 50
+
+
+def test_names_that_become_paths_stay_in_their_folder(tmp_path):
+    """Before: `../` in a torchrun run id or in tracking.experiment escaped outputs/runs and
+    mlartifacts/."""
+    from llama_fsdp.tracking.store import artifact_location
+
+    db = tmp_path / "outputs" / "mlflow.db"
+    for name in ("../../escaped", "..", "a/b", "x\\y"):
+        where = Path(artifact_location(f"sqlite:///{db}", name)[len("file://"):])
+        assert where.parent == tmp_path / "outputs" / "mlartifacts", where
+    assert artifact_location(f"sqlite:///{db}", "llama_fsdp").endswith("/mlartifacts/llama_fsdp")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "../../../escaped"}
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=torchrun",
+                          "cluster.device=cpu", "dry_run=true"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    assert "torchrun's run id (--rdzv-id)='../../../escaped' becomes a folder name" in out.stderr
