@@ -23,18 +23,20 @@ def kv_repeat_gb(spec) -> float:
     """What the docs' 70B numbers leave out on a torch whose varlen_attn has no enable_gqa
     (2.11, the GPU image's; read from torch's own signature here): flash varlen gets k and v
     repeated from the model's kv heads to every head, and the one layer recomputed in backward
-    saves the copies: 2 tensors x (heads - kv heads) x head dim x 2 bytes (bf16) per token of
-    the micro-batch. 70B: 2 x 56 x 128 x 2 x 2048 tokens = 0.06 GB. The pages state the numbers
-    of torch >= 2.12 (where it is 0); scripts/test_floor.sh runs these tests on 2.11."""
+    saves the copies: 2 tensors x (heads - kv heads) x head dim x the compute dtype's bytes per
+    token of the micro-batch. 70B in bf16: 2 x 56 x 128 x 2 x 2048 tokens = 0.06 GB. The pages
+    state the numbers of torch >= 2.12 (where it is 0); scripts/test_floor.sh runs these tests
+    on 2.11."""
     import inspect
 
+    import torch
     from torch.nn.attention.varlen import varlen_attn
 
     if "enable_gqa" in inspect.signature(varlen_attn).parameters:
         return 0.0
     m, t = spec.model, spec.train
-    assert spec.policy.compute_dtype == "bfloat16"  # the recipe's precision=bf16
-    return 2 * (m.num_heads - m.num_kv_heads) * (m.hidden_size // m.num_heads) * 2 \
+    size = torch.empty((), dtype=getattr(torch, spec.policy.compute_dtype)).element_size()
+    return 2 * (m.num_heads - m.num_kv_heads) * (m.hidden_size // m.num_heads) * size \
         * t.batch_size * t.seq_len / GB
 
 
