@@ -222,12 +222,13 @@ def runs(tmp_path_factory, hf_dir):
 
 
 def _trained(runs):
-    """(world, run name, that rank's report) of every rank of every trained run."""
+    """("<world> ranks, rank <r>", run name, that rank's report) of every rank of every trained
+    run."""
     for world, results in runs["ranks"].items():
-        for r in results:
+        for rank, r in enumerate(results):
             for name, v in r.items():
                 if "result" in v:
-                    yield world, name, v
+                    yield f"{world} ranks, rank {rank}", name, v
 
 
 # per method: (a run on 2 or 4 ranks, the 1-rank run of its shape)
@@ -281,10 +282,10 @@ def test_the_frozen_base_is_the_hf_one_and_bit_identical_after_training(runs):
     """On every rank of every run: the base build left (resumed runs included: a checkpoint
     holds no base) is what loading the HF files again gives, and training left it unchanged."""
     seen = 0
-    for world, name, r in _trained(runs):
-        assert r["built_from_hf"], (world, name)
-        assert r["base_unchanged"], (world, name)
-        assert r["optimizer_holds_adapters_only"], (world, name)
+    for where, name, r in _trained(runs):
+        assert r["built_from_hf"], (where, name)
+        assert r["base_unchanged"], (where, name)
+        assert r["optimizer_holds_adapters_only"], (where, name)
         seen += 1
     assert seen == 2 * 4 + 4 + 4 * 3  # ranks x runs, for 2, 1 and 4 ranks
 
@@ -292,8 +293,8 @@ def test_the_frozen_base_is_the_hf_one_and_bit_identical_after_training(runs):
 def test_nf4_shards_equal_the_whole_tensor_quantized(runs):
     qlora = [(w, n, r) for w, n, r in _trained(runs) if n.startswith("qlora")]
     assert len(qlora) == 2 * 3 + 3 + 4 * 2
-    for world, name, r in qlora:
-        assert r["nf4_exact"], (world, name)
+    for where, name, r in qlora:
+        assert r["nf4_exact"], (where, name)
 
 
 def test_loading_stages_one_layers_rows_as_the_plan_says(runs):
@@ -311,10 +312,10 @@ def test_loading_stages_one_layers_rows_as_the_plan_says(runs):
         assert staging_bytes(spec) == want, name
         ranks = runs["ranks"][str(spec.world_size)]
         assert [r[name]["staging"] for r in ranks] == [want] * spec.world_size, name
-    for world, name, r in _trained(runs):  # resumed runs load their base too
-        assert r["staging"] == staging_bytes(runs["specs"][name]), (world, name)
+    for where, name, r in _trained(runs):  # resumed runs load their base too
+        assert r["staging"] == staging_bytes(runs["specs"][name]), (where, name)
         if name.startswith("lora"):
-            assert r["staging"] == 0, (world, name)  # nothing staged: no NF4
+            assert r["staging"] == 0, (where, name)  # nothing staged: no NF4
 
 
 def test_convert_says_where_an_adapter_checkpoint_s_model_is(runs):
