@@ -6,6 +6,7 @@ import re
 import signal
 import time
 
+import psutil
 import pytest
 
 from tests.faults.conftest import no_leftovers, run_cli, start_cli
@@ -71,13 +72,24 @@ def test_tokenization_killed_midway_leaves_no_entry_that_looks_complete(tmp_path
     proc = start_cli(tmp_path, *SHORT, "data.num_records=30000")
     deadline = time.monotonic() + 240
     data = tmp_path / "outputs" / "cache" / "data"
-    while time.monotonic() < deadline and not _partial_build(data):
+    entries = lambda: [p for p in data.glob("synthetic-*") if p.is_dir()]  # noqa: E731
+
+    def stop() -> None:  # SIGSTOP, and wait until every thread of the driver is stopped
+        proc.send_signal(signal.SIGSTOP)
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            time.sleep(0.001)
+
+    while time.monotonic() < deadline and not list(data.glob(".synthetic-*")):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.02)
-    proc.send_signal(signal.SIGSTOP)  # held where it is, to look before the kill
-    entries = lambda: [p for p in data.glob("synthetic-*") if p.is_dir()]  # noqa: E731
+    stop()  # the build has begun: from here the driver runs in 10 ms slices, looked at between
+    while time.monotonic() < deadline and not _partial_build(data):
+        assert not entries(), "the build finished between two looks"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
+        stop()
     assert _partial_build(data) and not entries(), "the build was not caught midway"
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)  # while stopped, with part of an entry written
     proc.wait(timeout=60)
     left = [p for p in data.glob(".synthetic-*") if p.is_dir()]
     assert left and not any((p / MANIFEST).exists() for p in left)  # the partial write stays
