@@ -633,9 +633,11 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "time, no head or embedding backward, and a step that ends at layer 0, whose "
         "reduce-scatter waits for FSDP2's final callback (its input needs no gradient). The "
         "peak is the loss phase's in every one of them.",
-        "- `tests/multirank/test_plan_memory.py` checks 21 of these configs on every run "
-        "(3 with low-bit moments, 5 lora / qlora): measured within [0.88, 1.02] x "
-        "`predicted_peak_bytes` (the phase model), measured <= the sum and >= 0.55 x the sum, "
+        "- `tests/multirank/test_plan_memory.py` checks 23 of these configs on every run "
+        "(5 with low-bit moments, one of them eager and one the tied 4-rank 8-bit row; 5 lora / "
+        "qlora): measured within [0.88, 1.02] x `predicted_peak_bytes` (the phase model) with "
+        "AdamW, within [0.965, 1.035] (README's 3.5%) with low-bit moments or adapters, within "
+        "[0.85, 1.02] for the tied 4-rank 8-bit row; measured <= the sum and >= 0.55 x the sum, "
         "and the heap at the start of step 2 equal to params + optimizer state (1 MB + 1%).",
         "",
         "## Per phase, measured / predicted",

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU machines' stack on this CPU: the oldest torch and transformers llama_fsdp supports
-# (llama_fsdp/compat.py FLOORS: torch 2.11 and transformers 5.17, the GPU image's releases),
-# overlaid on .venv, through the unit tests, the multi-rank tests (FSDP2 sharding and DDP, DCP
-# checkpoints and HF loading, NF4 under fully_shard, torchao's low-bit moments, mixed precision,
-# activation checkpointing and compile) and the default command end to end. CI installs newer
-# releases; this is what keeps the GPU machines' stack working between GPU sessions.
+# (llama_fsdp/compat.py FLOORS: torch 2.11 and transformers 5.17, the GPU image's releases), and
+# the torchao the project carries to that image as a wheel (the image has none:
+# scripts/offline_wheels.sh pins it), overlaid on .venv, through the unit tests, the multi-rank
+# tests (FSDP2 sharding and DDP, DCP checkpoints and HF loading, NF4 under fully_shard, torchao's
+# low-bit moments, mixed precision, activation checkpointing and compile), the default command
+# end to end and the torchrun launches (real agents, restarts). CI installs newer releases;
+# this is what keeps the GPU machines' stack working between GPU sessions.
 #
 # torch 2.11 comes from PyPI, where Linux wheels are the CUDA build: about 2.6 GB with its
 # NVIDIA libraries, unpacked once into .floor/ (4.6 GB). It runs on the CPU here
@@ -14,8 +16,11 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 read -r TORCH TRANSFORMERS < <($PY -c 'from llama_fsdp.compat import FLOORS
 print(*(".".join(map(str, FLOORS[n])) + ".0" for n in ("torch", "transformers")))')
-PINS=("torch==$TORCH" "transformers==$TRANSFORMERS")
-DIR=.floor/torch-$TORCH-transformers-$TRANSFORMERS
+# the one torchao release the offline wheelhouse ships (it loads its kernels on torch >= 2.11)
+TORCHAO=$(sed -n 's/^ *torchao==\([0-9.]*\)$/\1/p' scripts/offline_wheels.sh)
+[ -n "$TORCHAO" ] || { echo "no torchao==X pin in scripts/offline_wheels.sh" >&2; exit 2; }
+PINS=("torch==$TORCH" "transformers==$TRANSFORMERS" "torchao==$TORCHAO")
+DIR=.floor/torch-$TORCH-transformers-$TRANSFORMERS-torchao-$TORCHAO
 if [ ! -f "$DIR/.complete" ]; then
   rm -rf "$DIR"
   # exactly what pip would change in .venv to have those releases, installed beside it instead
@@ -42,7 +47,8 @@ for pin in sys.argv[1:]:
     assert have == want and mod.__version__.split("+")[0] == want, (name, have, want)
 PY
 # the multi-rank tests but the planned-against-measured memory sweep (5 min of spawned ranks; it
-# passed on 2.11 by hand, and the GPU session measures the plan against CUDA), and the default
-# command end to end
+# passed on 2.11 by hand, and the GPU session measures the plan against CUDA), the default
+# command end to end, and torchrun's agents (its elastic agent and rendezvous are torch's own)
 $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadscope tests/unit tests/multirank \
-  --ignore=tests/multirank/test_plan_memory.py tests/integration/test_local_run.py
+  --ignore=tests/multirank/test_plan_memory.py tests/integration/test_local_run.py \
+  tests/integration/test_torchrun.py

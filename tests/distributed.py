@@ -12,9 +12,10 @@ the moment applied (the server's own is the one it started with). A caller with 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -77,3 +78,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def recorded_grad_norms() -> Iterator[list[float]]:
+    """In a rank process: the gradient norm this rank computes itself at every optimizer step
+    (llama_fsdp.train's clip_grad_norm, before any reduction of logged metrics), appended to
+    the list this yields. What a rank logs is rank 0's norm; this is each rank's own."""
+    from llama_fsdp import train
+
+    original, seen = train.clip_grad_norm, []
+
+    def clip(params, max_norm):
+        norm = original(params, max_norm)
+        seen.append(float(norm))
+        return norm
+
+    train.clip_grad_norm = clip
+    try:
+        yield seen
+    finally:
+        train.clip_grad_norm = original

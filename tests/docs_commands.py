@@ -211,14 +211,15 @@ REGISTRY: dict[str, Entry] = {
     # --- README.md -------------------------------------------------------------------------
     "make run": Entry(
         "make_run", f"{LOCAL}::test_make_run_installs_and_runs_the_default",
-        "the recipe is scripts/install.sh then `.venv/bin/python -m llama_fsdp`; that command "
-        "runs in test_default_command",
+        "printed, not run (make -n): the recipe is scripts/install.sh then `.venv/bin/python -m "
+        "llama_fsdp`; that command runs in test_default_command, install.sh in CI's make test",
         (Replace("make run", "make -n run", "print the recipe instead of running it: a venv "
                                             "from scratch is CI's to install (its make test "
                                             "runs the same scripts/install.sh)"),)),
     "make test": Entry(
         "make_test", f"{LOCAL}::test_make_test_is_what_ci_runs",
-        "the recipe is scripts/install.sh then pytest -n 2 --dist loadscope",
+        "printed, not run (make -n): the recipe is scripts/install.sh then pytest -n 2 --dist "
+        "loadscope",
         (Replace("make test", "make -n test", "print the recipe: the suite cannot run itself"),),
         ci=".ci/run runs `make test`: the whole suite, this module included"),
     "python -m llama_fsdp": Entry(
@@ -340,8 +341,10 @@ REGISTRY: dict[str, Entry] = {
     # --- docs/benchmarks.md ---------------------------------------------------------------
     "bash benchmarks/setup_peers.sh": Entry(
         "setup_peers", f"{LOCAL}::test_setup_peers",
-        "not run by default: it downloads torch, accelerate, torchtitan (with tensorboard, "
-        "grpcio) and triton, about 1 GB, into .venv-bench. The bench venv it makes is what the "
+        "parsed only (bash -n), in CI too: the test skips after the parse unless "
+        "LLAMA_FSDP_DOCS_INSTALL=1, as the script downloads torch, accelerate, torchtitan (with "
+        "tensorboard, grpcio) and triton, about 1 GB, into .venv-bench. The bench venv it makes "
+        "is what the "
         "peer runners run in: test_throughput runs the floor peer (bare_fsdp2) in the main venv, "
         "whose torch and transformers are the very versions setup_peers.sh pins. Here the script "
         "must parse (bash -n); with LLAMA_FSDP_DOCS_INSTALL=1 it runs into a temporary VENV and "
@@ -500,13 +503,22 @@ def apply(cmd: str, e: Entry, **fill: str) -> tuple[str, dict[str, str]]:
     return cmd, env
 
 
+# The docs commands this process built (command(id): the command as run -> id) and the ids of
+# those start / run then executed (a script holding one counts). At the end of the session the
+# integration conftest checks that every entry whose test passed was executed.
+ISSUED: dict[str, str] = {}
+RAN: set[str] = set()
+
+
 def command(id: str, **fill: str) -> tuple[str, dict[str, str]]:
     """The docs command ``id`` as the test runs it; fails when it is no longer in the docs."""
     cmd, e = entry(id)
     if cmd not in {c.command for c in doc_commands()}:
         raise AssertionError(f"{cmd!r} (registry id {id!r}) is not in the docs any more: "
                              "update its REGISTRY key in tests/docs_commands.py")
-    return apply(cmd, e, **fill)
+    applied, env = apply(cmd, e, **fill)
+    ISSUED[applied] = id
+    return applied, env
 
 
 def describe_registry() -> str:
@@ -538,6 +550,7 @@ def user_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def start(cmd: str, cwd: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """``cmd`` in bash, in its own session (stopped as a whole)."""
+    RAN.update(id for issued, id in ISSUED.items() if issued in cmd)
     return subprocess.Popen(["/bin/bash", "-c", cmd], cwd=cwd, env=user_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -71,7 +71,7 @@ def load_hf_base(model: nn.Module, path: str, ft: FinetuneConfig, *,
         for n in names:
             t = rows[n]
             set_nf4_rows(owners[n], t.to_local() if isinstance(t, DTensor) else t, ft)
-        del rows
+        del rows, t  # t too: the layer's last rows would stay alive into the next layer's read
     init_buffers(model)
     dt = time.perf_counter() - t0
     log.info("loaded the base from %s in %.2fs (%d NF4 weights quantized per shard)", hf_dir,

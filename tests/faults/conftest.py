@@ -55,6 +55,31 @@ def logged_steps(run: Path) -> list[int]:
             if isinstance(e, events.Metrics) and "loss" in e.metrics]
 
 
+def logged_losses(run: Path) -> list[tuple[int, float]]:
+    """(step, loss) in the order rank 0 spooled them: a restarted run logs again from the step
+    after the checkpoint it resumed from."""
+    from llama_fsdp.tracking import Spool, events
+
+    return [(e.step, e.metrics["loss"]) for e in Spool(run).events()
+            if isinstance(e, events.Metrics) and "loss" in e.metrics]
+
+
+# the run the restart tests interrupt (with FAST): nothing in it depends on the faults' hooks,
+# checkpoints or restarts, so its losses are what an interrupted one must log
+UNINTERRUPTED_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """Step -> loss of the restart tests' run, uninterrupted, through the same command."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    code, log, _ = run_cli(cwd, f"train.max_steps={UNINTERRUPTED_STEPS}", "save.every_steps=0")
+    assert code == 0, log[-3000:]
+    losses = logged_losses(run_dir(cwd))
+    assert [s for s, _ in losses] == list(range(1, UNINTERRUPTED_STEPS + 1)), losses
+    return dict(losses)
+
+
 def wait_for_step(cwd: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import re
 import signal
 import time
 
+import psutil
 import pytest
 
 from tests.faults.conftest import no_leftovers, run_cli, start_cli
@@ -50,19 +51,49 @@ def test_a_damaged_project_tokenizer_is_named_and_trained_again(tmp_path):
     assert "status         finished" in out
 
 
+def _partial_build(data) -> list:
+    """The files of a build in progress (a hidden .synthetic-* folder) once one is written,
+    and only while its manifest, the mark of a complete entry, is not."""
+    from llama_fsdp.manifest import MANIFEST
+
+    for build in data.glob(".synthetic-*"):
+        files = [p for p in build.rglob("*") if p.is_file()]
+        if files and not (build / MANIFEST).exists():
+            return files
+    return []
+
+
 def test_tokenization_killed_midway_leaves_no_entry_that_looks_complete(tmp_path):
-    """The driver is killed while it tokenizes (SIGKILL: nothing runs after it): the next run
-    finds no cache entry, tokenizes again and trains."""
+    """The driver is killed while it tokenizes (SIGKILL: nothing runs after it), once its build
+    has written part of an entry: the next run finds no cache entry, tokenizes again and
+    trains."""
+    from llama_fsdp.manifest import MANIFEST
+
     proc = start_cli(tmp_path, *SHORT, "data.num_records=30000")
     deadline = time.monotonic() + 240
     data = tmp_path / "outputs" / "cache" / "data"
+    entries = lambda: [p for p in data.glob("synthetic-*") if p.is_dir()]  # noqa: E731
+
+    def stop() -> None:  # SIGSTOP, and wait until every thread of the driver is stopped
+        proc.send_signal(signal.SIGSTOP)
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            time.sleep(0.001)
+
     while time.monotonic() < deadline and not list(data.glob(".synthetic-*")):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
-        time.sleep(0.05)
-    time.sleep(0.5)  # inside the build
-    proc.send_signal(signal.SIGKILL)
+        time.sleep(0.02)
+    stop()  # the build has begun: from here the driver runs in 10 ms slices, looked at between
+    while time.monotonic() < deadline and not _partial_build(data):
+        assert not entries(), "the build finished between two looks"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
+        stop()
+    assert _partial_build(data) and not entries(), "the build was not caught midway"
+    proc.send_signal(signal.SIGKILL)  # while stopped, with part of an entry written
     proc.wait(timeout=60)
-    assert not [p for p in data.glob("synthetic-*") if p.is_dir()]  # only the hidden build dir
+    left = [p for p in data.glob(".synthetic-*") if p.is_dir()]
+    assert left and not any((p / MANIFEST).exists() for p in left)  # the partial write stays
+    assert not entries()  # nothing that looks whole
     assert no_leftovers(str(tmp_path)) == []
     code, out, _ = run_cli(tmp_path, *SHORT, "data.num_records=30000")
     assert code == 0, out[-3000:]

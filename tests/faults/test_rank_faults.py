@@ -11,6 +11,8 @@ from mlflow.tracking import MlflowClient
 from llama_fsdp.tracking import read_run_file
 from tests.faults import hooks
 from tests.faults.conftest import (
+    UNINTERRUPTED_STEPS,
+    logged_losses,
     logged_steps,
     no_leftovers,
     run_cli,
@@ -22,12 +24,14 @@ from tests.faults.conftest import (
 pytestmark = [pytest.mark.slow]
 
 
-def test_a_killed_rank_is_named_and_the_run_restarts_from_its_checkpoint(tmp_path):
+def test_a_killed_rank_is_named_and_the_run_restarts_from_its_checkpoint(tmp_path,
+                                                                         uninterrupted):
     """SIGKILL (as the OOM killer sends it) on rank 1 after step 3: the report leads with rank
     1 and its signal; with cluster.max_restarts=1 every rank restarts from step 2's checkpoint
-    and the run finishes in the same MLflow run."""
+    and the run finishes in the same MLflow run, every loss the uninterrupted run's."""
     code, log, _ = run_cli(
-        tmp_path, "train.max_steps=6", "save.every_steps=2", "cluster.max_restarts=1",
+        tmp_path, f"train.max_steps={UNINTERRUPTED_STEPS}", "save.every_steps=2",
+        "cluster.max_restarts=1",
         "train.callbacks=[tests.faults.hooks:self_signal]",
         env={hooks.SIGNAL: "rank=1,step=3,sig=KILL", hooks.MARK: str(tmp_path / "fired")})
     assert code == 0, log[-4000:]
@@ -43,8 +47,11 @@ def test_a_killed_rank_is_named_and_the_run_restarts_from_its_checkpoint(tmp_pat
     assert r.data.tags["resume_step"] == "2"
     assert [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "restart")] == [
         (2, 1.0)]
-    # steps 1-3 from the first attempt (3 never checkpointed), 3-6 again from step 2's state
-    assert sorted(set(logged_steps(run))) == [1, 2, 3, 4, 5, 6]
+    # steps 1-3 from the first attempt (3 never checkpointed), 3-8 again from step 2's state,
+    # each the loss of the same step uninterrupted
+    logged = logged_losses(run)
+    assert [s for s, _ in logged] == [1, 2, 3, *range(3, UNINTERRUPTED_STEPS + 1)]
+    assert [loss for _, loss in logged] == [uninterrupted[s] for s, _ in logged]
     assert no_leftovers(str(tmp_path)) == []
 
 

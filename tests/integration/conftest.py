@@ -143,6 +143,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
+PASSED: set[str] = set()  # "<file>::<function>" of every test that passed in this process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.passed:
+        PASSED.add(f"{Path(str(item.fspath)).relative_to(REPO_ROOT)}::{item.originalname}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _docs_commands_ran():
+    """Every docs command whose REGISTRY entry names a test that passed here was executed
+    (built by docs.command(id), run by docs.run / docs.start): an entry cannot point at a test
+    that runs something else. Checked when the session ends (a module's tests share one
+    process under `--dist loadscope`; their shared runs happen in fixtures)."""
+    yield
+    from tests import docs_commands as docs
+
+    missing = sorted(f"{e.id} ({e.test})" for e in docs.REGISTRY.values()
+                     if e.test in PASSED and e.id not in docs.RAN)
+    assert not missing, ("docs commands whose test passed without running them: "
+                         + ", ".join(missing))
+
+
 class SlurmCluster:
     """A running cluster, as handed to tests by the ``slurm_cluster`` fixture."""
 

@@ -459,7 +459,7 @@ def test_setup_peers(work):
     assert parse.returncode == 0, parse.stderr
     if os.environ.get("LLAMA_FSDP_DOCS_INSTALL") != "1":
         pytest.skip("bash benchmarks/setup_peers.sh downloads about 1 GB (torch, accelerate, "
-                    "torchtitan, triton): run with LLAMA_FSDP_DOCS_INSTALL=1 to run it")
+                    "torchtitan, triton): parsed only; LLAMA_FSDP_DOCS_INSTALL=1 runs it")
     r = docs.run(cmd, REPO, {**env, "MAIN_VENV": str(docs.BIN.parent)}, timeout=1800)
     assert r.returncode == 0, str(r)
     import importlib.metadata as md

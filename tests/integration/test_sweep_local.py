@@ -114,6 +114,19 @@ def test_points_carry_summary_metrics_data_sets_models_and_their_command(sweep):
     assert "summary/tokens_per_sec" in exp.tags["mlflow.sharedViewState.llama_fsdp"]
 
 
+def test_the_exported_point_is_its_trained_start(sweep):
+    """The GPU tests' checks of a run (tests/gpu/test_gpu_run.py), by the same helpers, on the
+    point that finished (3 steps, a checkpoint every step, exported): the export is its last
+    checkpoint's model and its step-0 weights moved by training."""
+    from tests.gpu.test_gpu_run import assert_export_is_the_trained_start
+
+    _, kids = _family(sweep["after"])
+    point = kids[1]
+    assert point.info.run_name == "batch_size=4" and point.info.status == "FINISHED"
+    assert_export_is_the_trained_start(Path(point.data.tags["output_dir"]),
+                                       Path(point.data.tags["export_dir"]), 3)
+
+
 def _ui_available() -> str | None:
     try:
         import playwright  # noqa: F401

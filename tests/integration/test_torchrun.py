@@ -21,10 +21,16 @@ SHORT = ["cluster.device=cpu", "train.max_steps=4", "train.warmup_steps=0",
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
+def _logged(run: Path) -> list[tuple[int, float]]:
+    """(step, global loss) in the order rank 0 recorded them (its spool): a restarted run logs
+    again from the step after its checkpoint."""
+    return [(e.step, e.metrics["loss"]) for e in Spool(run).events()
+            if isinstance(e, events.Metrics) and "loss" in e.metrics]
+
+
 def _losses(run: Path) -> dict[int, float]:
-    """Step -> global loss, as rank 0 recorded them (its spool)."""
-    return {e.step: e.metrics["loss"] for e in Spool(run).events()
-            if isinstance(e, events.Metrics) and "loss" in e.metrics}
+    """Step -> global loss, as rank 0 recorded them."""
+    return dict(_logged(run))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -43,15 +49,19 @@ def _torchrun(cwd: Path, *args: str, nnodes: int = 1, nproc: int = 2, port: int,
         cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.fixture(scope="module")
-def local_reference(tmp_path_factory):
-    """The same run under cluster=local: 4 ranks, hybrid 2 x 2 (two "nodes" of 2)."""
-    cwd = tmp_path_factory.mktemp("local")
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", *SHORT, "cluster.nproc_per_node=4",
-                          "sharding=hybrid", "sharding.shard_size=2"],
+def _local(cwd: Path, *args: str) -> dict[int, float]:
+    """The same run under cluster=local: its losses."""
+    out = subprocess.run([sys.executable, "-m", "llama_fsdp", *SHORT, *args],
                          cwd=cwd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return _losses(next((cwd / "outputs" / "runs").glob("*/*")))
+
+
+@pytest.fixture(scope="module")
+def local_reference(tmp_path_factory):
+    """4 ranks, hybrid 2 x 2 (two "nodes" of 2), under cluster=local."""
+    return _local(tmp_path_factory.mktemp("local"), "cluster.nproc_per_node=4",
+                  "sharding=hybrid", "sharding.shard_size=2")
 
 
 def test_two_torchrun_nodes_train_the_local_run_s_curve(tmp_path, local_reference):
@@ -77,12 +87,13 @@ def test_two_torchrun_nodes_train_the_local_run_s_curve(tmp_path, local_referenc
 
 def test_torchrun_restarts_a_killed_rank_from_its_checkpoint(tmp_path):
     """SIGKILL on rank 1 after step 3 under --max-restarts=1: torchrun starts every process
-    again, and the run resumes from step 2's checkpoint in the same MLflow run."""
+    again, and the run resumes from step 2's checkpoint in the same MLflow run, every loss
+    the one the same run under cluster=local logs uninterrupted."""
     env = _env(**{hooks.SIGNAL: "rank=1,step=3,sig=KILL", hooks.MARK: str(tmp_path / "fired")})
     agent = subprocess.Popen(
         [TORCHRUN, "--nnodes=1", "--nproc_per_node=2", "--max-restarts=1",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=restart",
-         "-m", "llama_fsdp", "cluster=torchrun", *SHORT, "train.max_steps=6",
+         "-m", "llama_fsdp", "cluster=torchrun", *SHORT,
          "save.every_steps=2", "train.callbacks=[tests.faults.hooks:self_signal]"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = agent.communicate(timeout=900)[0]
@@ -93,7 +104,12 @@ def test_torchrun_restarts_a_killed_rank_from_its_checkpoint(tmp_path):
         read_run_file(run)["run_id"])
     assert r.info.status == "FINISHED"
     assert r.data.tags["restarts"] == "1" and r.data.tags["resume_step"] == "2"
-    assert sorted(_losses(run)) == [1, 2, 3, 4, 5, 6]
+    # 1-3 from the first attempt (3 never checkpointed), then 3-4 again from step 2's state
+    logged = _logged(run)
+    assert [s for s, _ in logged] == [1, 2, 3, 3, 4]
+    (tmp_path / "local").mkdir()
+    uninterrupted = _local(tmp_path / "local")  # 2 local ranks, like the agent's
+    assert [loss for _, loss in logged] == [uninterrupted[s] for s, _ in logged]
 
 
 def test_a_launch_by_environment_variables_runs_the_same_worker(tmp_path):

@@ -1,19 +1,28 @@
 """LoRA and QLoRA on real gloo ranks with real torchao NF4 (fp32, CPU), from an HF base.
 
 One module fixture trains every run the tests read (6 steps each, the same global batch of 8
-rows), all from the HF directory this module writes (model.path):
+rows), all from the HF directories this module writes (model.path): the tiny shape (GQA, k / v
+128 rows) and, for QLoRA over 4 shards, the tiny shape with 8 k / v heads (``_mha``: k / v of
+256 rows, whole NF4 groups over 4 shards):
 
 - 2 ranks, full sharding: ``lora_2``, ``qlora_2`` (tracked in MLflow), each saving a DCP
-  checkpoint every 3 steps; ``qlora_2s`` stops after its step-3 save and ``qlora_2r``
-  continues it (resume=auto);
-- 1 rank: ``lora_1``, ``qlora_1``, and ``qlora_1r``, which resumes ``qlora_2`` on one rank;
-- 4 ranks: ``lora_4`` (full sharding) and ``qlora_4`` (hybrid 2 x 2: the tiny shape's k / v
-  projections cannot be NF4 over 4 shards, which the spec refuses, tested here too).
+  checkpoint every 3 steps; ``qlora_2s`` stops after its step-3 save;
+- 2 ranks again, in fresh processes: ``qlora_2r`` continues ``qlora_2s`` (resume=auto), and
+  ``qlora_bf16`` only loads the base (bf16, the frozen dtype of precision=bf16);
+- 1 rank: ``lora_1``, ``qlora_1``, ``qlora_1r`` (resumes ``qlora_2`` on one rank) and
+  ``qlora_1_mha``;
+- 4 ranks: ``lora_4`` (full sharding), ``qlora_4`` (hybrid 2 x 2: the tiny shape's k / v
+  projections cannot be NF4 over 4 shards, which the spec refuses, tested here too) and
+  ``qlora_4_mha`` (full sharding, 4 shards).
 
-Every run exports its PEFT adapter; ``qlora_2`` also the merged model.
+Every rank reports what it computed itself: its base before training, and again after the test
+reloads the HF base over it; its gradient norm at each step; its probe logits; the 16-bit
+staging buffers alive at once while its base loaded. Every run exports its PEFT adapter;
+``qlora_2`` also the merged model.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -21,16 +30,19 @@ import torch
 
 from llama_fsdp.spec import ConfigError
 from tests.conftest import make_spec
-from tests.distributed import run_ranks
+from tests.distributed import recorded_grad_norms, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 6
 BASE = ["eval.every_steps=0", "train.warmup_steps=1", f"train.max_steps={STEPS}",
         "precision=fp32", "finetune.rank=8", "finetune.alpha=16"]
+MHA = ["model.num_kv_heads=8"]  # k / v of 256 rows: 64 a shard over 4, whole NF4 groups
 PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
 # 1 rank against 2 or 4: the same sums in another order (reduce-scatters, smaller GEMMs)
 RTOL = 1e-4
+# tiny's target projections: rows x columns (h 256, i 768; k / v 128 rows, 256 with MHA)
+TARGET_ROWS = {"gqa": 2 * 256 + 2 * 128 + 3 * 768, "mha": 4 * 256 + 3 * 768}
 
 
 def _logits(model):
@@ -79,50 +91,93 @@ def _nf4_equals_whole_tensor_quantized(model, hf_dir: str) -> bool:
     return True
 
 
-def _session(rank, world, specs):
-    """Build, check, train and probe every run in turn (one process group per world size)."""
-    from llama_fsdp.worker import DistEnv, RankRun
+@contextlib.contextmanager
+def _live_staging():
+    """The most 16-bit staging bytes this rank held at once while its NF4 base loaded: every
+    buffer checkpoint/peft.py stages rows in is watched (weakly, so holding it costs
+    nothing), and at each DCP read into staging the buffers still alive are summed."""
+    import weakref
+
+    from llama_fsdp.checkpoint import peft as A
+
+    watched, peak = [], [0]
+    staging, load = A._staging, A.dcp.load
+
+    def watch(p, device):
+        t = staging(p, device)
+        local = t.to_local() if hasattr(t, "to_local") else t
+        watched.append((weakref.ref(local), local.numel() * local.element_size()))
+        return t
+
+    def read(state_dict, *args, **kw):
+        peak[0] = max(peak[0], sum(n for ref, n in watched if ref() is not None))
+        return load(state_dict, *args, **kw)
+
+    A._staging, A.dcp.load = watch, read
+    try:
+        yield peak
+    finally:
+        A._staging, A.dcp.load = staging, load
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        all(torch.equal(x, y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def _session(rank, world, specs, load_only=()):
+    """Build, check, train and probe every run in turn (one process group per call); a run in
+    ``load_only`` is only built (its base loaded), for its staging."""
+    from llama_fsdp.checkpoint.peft import load_hf_base
+    from llama_fsdp.worker import DistEnv, RankRun, build_model
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
     out = {}
     for name, spec in specs.items():
-        run = RankRun.build(spec, env, cpu)
-        staging = None
-        if spec.finetune.nf4:  # the base again, to read the 16-bit staging it held
-            from llama_fsdp.checkpoint.peft import load_hf_base
-
-            staging = load_hf_base(run.model, spec.model.path, spec.finetune,
-                                   device=cpu)["staging_bytes"]
-        before = _base(run.model)
+        if name in load_only:
+            with _live_staging() as staged:
+                build_model(spec, cpu)
+            out[name] = {"staging": staged[0]}
+            continue
+        with _live_staging() as staged:
+            run = RankRun.build(spec, env, cpu)
+        before = _base(run.model)  # what build (and resume) left, before this test touches it
+        # the base loaded again from the HF files over it: build must have loaded exactly that
+        load_hf_base(run.model, spec.model.path, spec.finetune, device=cpu)
+        built_from_hf = _same(before, _base(run.model))
         nf4_exact = (spec.finetune.nf4
                      and _nf4_equals_whole_tensor_quantized(run.model, spec.model.path))
         trained = {id(p) for p in run.model.parameters() if p.requires_grad}
         optimized = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
-        result = run.train()
-        after = _base(run.model)
+        with recorded_grad_norms() as norms:
+            result = run.train()
+        unchanged = _same(before, _base(run.model))  # before the probe (it leaves some gathered)
         out[name] = {
-            "result": result, "logits": _logits(run.model), "nf4_exact": nf4_exact,
-            "staging": staging,
-            "base_unchanged": before.keys() == after.keys() and all(
-                all(torch.equal(a, b) for a, b in zip(before[k], after[k])) for k in before),
+            "result": result, "logits": _logits(run.model), "grad_norms": norms,
+            "nf4_exact": nf4_exact, "staging": staged[0], "built_from_hf": built_from_hf,
+            "base_unchanged": unchanged,
             "optimizer_holds_adapters_only": optimized == trained and all(
                 "lora_" in n for n, p in run.model.named_parameters() if id(p) in trained)}
     return out
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
+def _write_hf_dir(root: Path, *overrides: str) -> Path:
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.data import build_tokenizer
     from llama_fsdp.model import llama_config
 
-    spec = make_spec()
+    spec = make_spec(list(overrides))
     torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    path = root / "tiny-llama"
     LlamaForCausalLM(llama_config(spec.model)).save_pretrained(path)
-    build_tokenizer(spec.data, tmp_path_factory.mktemp("tok-cache")).save_pretrained(path)
+    build_tokenizer(spec.data, root / "tok-cache").save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return _write_hf_dir(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
@@ -132,52 +187,87 @@ def runs(tmp_path_factory, hf_dir):
 
     root = tmp_path_factory.mktemp("adapters")
     store = tmp_path_factory.mktemp("mlflow")
+    hf_mha = _write_hf_dir(tmp_path_factory.mktemp("hf_mha"), *MHA)
 
-    def spec(name, method, world, *extra, tracked=False):
+    def spec(name, method, world, *extra, tracked=False, path=hf_dir):
         track = (f"tracking.uri=sqlite:///{store}/mlflow.db" if tracked
                  else "tracking.enabled=false")
-        return make_spec([*BASE, f"model.path={hf_dir}", f"finetune={method}", track,
+        return make_spec([*BASE, f"model.path={path}", f"finetune={method}", track,
                           f"cluster.nproc_per_node={world}", f"train.batch_size={8 // world}",
                           *extra], output_dir=root / name)
 
     saving = "save.every_steps=3"
     two = {"lora_2": spec("lora_2", "lora", 2, saving),
            "qlora_2": spec("qlora_2", "qlora", 2, saving, "finetune.export_merged=true",
-                           tracked=True)}
-    # stopped after its step-3 save, then continued in the same directory (resume=auto)
-    two["qlora_2s"] = spec("qlora_2r", "qlora", 2, saving, "train.stop_after=3")
-    two["qlora_2r"] = spec("qlora_2r", "qlora", 2, saving, "resume=auto")
+                           tracked=True),
+           "qlora_2s": spec("qlora_2r", "qlora", 2, saving, "train.stop_after=3")}
     prepare(two["qlora_2"], command="pytest")  # its MLflow run, as the driver makes it
     out = run_ranks(_session, 2, two)
+    # continued in the same directory (resume=auto) by processes that did not train it
+    fresh = {"qlora_2r": spec("qlora_2r", "qlora", 2, saving, "resume=auto"),
+             "qlora_bf16": spec("qlora_bf16", "qlora", 2, "precision=bf16")}
+    for rank, r in enumerate(run_ranks(_session, 2, fresh, {"qlora_bf16"})):
+        out[rank].update(r)
     step3 = layout.step_dir(root / "qlora_2", 3)
     one = {"lora_1": spec("lora_1", "lora", 1), "qlora_1": spec("qlora_1", "qlora", 1),
-           "qlora_1r": spec("qlora_1r", "qlora", 1, f"resume={step3}")}
-    out0 = {**out[0], **run_ranks(_session, 1, one)[0]}
+           "qlora_1r": spec("qlora_1r", "qlora", 1, f"resume={step3}"),
+           "qlora_1_mha": spec("qlora_1_mha", "qlora", 1, *MHA, path=hf_mha)}
+    out1 = run_ranks(_session, 1, one)
     four = {"lora_4": spec("lora_4", "lora", 4),
-            "qlora_4": spec("qlora_4", "qlora", 4, "sharding=hybrid", "sharding.shard_size=2")}
+            "qlora_4": spec("qlora_4", "qlora", 4, "sharding=hybrid", "sharding.shard_size=2"),
+            "qlora_4_mha": spec("qlora_4_mha", "qlora", 4, *MHA, path=hf_mha)}
     out4 = run_ranks(_session, 4, four)
-    out0.update(out4[0])
-    return {"rank0": out0, "ranks": {"2": out, "4": out4}, "hf": hf_dir,
-            "specs": {**two, **one, **four}, "root": root}
+    return {"rank0": {**out[0], **out1[0], **out4[0]}, "ranks": {"1": out1, "2": out, "4": out4},
+            "hf": hf_dir, "specs": {**two, **fresh, **one, **four}, "root": root}
+
+
+def _trained(runs):
+    """("<world> ranks, rank <r>", run name, that rank's report) of every rank of every trained
+    run."""
+    for world, results in runs["ranks"].items():
+        for rank, r in enumerate(results):
+            for name, v in r.items():
+                if "result" in v:
+                    yield f"{world} ranks, rank {rank}", name, v
+
+
+# per method: (a run on 2 or 4 ranks, the 1-rank run of its shape)
+COMPARED = {"lora": [("lora_2", "lora_1"), ("lora_4", "lora_1")],
+            "qlora": [("qlora_2", "qlora_1"), ("qlora_4", "qlora_1"),
+                      ("qlora_4_mha", "qlora_1_mha")]}
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_loss_falls_and_ranks_agree(runs, method):
-    for world in ("2", "4"):
-        per_rank = [r[f"{method}_{world}"]["result"].losses for r in runs["ranks"][world]]
-        assert all(c == per_rank[0] for c in per_rank), f"{method} {world} ranks disagree"
+    """Each rank's own numbers, not a gathered one: its gradient norm at every step (its
+    clip's all-reduce over the shards), and the logits its copy of the model gives the probe
+    (in hybrid, the replicas' shards must stay equal)."""
+    for name, _ in COMPARED[method]:
+        world = str(runs["specs"][name].world_size)
+        per_rank = [r[name] for r in runs["ranks"][world]]
+        assert len(per_rank[0]["grad_norms"]) == STEPS
+        for rank, r in enumerate(per_rank[1:], 1):
+            assert r["grad_norms"] == per_rank[0]["grad_norms"], (name, rank)
+            assert (r["logits"] == per_rank[0]["logits"]).all(), (name, rank)
     losses = runs["rank0"][f"{method}_1"]["result"].losses
     assert len(losses) == STEPS and losses[-1] < 0.8 * losses[0], losses
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_one_rank_equals_two_and_four(runs, method):
+    """Losses and gradient norms per step: AdamW's update is blind to a gradient scaled by a
+    constant (a loss not multiplied by the world size, say), the norm is not."""
     r = runs["rank0"]
-    one = r[f"{method}_1"]["result"].losses
-    for world in (2, 4):
-        torch.testing.assert_close(r[f"{method}_{world}"]["result"].losses, one, rtol=RTOL,
-                                   atol=0, msg=f"{method}: {world} ranks vs 1")
-    assert runs["specs"][f"{method}_4"].mesh.shard == (2 if method == "qlora" else 4)
+    for name, ref in COMPARED[method]:
+        for key in ("losses", "grad_norms"):
+            got = (r[name]["result"].losses if key == "losses" else r[name]["grad_norms"])
+            want = (r[ref]["result"].losses if key == "losses" else r[ref]["grad_norms"])
+            assert len(got) == STEPS
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0,
+                                       msg=f"{name} vs {ref}: {key}")
+    shards = {n: runs["specs"][n].mesh.shard for n, _ in COMPARED[method]}
+    assert shards == ({"lora_2": 2, "lora_4": 4} if method == "lora"
+                      else {"qlora_2": 2, "qlora_4": 2, "qlora_4_mha": 4})
 
 
 def test_qlora_at_four_shards_of_the_tiny_shape_is_refused_with_the_fix(hf_dir):
@@ -188,31 +278,44 @@ def test_qlora_at_four_shards_of_the_tiny_shape_is_refused_with_the_fix(hf_dir):
     assert "a shard group of 1, 2 rank(s)" in msg and "finetune=lora" in msg
 
 
-def test_the_frozen_base_is_bit_identical_after_training(runs):
-    for name, r in runs["rank0"].items():
-        assert r["base_unchanged"], name  # (qlora_2r's base: rebuilt from the HF files)
-        assert r["optimizer_holds_adapters_only"], name
+def test_the_frozen_base_is_the_hf_one_and_bit_identical_after_training(runs):
+    """On every rank of every run: the base build left (resumed runs included: a checkpoint
+    holds no base) is what loading the HF files again gives, and training left it unchanged."""
+    seen = 0
+    for where, name, r in _trained(runs):
+        assert r["built_from_hf"], (where, name)
+        assert r["base_unchanged"], (where, name)
+        assert r["optimizer_holds_adapters_only"], (where, name)
+        seen += 1
+    assert seen == 2 * 4 + 4 + 4 * 3  # ranks x runs, for 2, 1 and 4 ranks
 
 
 def test_nf4_shards_equal_the_whole_tensor_quantized(runs):
-    for name, r in runs["rank0"].items():
-        if name.startswith("qlora"):
-            assert r["nf4_exact"], name
-    for rank_result in runs["ranks"]["2"] + runs["ranks"]["4"]:
-        assert all(v["nf4_exact"] for k, v in rank_result.items() if k.startswith("qlora"))
+    qlora = [(w, n, r) for w, n, r in _trained(runs) if n.startswith("qlora")]
+    assert len(qlora) == 2 * 3 + 3 + 4 * 2
+    for where, name, r in qlora:
+        assert r["nf4_exact"], (where, name)
 
 
 def test_loading_stages_one_layers_rows_as_the_plan_says(runs):
     """No rank holds more than one decoder layer's target rows in 16 bits while loading the
-    NF4 base (plan/host.py's staging_bytes; fp32 here, the frozen dtype of precision=fp32)."""
+    NF4 base: the staging buffers alive at once, measured on every rank, are one layer's rows
+    of its shard in the frozen dtype (fp32 here; bf16 for precision=bf16), which is what
+    plan/host.py's staging_bytes plans."""
     from llama_fsdp.plan.host import staging_bytes
 
-    for world, results in (("2", runs["ranks"]["2"]), ("4", runs["ranks"]["4"])):
-        for r in results:
-            spec = runs["specs"][f"qlora_{world}"]
-            assert r[f"qlora_{world}"]["staging"] == staging_bytes(spec) > 0
-    # tiny (h 256, kv 128, i 768) over 2 shards: (2 x 256 + 2 x 128 + 3 x 768) x 256 / 2 rows
-    assert staging_bytes(runs["specs"]["qlora_2"]) == (2 * 256 + 2 * 128 + 3 * 768) * 256 // 2 * 4
+    cases = {"qlora_2": ("gqa", 2, 4), "qlora_4": ("gqa", 2, 4), "qlora_4_mha": ("mha", 4, 4),
+             "qlora_1": ("gqa", 1, 4), "qlora_bf16": ("gqa", 2, 2)}
+    for name, (shape, shard, dtype_bytes) in cases.items():
+        spec = runs["specs"][name]
+        want = TARGET_ROWS[shape] * 256 // shard * dtype_bytes
+        assert staging_bytes(spec) == want, name
+        ranks = runs["ranks"][str(spec.world_size)]
+        assert [r[name]["staging"] for r in ranks] == [want] * spec.world_size, name
+    for where, name, r in _trained(runs):  # resumed runs load their base too
+        assert r["staging"] == staging_bytes(runs["specs"][name]), (where, name)
+        if name.startswith("lora"):
+            assert r["staging"] == 0, (where, name)  # nothing staged: no NF4
 
 
 def test_convert_says_where_an_adapter_checkpoint_s_model_is(runs):
@@ -224,9 +327,13 @@ def test_convert_says_where_an_adapter_checkpoint_s_model_is(runs):
 
 
 def test_resume_is_exact_and_works_on_another_world_size(runs):
+    """Resumed by processes that did not train the run (the checkpoint alone carries it)."""
     r = runs["rank0"]
     full = r["qlora_2"]["result"].losses
+    assert r["qlora_2s"]["result"].losses == full[:3]
+    assert r["qlora_2r"]["result"].resumed_from.endswith("step_000003")
     assert r["qlora_2r"]["result"].losses == full[3:]  # same world size: bit-exact
+    assert r["qlora_2r"]["grad_norms"] == r["qlora_2"]["grad_norms"][3:]
     torch.testing.assert_close(r["qlora_1r"]["result"].losses, full[3:], rtol=RTOL, atol=0)
     # the checkpoint holds the adapters, their AdamW moments and the loop's state: no base
     from llama_fsdp.checkpoint import dcp, layout

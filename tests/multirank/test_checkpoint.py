@@ -9,7 +9,8 @@ directory this module writes (model.path):
 - ``b``: the same run through the real launcher, killed (every rank ``os._exit``) in the middle
   of writing its step-4 checkpoint.
 - ``b2``: ``output_dir=<b's run dir>`` and ``resume=auto``: continues b from step 2 with async
-  sharded saves; must reproduce a's losses 3..6 exactly.
+  sharded saves, in processes that trained nothing before; must reproduce a's losses 3..6
+  exactly.
 - ``c``: 4 ranks, hybrid 2x2, micro-batch 4 (same global batch), ``resume=<a>/step_000004``,
   ``train.stop_after=5``: one resharded step.
 """
@@ -61,14 +62,14 @@ def _close(x, y, **kw) -> None:
     torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y), **kw)
 
 
-def _two_rank_session(rank, world, spec_a, spec_b2, step6):
-    """a (uninterrupted), then b2 (auto-resume of the crashed b), then the sharded model's
-    logits straight after an HF load and after loading a's final checkpoint."""
+def _train_and_probe(rank, world, spec_a, step6):
+    """a (uninterrupted), then the sharded model's logits straight after an HF load and after
+    loading a's final checkpoint."""
     from llama_fsdp.checkpoint import dcp, hf
     from llama_fsdp.worker import DistEnv, build_model, train_on_rank
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
-    out = {"a": train_on_rank(spec_a, env, cpu), "b2": train_on_rank(spec_b2, env, cpu)}
+    out = {"a": train_on_rank(spec_a, env, cpu)}
     fresh = build_model(spec_a, cpu)
     hf.load_hf_weights(fresh, spec_a.model.path)
     out["hf_logits"] = _logits(fresh)
@@ -128,14 +129,15 @@ def runs(tmp_path_factory, hf_dir):
     after_crash = {p.name: sorted(f.name for f in p.iterdir() if f.is_file())
                    for p in ckpts_b.iterdir()}
     step6 = layout.step_dir(root / "a", 6)
-    two = run_ranks(_two_rank_session, 2, spec_a, spec_b2, str(step6))
+    two = run_ranks(_train_and_probe, 2, spec_a, str(step6))
+    b2 = run_ranks(_train, 2, spec_b2)  # fresh processes: the checkpoint alone carries b
     a_before_c = _snapshot(root / "a")
     spec_c = spec("c", "cluster.nproc_per_node=4", "sharding=hybrid", "sharding.shard_size=2",
                   "train.batch_size=4", f"resume={layout.step_dir(root / 'a', 4)}",
                   "train.stop_after=5")
     prepare(spec_c, command="pytest")
     four = run_ranks(_train, 4, spec_c)
-    return {"root": root, "hf": hf_dir, "a": two[0]["a"], "b2": two[0]["b2"], "c": four,
+    return {"root": root, "hf": hf_dir, "a": two[0]["a"], "b2": b2[0], "c": four,
             "hf_logits": two[0]["hf_logits"], "a_logits": two[0]["a_logits"],
             "after_crash": after_crash, "a_snapshot": (a_before_c, _snapshot(root / "a")),
             "specs": {"a": spec_a, "b": spec_b, "c": spec_c}}
@@ -189,8 +191,12 @@ def test_mlflow_run_continues_in_the_same_dir_and_records_the_source_elsewhere(r
     c_run = client.get_run(runs["c"][0].mlflow_run_id)
     assert c_run.info.run_id != runs["a"].mlflow_run_id
     assert c_run.data.tags["resumed_from"] == str(root / "a" / "checkpoints" / "step_000004")
-    steps = [m.step for m in client.get_metric_history(b_id, "loss")]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1))  # 1..4 from b, 3..6 from b2
+    # 1..4 from b, then 3..6 from b2 (resumed from step 2, not from the start), b2's equal to
+    # the uninterrupted a's
+    history = sorted(client.get_metric_history(b_id, "loss"),
+                     key=lambda m: (m.timestamp, m.step))
+    assert [m.step for m in history] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert [m.value for m in history[4:]] == runs["a"].losses[2:]
 
 
 def test_resharded_resume_two_ranks_full_to_four_ranks_hybrid(runs):

@@ -9,22 +9,32 @@ whose sizes depend on the CPU's kernels (5-9 MB on an AMD EPYC, 23 MB on another
 already in the baseline: the measured peaks are tensors alone on any CPU, and what a case leaves
 behind once its model and optimizer are deleted is a leak, asserted to be nothing.
 
-Tolerances, from the AdamW configs of benchmarks/plan_vs_measured_cpu.md (its 11 low-bit
-rows are 0.955 to 0.995, but for one tied 4-rank 8-bit row at 0.846, which is not checked
-here: the table says why):
+Tolerances, each the claim it checks (per case: ``band``), from
+benchmarks/plan_vs_measured_cpu.md:
 - plan.predicted_peak_bytes is the per-phase model (llama_fsdp.plan.phase_peaks: max over
   forward / loss / layers / root / optimizer of what is live in each, with gloo's reduce-scatter
   copy on CPU; an untied model in torchtitan's FSDP groups, parallel.apply_fsdp, has its own
-  terms). It tracks the measured peak within 10% (0.921 to 1.006 in the sweep): measured
-  within [0.88, 1.02] x predicted; 2% above for allocator rounding, 12% below because the model
-  counts in full what gloo frees at a varying moment on its worker thread (its reduce-scatter
-  scratch, the root's all-gather output): run to run, those move single configs by up to 5%.
+  terms). With AdamW it tracks the measured peak within 10% (0.921 to 1.006 in the sweep):
+  measured within [0.88, 1.02] x predicted; 2% above for allocator rounding, 12% below because
+  the model counts in full what gloo frees at a varying moment on its worker thread (its
+  reduce-scatter scratch, the root's all-gather output): run to run, those move single configs
+  by up to 5%.
+- With low-bit moments (compiled or eager: the step's fp32 copies of the largest parameter are
+  the plan's constants, measured here) or LoRA / QLoRA adapters, README.md states the plan is
+  within 3.5% of the measured peak: measured within [0.965, 1.035] x predicted (the sweep:
+  0.967 to 1.014).
+- The one exception README.md names, the tied 4-rank 8-bit config, over-predicted by 12% (its
+  layers phase, 0.882 in the sweep): measured within [0.85, 1.02] x predicted, over-predicted by
+  at most 15% and never under.
 - plan.memory.total, the sum of the components (never all live together: grads, all-gather /
   reduce-scatter buffers of 2 layers + the largest unit, the recomputed layer beside the loss
   buffers), stays an upper bound: measured <= sum (the sweep's worst is 0.934), and not
   absurdly loose: measured >= 0.55 x sum (worst 0.599, full sharding with AC on at
   micro-batch 1, where those transients weigh most and the grouping keeps the head and the
-  embedding from being gathered together).
+  embedding from being gathered together). Not for an eager low-bit step: the sum has no term
+  for the step's temporaries, and its 14 fp32 copies of the largest parameter take the peak
+  over the sum (measured 1.174 x sum); the phase model counts them, and that row is checked
+  against it alone.
 - At the start of the second step the heap holds exactly the sharded params and the optimizer
   state the plan counts (within 1 MB + 1%), and for no_shard (DDP) the gradient buckets; with
   finetune=lora / qlora the frozen base and the adapters' moments. State in tensors below the
@@ -49,7 +59,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 MB = 10**6
 MAX_LEFTOVER = MB // 2  # a leak of any sharded tensor here is larger
 PLAN_LOOSEST = 0.55
-PREDICTED_BAND = (0.88, 1.02)
+# measured / predicted (the module docstring says where each claim is made)
+ADAMW_BAND = (0.88, 1.02)
+LOWBIT_OR_ADAPTERS_BAND = (0.965, 1.035)
+TIED_4_RANK_8BIT = (4, ("full", "fp32", "full", 1, True, 1, "", "adamw8bit"))
+TIED_4_RANK_8BIT_BAND = (0.85, 1.02)
 # (strategy, precision, activation checkpointing, micro-batch[, tied embedding, grad_accum,
 # packed, optimizer, finetune method]): every strategy, AC none, selective and full, fp32 /
 # bf16 / mixed, micro-batch 1, 2 and 4; no_shard (DDP) in fp32 and under autocast (mixed); packed records through SDPA's dense
@@ -60,7 +74,9 @@ PREDICTED_BAND = (0.88, 1.02)
 # whose peak is the root's reduce-scatter at the end of backward with gloo's copy of its input
 # (without that copy, which the plan counts on CPU only, the prediction is 7% under the
 # measured peak: out of the band).
-# Low-bit AdamW moments (compiled step), peaking in the optimizer step with 4-bit moments.
+# Low-bit AdamW moments, peaking in the optimizer step with 4-bit moments, compiled and eager
+# (optim.eager: a step that makes more fp32 copies of the largest parameter); the tied 4-rank
+# 8-bit row, the plan's loosest.
 # finetune=lora / qlora: a frozen base (plan/adapters.py), its peaks in the loss phase.
 CASES = {
     2: [("full", "fp32", "none", 4, False, 1, "sdpa"), ("grad_op", "bf16", "full", 4),
@@ -69,6 +85,7 @@ CASES = {
         ("full", "fp32", "none", 2, False, 2), ("full", "fp32", "none", 4, False, 1, "varlen"),
         ("full", "fp32", "selective", 4), ("full", "mixed", "full", 1),
         ("full", "bf16", "full", 1, False, 1, "", "adamw4bit"),
+        ("full", "bf16", "full", 1, False, 1, "", "adamw4bit eager"),
         ("no_shard", "fp32", "none", 2, False, 1, "", "adamw8bit"),
         ("full", "bf16", "full", 1, False, 1, "", "", "qlora"),
         ("no_shard", "fp32", "none", 4, False, 1, "", "", "lora"),
@@ -76,9 +93,18 @@ CASES = {
     4: [("hybrid", "bf16", "none", 4), ("grad_op", "fp32", "full", 1),
         ("full", "fp32", "full", 1), ("hybrid", "bf16", "full", 1, False, 1, "", "adamw4bit"),
         ("hybrid", "bf16", "full", 4, False, 1, "", "", "qlora"),
-        ("full", "fp32", "full", 1, False, 1, "", "", "lora")],
+        ("full", "fp32", "full", 1, False, 1, "", "", "lora"), TIED_4_RANK_8BIT[1]],
 }
 REQUIRE_ENV = "LLAMA_FSDP_REQUIRE_MEMTRACK"  # CI (.ci/run): no C compiler fails, not skips
+
+
+def band(world: int, case: tuple) -> tuple[float, float]:
+    """The bounds of measured / predicted for a case (the module docstring's claims)."""
+    if (world, case) == TIED_4_RANK_8BIT:
+        return TIED_4_RANK_8BIT_BAND
+    optim = case[7] if len(case) > 7 else ""  # B.overrides' optim and method, defaulted
+    method = case[8] if len(case) > 8 else "full"
+    return LOWBIT_OR_ADAPTERS_BAND if optim or method != "full" else ADAMW_BAND
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +126,7 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
     specs = {B.case_name(world, *c): make_spec(B.overrides(world, *c),
                                                output_dir=f"/tmp/llama_fsdp_test/planmem_{world}")
              for c in CASES[world]}
+    bands = {B.case_name(world, *c): band(world, c) for c in CASES[world]}
     with B.preloaded(memtrack):
         results = run_ranks(B.measure_on_rank, world, specs, 2, timeout=240)
     report = []
@@ -122,9 +149,11 @@ def test_measured_peak_is_within_tolerance_of_the_plan(world, memtrack):
             assert abs(start - state) <= MB + 0.01 * state, (
                 f"{name} rank {rank}: {start / MB:.2f} MB live at the start of step 2, plan's "
                 f"params + optimizer {state / MB:.2f} MB")
-            lo, hi = PREDICTED_BAND
+            lo, hi = bands[name]
             assert lo * predicted <= measured <= hi * predicted, (
-                "predicted peak off:\n" + "\n".join(report))
+                f"predicted peak off (band {lo}-{hi} for {name}):\n" + "\n".join(report))
+            if spec.optim.eager:  # the sum has no term for the step (module docstring)
+                continue
             assert measured <= total, "sum of components under-predicts:\n" + "\n".join(report)
             assert measured >= PLAN_LOOSEST * total, "sum too loose:\n" + "\n".join(report)
     print("\n".join(report))

@@ -1,6 +1,8 @@
 """Every command in the ```bash blocks of README.md and docs/ has an entry in the registry of
 tests/docs_commands.py saying how a test runs it, and every entry names a command still in the
-docs: a new or edited example cannot slip through untested, and no stale entry stays."""
+docs: a new or edited example cannot slip through untested, and no stale entry stays. That the
+named test really executes its entry's command is checked where it runs, at the end of the
+session (tests/integration/conftest.py)."""
 from __future__ import annotations
 
 import ast
