@@ -73,7 +73,7 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_each_option_trains_on_gpus(tmp_path, name):
+def test_each_option_trains_on_gpus(tmp_path, record_property, name):
     code, log = _run(tmp_path, *SHORT, *OPTIONS[name])
     assert code == 0, log[-4000:]
     if name == "fp32-tf32":
@@ -82,6 +82,10 @@ def test_each_option_trains_on_gpus(tmp_path, name):
     losses = [x.value for x in client.get_metric_history(run.info.run_id, "loss")]
     assert len(losses) == 12 and losses[-1] < losses[0], losses
     m = run.data.metrics
+    record_property("result", {"config": f"tiny {name}, the command line",
+                               "measured_gb": m["summary/peak_memory_gb"],
+                               "predicted_gb": m["summary/predicted_peak_memory_gb"],
+                               "tokens_per_s": m["summary/tokens_per_sec"]})
     print(f"{name}: {m['summary/tokens_per_sec']:.0f} tok/s, peak "
           f"{m['summary/peak_memory_gb']:.3f} GB (plan {m['summary/predicted_peak_memory_gb']:.3f})")
 
