@@ -16,8 +16,9 @@ Knobs (environment): DEVICE (cuda; cpu rehearses with tiny shapes), OUT (the dev
 folder; default outputs/gpu-check/<time>), WORK (run folders, wheels installed; default
 /tmp/gpu-check/<time>), WHEELS (.whl, the carried wheelhouse), TOTAL_S (480: every stage
 ends by then), CAP_<STAGE> (one stage's cap in seconds, e.g. CAP_GPU_TESTS=120), STAGES (a
-comma-separated subset, e.g. STAGES=setup,throughput), GRACE_S (5: SIGTERM to SIGKILL),
-PEAK_TFLOPS (cluster.peak_tflops for MFU where the accelerator table has no entry: the CPU).
+comma-separated subset, e.g. STAGES=throughput; setup always runs), GRACE_S (5: SIGTERM to
+SIGKILL), PEAK_TFLOPS (cluster.peak_tflops for MFU where the accelerator table has no entry:
+the CPU). On the CPU every default cap and TOTAL_S are CPU_SLOWER (4) times longer.
 
 Stdlib only here: the dependencies are installed by the first stage.
 """
@@ -42,6 +43,8 @@ CAP_ENV = "GPU_CHECK_CAP"  # the stage's cap in seconds, for a stage that times 
 MIN_LEFT_S = 15.0  # a stage is not started with less than this left of TOTAL_S
 LOG_HEAD, LOG_TAIL = 6 * 2**20, 2 * 2**20  # a stage log over both is cut in the middle
 MAX_FILES = 8  # the device tool returns at most 8 files from $OUT
+TOTAL_S = 480  # 8 minutes on the GPU
+CPU_SLOWER = 4  # the rehearsal's caps: tiny shapes on a few busy cores are slower than a GPU
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,13 @@ class Settings:
                    out=Path(env.get("OUT") or REPO / "outputs" / "gpu-check" / stamp).absolute(),
                    work=Path(env.get("WORK") or f"/tmp/gpu-check/{stamp}").absolute(),
                    wheels=Path(env.get("WHEELS") or REPO / ".whl").absolute(),
-                   total_s=float(env.get("TOTAL_S", 480)), grace_s=float(env.get("GRACE_S", 5)),
+                   total_s=float(env.get("TOTAL_S") or TOTAL_S * cls.slower(device)),
+                   grace_s=float(env.get("GRACE_S", 5)),
                    only=only, caps=caps)
+
+    @staticmethod
+    def slower(device: str) -> int:
+        return CPU_SLOWER if device == "cpu" else 1
 
     @property
     def site(self) -> Path:
@@ -118,7 +126,8 @@ class Settings:
         return [s for s in STAGES if not self.only or s.name in self.only or s.name == "setup"]
 
     def cap(self, stage: Stage, left: float) -> float:
-        return min(self.caps.get(stage.name, stage.cap_s or left), left)
+        default = stage.cap_s * self.slower(self.device) if stage.cap_s else left
+        return min(self.caps.get(stage.name, default), left)
 
     def env(self) -> dict[str, str]:
         """What every stage process runs with: the settings, resolved; the wheels, the checkout."""
@@ -156,27 +165,42 @@ def _kill(pids: list[int], sig: int) -> None:
             pass
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has: its memory and files, GPU memory
+    included, are released; only its exit status waits for whoever reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def end_stage(proc: subprocess.Popen, token: str, grace_s: float) -> int:
     """SIGTERM the stage's process group and every process with its token; SIGKILL what is
-    left after ``grace_s``. Returns how many needed SIGKILL."""
+    left after ``grace_s``; return once all of them have exited (at most 10 s more). Returns
+    how many needed SIGKILL."""
+    seen = set(token_pids(token))
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    _kill(token_pids(token), signal.SIGTERM)
+    _kill(list(seen), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and (proc.poll() is None or token_pids(token)):
         time.sleep(0.2)
     left = token_pids(token)
+    seen.update(left)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     _kill(left, signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 10  # SIGKILLed processes are gone once the kernel reaps them
-    while token_pids(token) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # a killed process gives up its environment (token_pids no longer finds it) a moment before
+    # it has closed its files: wait until every one has exited
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in seen | set(token_pids(token))) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return len(left)
 
 

@@ -19,9 +19,9 @@
 # PyPI only as an sdist, so it is built here into a pure py3-none-any wheel.
 # typing-extensions is bundled too (pydantic 2.14 needs >= 4.16, newer than some images have),
 # and fsspec (datasets 5.2 pins fsspec <= 2026.9.0); datasets 5.2 needs the machine's
-# pyarrow >= 24. mlflow-skinny is mlflow without its UI server and ML flavours: the client,
-# the sqlite tracking store (sqlalchemy, alembic) and the system metrics, what a run logs; the
-# full mlflow (its UI's JavaScript, scikit-learn, scipy, ...) would not fit.
+# pyarrow >= 24. mlflow-skinny is mlflow without its UI server: the client, the sqlite tracking
+# store (with sqlalchemy and alembic) and the system metrics, all a run uses; the full mlflow
+# adds the UI server (12 MiB, and flask, gunicorn, graphene, docker, huey, skops).
 #
 # BENCH_DIR (third argument or env var; empty = skip) also gets a small second wheelhouse for
 # benchmarks/throughput.py's torchtitan runner (benchmarks/peers/titan.py), which the GPU check
