@@ -5,10 +5,11 @@ its own time cap, every result written the moment it is known.
     DEVICE=cpu PY=.venv/bin/python bash scripts/gpu_check.sh   # the rehearsal, tiny shapes
 
 Each stage is a process of its own (``gpu_check.py --stage NAME``, the work in
-gpu_check_stages.py) in its own session, its output in ``$OUT/<stage>.log``; at its cap it is
-ended with everything it started (its process group, and every process that carries the stage's
-token in its environment, which also finds the runs that start their own session), and the
-next stage starts. Results go to ``$OUT/results.jsonl`` as they come, with ``$OUT/summary.md``
+gpu_check_stages.py) in a process group of its own, its output in ``$OUT/<stage>.log``; at its
+cap it is ended with everything it started (its process group, and every process that carries
+the stage's token in its environment, which also finds the runs that start their own session),
+and the next stage starts. SIGTERM or SIGINT to the check ends the stage in progress the same
+way before the check exits. Results go to ``$OUT/results.jsonl`` as they come, with ``$OUT/summary.md``
 rendered from them (benchmarks/gpu_report.py), so a check cut short still returns what it
 measured. ``$OUT`` holds at most 8 files (the device tool returns 8), none in a folder.
 
@@ -224,8 +225,27 @@ def _last_progress(out: Path, stage: str, since: float) -> Optional[str]:
     return steps[-1]["name"] if steps else None
 
 
+class Stopped(Exception):
+    """The check itself was asked to stop (SIGTERM, SIGINT): the stage in progress is ended."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # once: the stage's ending is not interrupted
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _own_group() -> dict:
+    """Popen arguments for a process group of its own, in the check's session: a cut signals
+    the group, and whoever ends the check's session (the device tool at its timeout) ends it."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": lambda: os.setpgid(0, 0)}  # pragma: no cover - python 3.10
+
+
 def run_stage(stage: Stage, cap: float, s: Settings, t0: float) -> dict:
-    """The stage in its own process and session, ended at ``cap`` seconds; its end record."""
+    """The stage in a process group of its own, ended at ``cap`` seconds (or when the check is
+    stopped: then its record says so and Stopped goes on); its end record."""
     token = uuid.uuid4().hex
     env = {**s.env(), TOKEN_ENV: token, CAP_ENV: str(cap), report.STAGE_ENV: stage.name,
            report.T0_ENV: str(t0)}
@@ -238,11 +258,14 @@ def run_stage(stage: Stage, cap: float, s: Settings, t0: float) -> dict:
     with (s.out / stage.log).open("ab") as log:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--stage",
                                  stage.name], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, **_own_group())
+        stopped = None
         try:
             code: Optional[int] = proc.wait(timeout=cap)
         except subprocess.TimeoutExpired:
             code = None
+        except Stopped as e:
+            code, stopped = None, e
         killed = end_stage(proc, token, s.grace_s) if code is None else 0
         if code is not None and token_pids(token):  # a finished stage left something running
             killed = end_stage(proc, token, s.grace_s)
@@ -252,11 +275,15 @@ def run_stage(stage: Stage, cap: float, s: Settings, t0: float) -> dict:
               "exit_code": code, "killed": killed}
     if code is None:
         record.update(status="cut", running=_last_progress(s.out, stage.name, started),
-                      reason=f"over its cap of {cap:.0f} s")
+                      reason=f"the check was stopped ({stopped})" if stopped
+                      else f"over its cap of {cap:.0f} s")
     else:
         record.update(status="done" if code == 0 else "failed",
                       reason=None if code == 0 else f"exit code {code}: see {stage.log}")
-    return report.append(s.out, record)
+    report.append(s.out, record)
+    if stopped:
+        raise stopped
+    return record
 
 
 def check(s: Settings) -> int:
@@ -268,6 +295,16 @@ def check(s: Settings) -> int:
     s.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     deadline = time.monotonic() + s.total_s
+    try:
+        worst = _stages(s, t0, deadline)
+    except Stopped as e:
+        print(f"[gpu-check] stopped ({e}): the stage in progress was ended", flush=True)
+        worst = 1
+    print(f"\nresults: {s.out / report.RESULTS}\n\n{(s.out / report.SUMMARY).read_text()}")
+    return worst
+
+
+def _stages(s: Settings, t0: float, deadline: float) -> int:
     worst = 0
     for stage in s.stages():
         left = deadline - time.monotonic()
@@ -287,7 +324,6 @@ def check(s: Settings) -> int:
               f"{end['elapsed_s']:.0f} s (cap {end['cap_s']:.0f} s)"
               + (f", {end['reason']}" if end.get("reason") else ""), flush=True)
         worst = worst or int(end["status"] != "done")
-    print(f"\nresults: {s.out / report.RESULTS}\n\n{(s.out / report.SUMMARY).read_text()}")
     return worst
 
 

@@ -92,14 +92,14 @@ def throughput_overrides(sh: Shapes, device: str) -> list[str]:
 
 LANDING = (
     Landing("chunked-loss", "train.loss (the chunked loss, issue 40)",
-              lambda sh: [f"model={sh.model_8b}", "finetune=qlora", "train.loss=chunked",
-                          *_one_device(sh.long_seq)]),
+            lambda sh: [f"model={sh.model_8b}", "finetune=qlora", "train.loss=chunked",
+                        *_one_device(sh.long_seq)]),
     Landing("dpo-lora", "objective=dpo (DPO, issue 37)",
-              lambda sh: [f"model={sh.model_8b}", "objective=dpo", "finetune=lora",
-                          *_one_device(sh.seq)]),
+            lambda sh: [f"model={sh.model_8b}", "objective=dpo", "finetune=lora",
+                        *_one_device(sh.seq)]),
     Landing("8b-adamw8bit", "optim=adamw8bit (8-bit AdamW moments)",
-              lambda sh: [f"model={sh.model_8b}", "optim=adamw8bit", *_one_device(sh.seq),
-                          *sh.eager_8bit]),
+            lambda sh: [f"model={sh.model_8b}", "optim=adamw8bit", *_one_device(sh.seq),
+                        *sh.eager_8bit]),
 )
 
 # What the setup stage imports (distribution, module): the image's and the carried wheels'.
@@ -129,39 +129,42 @@ def peak_override() -> list[str]:
     return [f"cluster.peak_tflops={peak}"] if peak else []
 
 
-def compose_error(overrides: list[str]) -> Optional[str]:
-    """None when the config composes with these overrides, else Hydra's reason (a key or a
-    config group this checkout does not have)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from llama_fsdp.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module("llama_fsdp.conf", version_base=None):
-            compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        return " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
-    return None
-
-
-def plan_of(overrides: list[str], work: Path) -> Any:
-    """llama_fsdp's plan of these overrides (FLOPs per token, peak FLOP/s, predicted peak)."""
-    from hydra import compose, initialize_config_module
+def compose(overrides: list[str]) -> Any:
+    """The config `python -m llama_fsdp OVERRIDES` composes (Hydra's compose API, the CLI's
+    config package)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from llama_fsdp.config import register_configs
-    from llama_fsdp.plan import make_plan, resolve_auto
-    from llama_fsdp.spec import build_spec
 
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module("llama_fsdp.conf", version_base=None):
-        cfg = compose("config", overrides=[f"output_dir={work / 'plan'}", *overrides])
+        return hydra_compose("config", overrides=overrides)
+
+
+def compose_error(overrides: list[str]) -> Optional[str]:
+    """None when the config composes with these overrides, else Hydra's reason (a key or a
+    config group this checkout does not have)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        # Hydra's first line, and the cause's ("Key 'loss' not in 'TrainConfig'")
+        lines = [str(x).strip().splitlines()[0] for x in (e, e.__cause__) if x and str(x).strip()]
+        return " ".join(lines)
+    return None
+
+
+def plan_of(overrides: list[str], work: Path) -> tuple[Any, Any]:
+    """The composed config and llama_fsdp's plan of it (FLOPs per token, peak FLOP/s, peak)."""
+    from llama_fsdp.plan import make_plan, resolve_auto
+    from llama_fsdp.spec import build_spec
+
+    cfg = compose([f"output_dir={work / 'plan'}", *overrides])
     return cfg, make_plan(resolve_auto(build_spec(cfg, launch_dir=work)))
 
 

@@ -237,6 +237,40 @@ def test_a_cut_ends_a_process_that_left_the_stage_session(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_stopped_check_ends_the_stage_in_progress(work):
+    """SIGTERM to the check (the device tool at its timeout, a Ctrl-C) ends the running stage
+    and everything it started before the check exits, and the stage's record says so."""
+    out = work / "stopped"
+    env = docs.user_env({"DEVICE": "cpu", "PY": sys.executable, "OUT": str(out),
+                         "WORK": str(work / "stopped-work"), "WHEELS": str(work / "no-wheels"),
+                         "STAGES": "default"})
+    proc = subprocess.Popen(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    start = None
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until the default command's launcher and rank run
+            records = gpu_report.read(out / gpu_report.RESULTS) if out.exists() else []
+            start = next((r for r in _of(records, "stage", stage="default")), None)
+            if start and len(gpu_check.token_pids(start["token"])) >= 3:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # bash exec'd the check: this is its process
+        output, _ = proc.communicate(timeout=60)
+        left = gpu_check.token_pids(start["token"])
+    finally:
+        docs.stop(proc)
+        for pid in gpu_check.token_pids(start["token"]) if start else []:
+            os.kill(pid, signal.SIGKILL)
+    assert left == []  # nothing the stage started outlives the check
+    assert proc.returncode == 1 and "stopped (SIGTERM)" in output, output[-3000:]
+    end = _stage_end(gpu_report.read(out / gpu_report.RESULTS), "default")
+    assert end["status"] == "cut" and end["reason"] == "the check was stopped (SIGTERM)", end
+    assert end["running"] == "default"
+
+
 def _gpu_line(name: str) -> list[str]:
     """A command line of the check as it runs on the GPU (gpu_check_stages' tables)."""
     sh = stages.SHAPES["cuda"]
