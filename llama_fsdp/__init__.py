@@ -3,7 +3,7 @@
 Installed, the package carries its config groups and launchers (``llama_fsdp.conf``,
 ``llama_fsdp.launchers``: pyproject.toml maps the checkout's ``conf/`` and ``launchers/`` in).
 A checkout used without installing (``PYTHONPATH=<checkout>``, as on a machine that cannot
-download: scripts/gpu_session.sh) finds them beside the package through the finder below,
+download: scripts/gpu_check.sh) finds them beside the package through the finder below,
 consulted only after every other one has failed (an installed or editable package wins).
 """
 from __future__ import annotations

@@ -1,39 +1,42 @@
 #!/usr/bin/env bash
-# Builds a wheelhouse of the project's pure dependencies (hydra-core, omegaconf, mlflow-skinny
-# with its sqlite tracking store, submitit, datasets, torchao, and everything they need) for an offline
-# machine whose Python environment already has torch, transformers, accelerate, numpy, pandas,
-# pyarrow, sentencepiece, tokenizers, safetensors (and the other common packages that come with
-# them: requests, pyyaml, packaging, typing-extensions, anyio, click, cloudpickle, protobuf,
-# huggingface-hub, ...). Those are not bundled. Versions are pinned to match the CI venv.
+# The wheelhouse the GPU check carries (docs/gpu.md): the project's dependencies that the GPU
+# image lacks (hydra-core, omegaconf, mlflow-skinny with its sqlite tracking store, submitit,
+# datasets, torchao, and everything they need), pinned to the CI venv's versions, for the image's
+# Python (3.12: the device tool's KINDS.md). The image already has torch 2.11, transformers 5.17,
+# accelerate, peft, numpy, pandas, pyarrow, sentencepiece, tokenizers, safetensors, pytest and
+# the common packages that come with them (requests, pyyaml, packaging, anyio, click,
+# cloudpickle, protobuf, huggingface-hub, fsspec, xxhash, ...): those are not bundled.
 #
-#   scripts/offline_wheels.sh [DIR=.whl] [PYTHON_VERSION=3.12] [BENCH_DIR=]
+#   bash scripts/offline_wheels.sh [DIR=.whl] [PYTHON_VERSION=3.12] [BENCH_DIR=]
 #
-# Install on the offline machine with:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site
+# (DIR relative to the repository root.)#
+# Then it measures what a device run carries: the working tree as the device tool sends it
+# (tracked files, and untracked ones git does not ignore) plus DIR, against the tool's 64 MiB,
+# and fails when it is over. scripts/gpu_check.sh installs DIR on the GPU machine with
+#   python3 -m pip install --no-index --no-deps --no-compile --target <dir> DIR/*.whl
 #
 # Needs network and pip here. antlr4-python3-runtime 4.9.3 (hydra's parser runtime) exists on
 # PyPI only as an sdist, so it is built here into a pure py3-none-any wheel.
-# typing-extensions is bundled too (pydantic 2.14 needs >= 4.16, newer than some images have);
-# datasets 5.2 needs the machine's pyarrow >= 24.
+# typing-extensions is bundled too (pydantic 2.14 needs >= 4.16, newer than some images have),
+# and fsspec (datasets 5.2 pins fsspec <= 2026.9.0); datasets 5.2 needs the machine's
+# pyarrow >= 24. mlflow-skinny is mlflow without its UI server: the client, the sqlite tracking
+# store (with sqlalchemy and alembic) and the system metrics, all a run uses; the full mlflow
+# adds the UI server (12 MiB, and flask, gunicorn, graphene, docker, huey, skops).
 #
 # BENCH_DIR (third argument or env var; empty = skip) also gets a small second wheelhouse for
-# benchmarks/throughput.py's torchtitan runner (benchmarks/peers/titan.py), with only what its
-# import path needs beyond the machine and DIR. TORCHTITAN (env var) picks the generation:
-# 0.2.2 (the default; the GPU image's torch 2.11 cannot import 0.3, which needs
-# torch.distributed.fsdp.DataParallelMeshDims from torch >= 2.12) or 0.3.0 (adds spmd-types).
-# Left out on purpose: wandb (imported only with metrics.enable_wandb), torch_checkpointing
-# (only torchtitan's optional torch_checkpointing checkpointer imports it), typeguard (tyro
-# imports it only for CLI parsing; the runner builds its config directly), tensorboard,
-# einops and pillow (in the GPU image). torchtitan pins datasets<4.8, but its import path works
-# with DIR's datasets 5.2 (the runner never loads a dataset). xxhash is an import-time
-# dependency of datasets itself.
-# Install next to DIR on the offline machine, and point --bench-venv at a directory whose
-# bin/python is the machine's python3:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-bench BENCH_DIR/*.whl
-#   export PYTHONPATH=/tmp/site-bench:/tmp/site
-#   mkdir -p /tmp/bv/bin && ln -sf "$(command -v python3)" /tmp/bv/bin/python
-#   python3 benchmarks/throughput.py ... --bench-venv /tmp/bv
+# benchmarks/throughput.py's torchtitan runner (benchmarks/peers/titan.py), which the GPU check
+# does not run, with only what its import path needs beyond the machine and DIR. TORCHTITAN
+# (env var) picks the generation: 0.2.2 (the default; the GPU image's torch 2.11 cannot import
+# 0.3, which needs torch.distributed.fsdp.DataParallelMeshDims from torch >= 2.12) or 0.3.0
+# (adds spmd-types). Left out on purpose: wandb (imported only with metrics.enable_wandb),
+# torch_checkpointing (only torchtitan's optional torch_checkpointing checkpointer imports it),
+# typeguard (tyro imports it only for CLI parsing; the runner builds its config directly),
+# tensorboard, einops and pillow (in the GPU image). torchtitan pins datasets<4.8, but its import
+# path works with DIR's datasets 5.2 (the runner never loads a dataset). xxhash is an
+# import-time dependency of datasets itself. Install it next to DIR and point
+# benchmarks/throughput.py's --bench-venv at a directory whose bin/python runs python3.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 DIR=${1:-.whl}
 PY=${2:-3.12}
@@ -139,3 +142,27 @@ download "$DIR" "${PINS[@]}"
 $PIP wheel --no-deps --no-binary=:all: -w "$DIR" antlr4-python3-runtime==4.9.3
 
 check "$DIR"
+
+carried() {  # carried DIR: the working tree as the device tool sends it, plus DIR, in MiB
+    python3 - "$1" <<'PYTHON'
+import subprocess, sys
+from pathlib import Path
+
+LIMIT = 64 * 2**20
+names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       capture_output=True, text=True, check=True).stdout.split("\0")
+wheel_dir = Path(sys.argv[1]).resolve()
+tree = sum(p.stat().st_size for p in map(Path, filter(None, set(names)))
+           if p.is_file() and wheel_dir not in p.resolve().parents)
+wheels = sum(p.stat().st_size for p in wheel_dir.rglob("*") if p.is_file())
+total = tree + wheels
+print(f"carried by a device run: the tree {tree / 2**20:.1f} MiB + {sys.argv[1]} "
+      f"{wheels / 2**20:.1f} MiB = {total / 2**20:.1f} MiB of {LIMIT / 2**20:.0f} MiB")
+if total > LIMIT:
+    sys.exit("over the device tool's limit: carry less (git-ignore big untracked files)")
+PYTHON
+}
+
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    carried "$DIR"
+fi

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = ("README.md", "docs/*.md")
 LOCAL = "tests/integration/test_docs_commands.py"
 SLURM = "tests/integration/test_slurm_docs_commands.py"
+GPU_CHECK = "tests/integration/test_gpu_check.py"
 # the environment's bin/: `python`, `llama-fsdp`, `mlflow` as a user with it activated has them
 BIN = Path(sys.executable).parent
 
@@ -367,6 +368,55 @@ REGISTRY: dict[str, Entry] = {
                 "the framework and the floor only: the floor runs in the main venv (the same "
                 "torch and transformers setup_peers.sh pins), the other peers need its downloads; "
                 "run directories in the test's folder"))),
+    # --- docs/gpu.md -----------------------------------------------------------------------
+    "bash scripts/offline_wheels.sh": Entry(
+        "offline_wheels", f"{GPU_CHECK}::test_offline_wheels",
+        "not run by default: it downloads the 39 wheels (24 MiB) the GPU check carries. Here the "
+        "script must parse (bash -n); with LLAMA_FSDP_DOCS_INSTALL=1 it runs into a temporary "
+        "folder: one wheel per package, the pins' names, and the carried size under 64 MiB",
+        (Replace("bash scripts/offline_wheels.sh",
+                 "bash scripts/offline_wheels.sh {work}/wheelhouse",
+                 "a temporary wheelhouse (only with LLAMA_FSDP_DOCS_INSTALL=1), not the "
+                 "checkout's .whl/"),)),
+    "python benchmarks/gpu_report.py $OUT/results.jsonl --out benchmarks/gpu.md": Entry(
+        "gpu_report", f"{GPU_CHECK}::test_the_converter_appends_the_checks_section",
+        "the CPU rehearsal's results become a benchmarks/gpu.md section: the device, the stages "
+        "(the cut one with what it was running), each run's row and command, the throughput "
+        "rows, what was not run and why; converting the same results again is refused and "
+        "leaves the file as it was",
+        (Env("OUT", "{work}/out", "the CPU rehearsal's results (test_gpu_check.py's module run)"),
+         Replace("--out benchmarks/gpu.md", "--out {work}/gpu.md",
+                 "benchmarks/gpu.md is for GPU measurements: a rehearsal's section goes to the "
+                 "test's folder"))),
+    "DEVICE=cpu PY=.venv/bin/python bash scripts/gpu_check.sh": Entry(
+        "gpu_check_cpu", f"{GPU_CHECK}::test_the_rehearsal_returns_each_stage_in_at_most_8_files",
+        "every stage of the GPU check on the CPU with tiny shapes (tests/integration/"
+        "test_gpu_check.py checks each result: the machine with the carried wheel, the default "
+        "command's loss, tokens/s, MFU and memory, each GPU test skipped, the three throughput "
+        "runners, the cut stage, the landing steps run or skipped with their reason)",
+        (Replace("PY=.venv/bin/python", "PY={python}", "this environment's python"),
+         Env("OUT", "{work}/out", "the results in the test's folder"),
+         Env("WORK", "{work}/work", "the run folders in the test's folder"),
+         Env("WHEELS", "{work}/whl", "a wheelhouse the test builds offline (submitit "
+                                    "repackaged from this environment), so that the carried-"
+                                    "wheel path runs: pip --target, first on every stage's path"),
+         Env("CAP_ADAPTERS_8B", "3", "a cap the stage cannot meet: it must be cut with what it "
+                                     "started, and the landing stage must start after it (and it "
+                                     "saves the CPU two runs)"),
+         Env("PEAK_TFLOPS", "1", "a nominal peak for the CPU, which the accelerator table lacks "
+                                 "(above what 2 cores do in fp32), so that MFU is computed and "
+                                 "reported"))),
+    "bash scripts/gpu_check.sh": Entry(
+        "gpu_check", f"{GPU_CHECK}::test_without_a_gpu_the_check_stops_after_setup",
+        "on this machine (no GPU) the check stops after its setup stage, saying that torch sees "
+        "no GPU and that DEVICE=cpu rehearses it; every later stage is recorded as skipped "
+        "because setup failed",
+        (Replace("bash scripts/gpu_check.sh", "PY={python} bash scripts/gpu_check.sh",
+                 "this environment's python (the GPU image's is python3)"),
+         Env("OUT", "{work}/nogpu", "the results in the test's folder"),
+         Env("WORK", "{work}/nogpu-work", "the run folders in the test's folder"),
+         Env("WHEELS", "{work}/no-wheels", "no wheelhouse: the checkout's .whl/, where one "
+                                          "was built, holds wheels for the GPU's python 3.12"))),
     # --- docs/configuration.md ------------------------------------------------------------
     "python -m llama_fsdp experiment=llama3_1b_alpaca model.path=/models/Llama-3.2-1B "
     "data.path=data/alpaca_data.json": Entry(

@@ -5,8 +5,7 @@ exported); and torch.cuda.max_memory_allocated of real steps against the plan (1
 after teardown, within 10% of plan.predicted_peak_bytes), as tests/gpu/test_gpu_memory.py does
 for full fine-tuning.
 
-Skipped without CUDA; run with `pytest -m gpu tests/gpu/test_gpu_adapters.py` or
-`bash scripts/gpu_session.sh finetune`.
+Skipped without CUDA; run with `pytest -m gpu tests/gpu/test_gpu_adapters.py`.
 """
 from __future__ import annotations
 
@@ -69,10 +68,10 @@ def _spec(method: str, precision: str, ac: str, batch: int):
 
 
 @pytest.mark.parametrize("method,precision,ac,batch", CASES)
-def test_cuda_peak_of_adapters_is_within_tolerance_of_the_plan(one_rank_group, method,
-                                                               precision, ac, batch):
+def test_cuda_peak_of_adapters_is_within_tolerance_of_the_plan(one_rank_group, record_property,
+                                                               method, precision, ac, batch):
     from llama_fsdp.plan import make_plan
-    from tests.gpu.test_gpu_memory import MAX_OVERHEAD, MODEL_TOLERANCE, _measure
+    from tests.gpu.test_gpu_memory import MAX_OVERHEAD, MODEL_TOLERANCE, _measure, peak_result
 
     spec = _spec(method, precision, ac, batch)
     plan = make_plan(spec)
@@ -82,5 +81,7 @@ def test_cuda_peak_of_adapters_is_within_tolerance_of_the_plan(one_rank_group, m
             f"(overhead {overhead / GB:.3f}), predicted {plan.predicted_peak_bytes / GB:.3f} GB "
             f"({measured / plan.predicted_peak_bytes:.3f}, peak in {plan.peak_phase})")
     print(text)
+    record_property("result", peak_result(f"{method} {precision} AC {ac} b={batch}", measured,
+                                          overhead, plan))
     assert 0 <= overhead <= MAX_OVERHEAD, text
     assert abs(measured / plan.predicted_peak_bytes - 1) <= MODEL_TOLERANCE, text

@@ -80,9 +80,15 @@ def _measure(spec) -> tuple[int, int]:
     return peak, left
 
 
+def peak_result(config: str, measured: int, overhead: int, plan) -> dict:
+    """What the GPU check's results keep of a peak test (benchmarks/gpu_check_pytest.py)."""
+    return {"config": config, "measured_gb": measured / GB, "overhead_gb": overhead / GB,
+            "predicted_gb": plan.predicted_peak_bytes / GB, "peak_phase": plan.peak_phase}
+
+
 @pytest.mark.parametrize("strategy,precision,ac,batch", CASES)
-def test_cuda_peak_is_within_tolerance_of_the_plan(one_rank_group, strategy, precision, ac,
-                                                   batch):
+def test_cuda_peak_is_within_tolerance_of_the_plan(one_rank_group, record_property, strategy,
+                                                   precision, ac, batch):
     from llama_fsdp.plan import make_plan
 
     spec = _spec(strategy, precision, ac, batch)
@@ -95,5 +101,7 @@ def test_cuda_peak_is_within_tolerance_of_the_plan(one_rank_group, strategy, pre
             f"({measured / predicted:.3f}, peak in {plan.peak_phase}), sum of components "
             f"{total / GB:.3f} GB ({measured / total:.3f})")
     print(text)
+    record_property("result", peak_result(f"{strategy} {precision} AC {ac} b={batch}", measured,
+                                          overhead, plan))
     assert 0 <= overhead <= MAX_OVERHEAD, text
     assert abs(measured / predicted - 1) <= MODEL_TOLERANCE, text

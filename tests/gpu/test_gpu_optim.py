@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.test_gpu_memory import GB, MAX_OVERHEAD, MODEL_TOLERANCE, _measure
+from tests.gpu.test_gpu_memory import GB, MAX_OVERHEAD, MODEL_TOLERANCE, _measure, peak_result
 
 torch = pytest.importorskip("torch")
 
@@ -31,7 +31,8 @@ def _spec(optim: str):
                      output_dir="/tmp/llama_fsdp_test/gpu_optim")
 
 
-def test_8b_with_8bit_moments_on_one_gpu_peaks_as_planned(one_rank_group):  # noqa: F811
+def test_8b_with_8bit_moments_on_one_gpu_peaks_as_planned(one_rank_group,  # noqa: F811
+                                                          record_property):
     from llama_fsdp.plan import make_plan
     from llama_fsdp.worker import compile_cache
 
@@ -47,6 +48,8 @@ def test_8b_with_8bit_moments_on_one_gpu_peaks_as_planned(one_rank_group):  # no
             f"({measured / plan.predicted_peak_bytes:.3f}, peak in {plan.peak_phase}); "
             f"phases {', '.join(f'{k} {v / GB:.2f}' for k, v in plan.phases.items())}")
     print(text)
+    record_property("result", peak_result("8b adamw8bit bf16 AC full b=1 s=2048", measured,
+                                          overhead, plan))
     assert plan.fits, text
     assert 0 <= overhead <= MAX_OVERHEAD, text
     assert abs(measured / plan.predicted_peak_bytes - 1) <= MODEL_TOLERANCE, text

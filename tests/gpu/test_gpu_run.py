@@ -87,7 +87,7 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_each_option_trains_on_gpus(tmp_path, name):
+def test_each_option_trains_on_gpus(tmp_path, record_property, name):
     code, log = _run(tmp_path, *SHORT, *OPTIONS[name])
     assert code == 0, log[-4000:]
     if name == "fp32-tf32":
@@ -95,6 +95,10 @@ def test_each_option_trains_on_gpus(tmp_path, name):
     client, run = _run_record(tmp_path)
     assert_trains([x.value for x in client.get_metric_history(run.info.run_id, "loss")], 12)
     m = run.data.metrics
+    record_property("result", {"config": f"tiny {name}, the command line",
+                               "measured_gb": m["summary/peak_memory_gb"],
+                               "predicted_gb": m["summary/predicted_peak_memory_gb"],
+                               "tokens_per_s": m["summary/tokens_per_sec"]})
     print(f"{name}: {m['summary/tokens_per_sec']:.0f} tok/s, peak "
           f"{m['summary/peak_memory_gb']:.3f} GB (plan {m['summary/predicted_peak_memory_gb']:.3f})")
 

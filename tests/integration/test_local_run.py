@@ -99,7 +99,7 @@ def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
 
 
 def test_a_checkout_runs_without_being_installed(tmp_path):
-    """The GPU session's situation (scripts/gpu_session.sh): the dependencies installed, the
+    """The GPU check's situation (scripts/gpu_check.sh): the dependencies installed, the
     checkout only on PYTHONPATH, no install of the package. The config groups and launchers
     (conf/, launchers/ beside the package) are found, by the launcher and by every rank."""
     import site

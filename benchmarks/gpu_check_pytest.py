@@ -1,0 +1,42 @@
+"""pytest plugin of the GPU check's test stage (``-p benchmarks.gpu_check_pytest``): one result
+per test, appended to the check's results the moment the test ends, so a stage cut in the middle
+of a test still returns every test before it; a ``progress`` record when each starts.
+
+A test's ``record_property("result", {...})`` goes into the result's ``props`` (the GPU memory
+tests record their configuration, measured and predicted peak).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import gpu_report
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    gpu_report.append_here({"kind": "progress", "name": nodeid})
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """One result per test: its call, or the setup or teardown that did not pass."""
+    if report.when == "call" or not report.passed:
+        gpu_report.append_here(result(report))
+
+
+def result(rep: Any) -> dict[str, Any]:
+    outcome = rep.outcome if rep.when == "call" else (
+        "skipped" if rep.skipped else f"error in {rep.when}")
+    props = dict(rep.user_properties)
+    return {"kind": "test", "name": rep.nodeid, "outcome": outcome,
+            "duration_s": round(rep.duration, 1), "props": props.get("result", props) or None,
+            "message": None if rep.passed else message(rep),
+            "command": f"python -m pytest -m gpu {rep.nodeid}"}
+
+
+def message(rep: Any) -> str:
+    """A skip's reason, or a failure's assertion (its ``E`` lines), short."""
+    if rep.skipped and isinstance(rep.longrepr, tuple):
+        return str(rep.longrepr[2]).removeprefix("Skipped: ")
+    lines = [line for line in (getattr(rep, "longreprtext", "") or "").splitlines()
+             if line.strip()]
+    failing = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return (" / ".join(failing[-3:]) or (lines[-1] if lines else ""))[:600]
