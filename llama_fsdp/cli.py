@@ -123,7 +123,8 @@ def run_one(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
     owner = _own(spec, held)
     if finished_run(spec):
         return None
-    prepared = prepare(spec, command=command_line())
+    prepared = prepare(spec, command=command_line(point=spec.sweep_point if spec.sweep_id
+                                                  else None))
     results = launch(prepared.spec, "llama_fsdp.worker:run_worker",
                      on_submitted=owner.slurm_job)
     if spec.cluster.kind == "local" or spec.cluster.wait:
