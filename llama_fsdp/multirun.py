@@ -16,7 +16,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .overrides import command_line, point_values, swept_overrides
+from .overrides import command_line, point_values, swept_overrides, sweep_size
 from .spec import RunSpec
 
 log = logging.getLogger("llama_fsdp")
@@ -89,10 +89,11 @@ class SweepCallback(Callback):
 
         if not config.tracking.enabled:
             return
+        task = list(config.hydra.overrides.task)
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
                      uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
                      experiment=config.tracking.experiment, command=command_line(),
-                     swept=swept_overrides(list(config.hydra.overrides.task)))
+                     swept=swept_overrides(task), points=sweep_size(task))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -103,24 +104,26 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from .spec import resolve_tracking_uri
-        from .sweep import parent_run, summarize, sweep_id_for
+        from .sweep import parent_run, summarize, sweep_id_for, sweep_page
 
         sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
         sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
-        if not config.tracking.enabled:
-            table = None
-        elif config.cluster.kind == "slurm" and not config.cluster.wait:
-            table = None
-            log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
-                     "--uri %s", sweep_id, sweep_id, uri)
-        else:
-            # a point refused before launch (exit 2: its config) has no run: a row of its own
+        table = None
+        if config.tracking.enabled:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own.
+            # The points of a SLURM sweep that returns at submission are queued or running: the
+            # summary says so, and the last of them to end completes it
             table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
-                              parent_id=parent_run(sweep_dir),
+                              parent_id=parent_run(sweep_dir), sweep_dir=sweep_dir,
                               refused=[(p.values, p.code) for p in self.failed if p.code == 2])
         if table:
-            log.info("sweep %s summary:\n%s", sweep_id, table)
+            log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
+                     sweep_page(uri, config.tracking.experiment))
+        if config.tracking.enabled and config.cluster.kind == "slurm" and not config.cluster.wait:
+            log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
+                     "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,
+                     sweep_id, uri)
         if self.failed:
             log.error("%d point(s) of sweep %s failed: %s; run the same command with "
                       "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
