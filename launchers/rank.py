@@ -153,16 +153,22 @@ class Supervisor:
             files["in"], files["out"], files["traceback"]))], preexec_fn=_dies_with_parent)
         code = self._wait()
         files["in"].unlink(missing_ok=True)
+        from . import launcher_for  # (the package imports this module first)
+
+        unwatched = self.rank == 0 and not launcher_for(spec.cluster).waits  # no one waits
         if code == 0 and files["out"].exists():
             result = pickle.loads(files["out"].read_bytes())
             files["out"].unlink()
             if getattr(result, "status", None) == PREEMPTED:
                 self._hand_over_to_submitit()
+            elif unwatched:
+                _point_ended(spec)
             return result
         report = self._report(code, files["traceback"])
         report_path(where, self.rank).write_text(json.dumps(report, indent=1))
-        if self.rank == 0 and self.attempt >= spec.cluster.max_restarts:
-            _close_mlflow_run(spec)  # the run's last attempt failed
+        if unwatched and self.attempt >= spec.cluster.max_restarts:
+            _close_mlflow_run(spec)  # no launcher waits to do it
+            _point_ended(spec)
         raise RankFailed(format_report(report))
 
     def _install_signals(self) -> None:
@@ -220,6 +226,20 @@ def _close_mlflow_run(spec: RunSpec) -> None:
                   deadline_s=spec.tracking.final_delivery_s)
     except Exception as e:  # noqa: BLE001 - the rank's own failure is what matters
         print(f"could not mark the MLflow run failed: {e}", file=sys.stderr)
+
+
+def _point_ended(spec: RunSpec) -> None:
+    """A sweep point no launcher waits for ended: its sweep's summary, final if it was the
+    last (a single run: nothing)."""
+    if spec.sweep_id is None:
+        return
+    try:
+        from llama_fsdp.sweep import point_ended
+
+        point_ended(spec)
+    except Exception as e:  # noqa: BLE001 - the run itself is done and recorded
+        print(f"could not update the summary of sweep {spec.sweep_id} ({e}): run `python -m "
+              f"llama_fsdp.sweep {spec.sweep_id} --uri <tracking uri>`", file=sys.stderr)
 
 
 def _tail(paths: list[Path], n: int) -> list[str]:

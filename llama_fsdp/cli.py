@@ -75,7 +75,8 @@ def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
     check_fits(spec, plan)
     if problems := launcher.preflight(spec):
         raise ConfigError(problems)
-    results = launcher.launch(spec, held=held, command=command_line())
+    point = spec.sweep_point if spec.sweep_id else None  # a point's note: how to run it alone
+    results = launcher.launch(spec, held=held, command=command_line(point=point))
     rank0 = next((r for r in results or [] if r is not None and r.rank == 0), None)
     if launcher.waits and rank0 is not None:
         log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))

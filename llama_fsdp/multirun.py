@@ -18,12 +18,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from .launchers import launcher_for
-from .overrides import command_line, point_values, shown_override, swept_overrides
+from .overrides import command_line, point_values, shown_override, swept_overrides, sweep_size
 from .result import FINISHED
 from .rundir import Footprint, config_digest, read_run_status
 from .secrets import export_credentials, redact
 from .spec import RunSpec, point_name, resolve_tracking_uri
-from .sweep import parent_run, start_parent, summarize, sweep_id_for, swept_keys_of
+from .sweep import (parent_run, start_parent, summarize, sweep_id_for, sweep_page,
+                    swept_keys_of)
 
 log = logging.getLogger("llama_fsdp")
 
@@ -92,10 +93,11 @@ class SweepCallback(Callback):
         _credentials_to_environ(config)
         if not config.tracking.enabled:
             return
+        task = list(config.hydra.overrides.task)
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
                      uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
                      experiment=config.tracking.experiment, command=command_line(),
-                     swept=swept_overrides(list(config.hydra.overrides.task)))
+                     swept=swept_overrides(task), points=sweep_size(task))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
@@ -106,19 +108,21 @@ class SweepCallback(Callback):
         sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
         sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
-        if not config.tracking.enabled:
-            table = None
-        elif not launcher_for(config.cluster).waits:  # (SLURM jobs that outlive this process)
-            table = None
-            log.info("sweep %s submitted; when its jobs finish: python -m llama_fsdp.sweep %s "
-                     "--uri %s", sweep_id, sweep_id, uri)
-        else:
-            # a point refused before launch (exit 2: its config) has no run: a row of its own
+        table = None
+        if config.tracking.enabled:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own.
+            # The points of a SLURM sweep that returns at submission are queued or running: the
+            # summary says so, and the last of them to end completes it
             table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
-                              parent_id=parent_run(sweep_dir),
+                              parent_id=parent_run(sweep_dir), sweep_dir=sweep_dir,
                               refused=[(p.values, p.code) for p in self.failed if p.code == 2])
         if table:
-            log.info("sweep %s summary:\n%s", sweep_id, table)
+            log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
+                     sweep_page(uri, config.tracking.experiment))
+        if config.tracking.enabled and not launcher_for(config.cluster).waits:
+            log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
+                     "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,
+                     sweep_id, uri)
         if self.failed:
             log.error("%d point(s) of sweep %s failed: %s; run the same command with "
                       "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,

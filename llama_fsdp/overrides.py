@@ -37,6 +37,22 @@ def swept_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
+def sweep_size(args: list[str]) -> Optional[int]:
+    """How many points a sweep command runs (Hydra's basic sweeper: every combination of the
+    swept values); None when a swept value is no list of choices (an interval, for another
+    sweeper)."""
+    size = 1
+    for arg in args:
+        o = parse_override(arg)
+        if o is None or not o.is_sweep_override():
+            continue
+        try:
+            size *= len(list(o.sweep_string_iterator()))
+        except Exception:  # noqa: BLE001 - Hydra raises its own errors for these
+            return None
+    return size
+
+
 def point_values(args: list[str], swept: Optional[list[str]]) -> dict[str, str]:
     """A sweep point's values of the swept keys (every override of the point when the swept
     keys are not known): {"train.batch_size": "2", "sharding": "full"}."""
@@ -50,13 +66,30 @@ def point_values(args: list[str], swept: Optional[list[str]]) -> dict[str, str]:
     return out
 
 
-def command_line(*, drop: tuple[str, ...] = ()) -> str:
+def command_line(*, drop: tuple[str, ...] = (), point: Optional[dict[str, str]] = None) -> str:
     """The command line as the user typed it (the MLflow run's description), without the
-    overrides of the keys in ``drop``."""
+    overrides of the keys in ``drop``; for a sweep ``point`` (its values of the swept keys),
+    the command that runs that point alone: no ``-m``, each swept key at the point's value."""
     prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
-    args = [a for a in sys.argv[1:]
-            if (o := parse_override(a)) is None or o.key_or_group not in drop]
-    return " ".join([prog, *(shlex.quote(shown_override(a)) for a in args)])
+    return " ".join([prog, *(shlex.quote(shown_override(a))
+                             for a in command_args(sys.argv[1:], drop=drop, point=point))])
+
+
+def command_args(argv: list[str], *, drop: tuple[str, ...] = (),
+                 point: Optional[dict[str, str]] = None) -> list[str]:
+    """``command_line``'s arguments, from the arguments as typed."""
+    out = []
+    for arg in argv:
+        o = parse_override(arg)
+        if o is not None and o.key_or_group in drop:
+            continue
+        if point is not None:
+            if arg in ("-m", "--multirun"):
+                continue
+            if o is not None and o.is_sweep_override() and o.key_or_group in point:
+                arg = f"{o.get_key_element()}={point[o.key_or_group]}"
+        out.append(arg)
+    return out
 
 
 def shown_override(arg: str) -> str:

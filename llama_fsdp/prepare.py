@@ -42,6 +42,7 @@ from .tracking import (
     read_run_file,
     write_run_file,
 )
+from .tracking.view import STATUS_TAG, command_note
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,11 @@ def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
             "launch_host": socket.gethostname(), "world_size": str(spec.world_size),
             "strategy": spec.strategy, "precision": spec.precision.name,
             "attention": spec.model.attn_implementation,  # auto values, resolved for this run
-            "mlflow.note.content": f"```\n{command}\n```"}
+            # until rank 0 starts: a SLURM job waits in its queue
+            STATUS_TAG: "queued" if spec.cluster.kind == "slurm" else "starting",
+            "mlflow.note.content": command_note(
+                command, f"Point {spec.run_name} of sweep {spec.sweep_id}; run alone with:"
+                if spec.sweep_id else "")}
     if spec.sweep_id:
         tags["sweep_id"] = spec.sweep_id
         tags.update(point_tags(spec.sweep_point))

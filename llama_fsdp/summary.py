@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .overrides import command_line
-from .result import FINISHED, SUMMARY
+from . import metric_names as names
+from .result import FINISHED
 from .spec import RunSpec
 from .tracking import read_run_file, runs_page
 
@@ -19,15 +20,15 @@ def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
                      + (f"   exact match {final['eval_exact_match']:.2f}"
                         if "eval_exact_match" in final else ""))
-    if SUMMARY.tokens_per_sec in s:
-        lines.append(f"tokens/s       {s[SUMMARY.tokens_per_sec]:.0f} global, "
-                     f"{s[SUMMARY.tokens_per_sec_per_device]:.0f} per device (median of the "
-                     "steady steps)" + (f", MFU {s[SUMMARY.mfu]:.1%}" if SUMMARY.mfu in s
-                                        else ""))
-    if SUMMARY.peak_memory_gb in s:
+    if names.SUMMARY_TOKENS_PER_SEC in s:
+        lines.append(f"tokens/s       {s[names.SUMMARY_TOKENS_PER_SEC]:.0f} global, "
+                     f"{s[names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE]:.0f} per device (median of the "
+                     "steady steps)"
+                     + (f", MFU {s[names.SUMMARY_MFU]:.1%}" if names.SUMMARY_MFU in s else ""))
+    if names.SUMMARY_PEAK_MEMORY in s:
         what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
-        lines.append(f"peak memory    {s[SUMMARY.peak_memory_gb]:.2f} GB ({what}, max over "
-                     f"ranks; the plan's tensors {s[SUMMARY.predicted_peak_memory_gb]:.2f} GB)")
+        lines.append(f"peak memory    {s[names.SUMMARY_PEAK_MEMORY]:.2f} GB ({what}, max over "
+                     f"ranks; the plan's tensors {s[names.SUMMARY_PREDICTED_PEAK_MEMORY]:.2f} GB)")
     lines.append(f"run dir        {spec.output_dir}")
     if rank0.status != FINISHED and rank0.checkpoints:
         lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt_io
+from . import metric_names as names
 from .checkpoint.layout import resume_candidates
 from .data import DataModule, build_data
 from .distributed import DistEnv, process_group
@@ -58,11 +59,12 @@ from .optim import build_optimizer, compile_cache_dir, use_compile_cache
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
 from .plan import Plan, make_plan
 from .plan.optimizer import uses_torchao_step
-from .result import FAILED, FINISHED, SUMMARY, RunResult, mlflow_status
+from .result import FAILED, FINISHED, RunResult, mlflow_status
 from .rundir import RunDir, write_run_status
 from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from .tracking import Console, NullConsole, NullTracker, open_tracker
+from .tracking.view import STATUS_TAG, model_name, shown_metrics, status_text
 from .train import (
     LoopContext,
     StopRequested,
@@ -157,6 +159,7 @@ class RankRun:
     checkpointer: Any
     state: TrainState
     resumed_from: Optional[Path] = None
+    counts: dict[str, int] = field(default_factory=dict)  # trainable, base, total parameters
 
     @classmethod
     def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
@@ -189,28 +192,29 @@ class RankRun:
         return run
 
     def record_start(self) -> None:
-        """Placement, derived values, data statistics and the plan's prediction."""
+        """Placement, derived values, data statistics, parameter counts and the plan."""
         hosts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         spec = self.spec
         # The run's config is its params; what follows from it is in tags (strings) and step-0
         # metrics (numbers), so that the params that differ between runs are what was chosen.
-        # The plan's prediction goes first: MLflow's compare page plots the first metric.
-        self.tracker.log_metrics({SUMMARY.predicted_peak_memory_gb:
-                                  self.plan.predicted_peak_gb}, step=0)
-        local = local_numel(self.model)
         trainable, total = param_counts(self.model)
+        self.counts = {names.TRAINABLE_PARAMS: trainable, names.TOTAL_PARAMS: total,
+                       # the base is frozen whole under adapters: all the rest is the base
+                       names.BASE_PARAMS: total - trainable if spec.finetune.adapters else total}
         self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
                                **({"restarts": str(spec.restart)} if spec.restart else {}),
                                "derived.world_size": str(spec.world_size),
                                "derived.mesh": "x".join(map(str, spec.mesh.shape)),
                                "derived.precision": spec.precision.name,
+                               STATUS_TAG: status_text("RUNNING"),
                                **self.data.info.params()})
-        self.tracker.log_metrics({"global_batch": spec.global_batch,
-                                  "tokens_per_step": spec.tokens_per_step,
-                                  "local_params_rank0": local, "trainable_params": trainable,
-                                  "total_params": total, **self.data.stats,
-                                  **self.plan.metrics()}, step=0)
+        self.tracker.log_text(self.plan.table(), "plan.txt")
+        self.tracker.log_start_metrics({
+            names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+            "global_batch": spec.global_batch, "tokens_per_step": spec.tokens_per_step,
+            "local_params_rank0": local_numel(self.model), **self.counts, **self.data.stats,
+            **self.plan.metrics()})
         if spec.restart:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
 
@@ -232,6 +236,7 @@ class RankRun:
     def train(self) -> RunResult:
         stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
         status, export_dir, final, summary = FAILED, None, {}, {}
+        linked = False  # the final metrics went with the logged model
         t = self.spec.train
         done_before = self.state.step >= (t.stop_after or t.max_steps)  # resumed a finished run
         try:
@@ -245,7 +250,7 @@ class RankRun:
                 log.info("this run had already finished at step %d: nothing to train",
                          self.state.step)
             else:
-                export_dir = self.export()
+                export_dir, linked = self.export(self.final_metrics(summary))
             status = FINISHED
         except StopRequested as e:
             status = e.reason
@@ -253,7 +258,8 @@ class RankRun:
             hang.close()
             self.checkpointer.close()
             self.console.close()
-            self.tracker.log_metrics(summary, step=self.state.step)
+            if not linked:
+                self.tracker.log_metrics(self.final_metrics(summary), step=0)
             self.tracker.finish(mlflow_status(status))
             if self.env.rank == 0:
                 write_run_status(self.spec.output_dir, status=status, step=self.state.step,
@@ -266,14 +272,17 @@ class RankRun:
             checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
             export_dir=str(export_dir) if export_dir else None)
 
-    def export(self) -> Optional[Path]:
-        """The run's model at the end, logged to MLflow: the whole model as an HF directory
-        (save.export_hf), or for adapters always the PEFT adapter (and, with
-        finetune.export_merged, the merged model beside it). Collective."""
+    def export(self, metrics: dict[str, float]) -> tuple[Optional[Path], bool]:
+        """The run's model at the end, logged to MLflow with the run's final ``metrics``: the
+        whole model as an HF directory (save.export_hf), or for adapters always the PEFT
+        adapter (and, with finetune.export_merged, the merged model beside it). Collective.
+        Returns the export and whether the metrics were logged with it."""
         spec, run_dir, ft = self.spec, RunDir(self.spec.output_dir), self.spec.finetune
         base = hub_name(spec.model.path) if spec.model.path else None  # loads elsewhere too
         params = {"base": base or "random init", "model": spec.model.name,
                   "finetune": ft.method}
+        logged = {"name": model_name(spec.run_name, spec.sweep_id), "step": self.state.step,
+                  "params": params, "metrics": metrics}
         if ft.adapters:
             path = ckpt_io.export_adapter(self.model, run_dir.export, ft=ft, base_model=base,
                                           tokenizer=self.data.tokenizer)
@@ -283,29 +292,33 @@ class RankRun:
                                       # the config's dtype, which keeps an fp32 delta
                                       dtype=torch_dtype(spec.policy.param_dtype),
                                       tokenizer=self.data.tokenizer)
-            self.tracker.log_model_dir(path, step=self.state.step, params=params,
-                                       model_type="peft-lora")
-            return path
+            return path, self.tracker.log_model_dir(path, model_type="peft-lora", **logged)
         if not spec.save.export_hf:
-            return None
+            return None, False
         path = ckpt_io.export_hf(self.model, run_dir.export, config=self.checkpointer.hf_config,
                                  tokenizer=self.data.tokenizer)
-        self.tracker.log_model_dir(path, step=self.state.step, params=params)
-        return path
+        return path, self.tracker.log_model_dir(path, **logged)
 
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""
         med = lambda key: steady_median(logged, key)  # noqa: E731
-        out = {SUMMARY.tokens_per_sec: med("tokens_per_sec"),
-               SUMMARY.tokens_per_sec_per_device: med("tokens_per_sec_per_device"),
-               SUMMARY.step_time_s: med("step_time_s"),
-               SUMMARY.mfu: med("mfu"),
-               SUMMARY.peak_memory_gb: max((m["peak_memory_gb"] for m in logged), default=None),
-               SUMMARY.predicted_peak_memory_gb: self.plan.predicted_peak_gb,
-               SUMMARY.final_loss: final.get("loss"),
-               SUMMARY.eval_loss: final.get("eval_loss"),
-               SUMMARY.eval_exact_match: final.get("eval_exact_match")}
+        out = {names.SUMMARY_TOKENS_PER_SEC: med(names.TOKENS_PER_SEC),
+               names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE: med("tokens_per_sec_per_device"),
+               names.SUMMARY_STEP_TIME: med(names.STEP_TIME),
+               names.SUMMARY_MFU: med(names.MFU),
+               names.SUMMARY_PEAK_MEMORY: max((m[names.PEAK_MEMORY] for m in logged),
+                                              default=None),
+               names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+               names.SUMMARY_FINAL_LOSS: final.get(names.LOSS),
+               names.SUMMARY_EVAL_LOSS: final.get(names.EVAL_LOSS),
+               names.SUMMARY_EVAL_EXACT_MATCH: final.get("eval_exact_match")}
         return {k: float(v) for k, v in out.items() if v is not None}
+
+    def final_metrics(self, summary: dict[str, float]) -> dict[str, float]:
+        """What the run logs when it ends, at step 0 (MLflow charts a metric whose latest
+        step is 0 as one bar per run): the summary, and the runs table's rounded columns."""
+        known = {**self.counts, names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb}
+        return {**summary, **shown_metrics({**known, **summary})}
 
 
 def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:

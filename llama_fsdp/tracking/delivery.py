@@ -17,7 +17,8 @@ from typing import Any, Iterator, Optional
 
 from . import events as ev
 from .spool import Spool, read_run_file, write_run_file
-from .store import FAST_FAIL_ENV, VIEW_TAG, artifact_location, experiment_tags, open_client
+from .store import FAST_FAIL_ENV, artifact_location, open_client
+from .view import STATUS_TAG, VIEW_TAG, experiment_tags, status_text, view_is_current
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,16 @@ class Delivery:
             case ev.Inputs():
                 c.log_inputs(self.run_id, datasets=[_dataset_input(d) for d in e.datasets])
             case ev.Status():
+                c.set_tag(self.run_id, STATUS_TAG, status_text(e.status))
                 c.set_terminated(self.run_id, status=e.status, end_time=e.ts)
             case ev.Running():
                 c.update_run(self.run_id, status="RUNNING")
+                c.set_tag(self.run_id, STATUS_TAG, status_text("RUNNING"))
 
     def _log_model(self, e: ev.Model) -> None:
         """An exported directory as the run's logged model (its Models column and tab):
-        downloadable and registrable from the UI."""
-        from mlflow.entities import LoggedModelOutput
+        downloadable and registrable from the UI, with the run's final metrics linked to it."""
+        from mlflow.entities import LoggedModelOutput, Metric
 
         c = self.client
         exp_id = c.get_run(self.run_id).info.experiment_id
@@ -110,6 +113,10 @@ class Delivery:
         c.log_model_artifacts(model.model_id, e.dir)
         c.finalize_logged_model(model.model_id, "READY")
         c.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, e.step)])
+        if e.metrics:
+            ts = e.ts or ev.now_ms()
+            c.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, 0, model_id=model.model_id)
+                                              for k, v in e.metrics.items()])
 
     def _create(self, e: ev.Create) -> None:
         """The run (and its experiment) for a spool that starts without one."""
@@ -119,9 +126,12 @@ class Delivery:
         exp = c.get_experiment_by_name(e.experiment)
         exp_id = exp.experiment_id if exp else c.create_experiment(
             e.experiment, artifact_location=artifact_location(self.uri, e.experiment))
-        if exp is None or VIEW_TAG not in exp.tags:
+        view = exp.tags.get(VIEW_TAG) if exp else None
+        if view is None:
             for key, value in experiment_tags().items():
                 c.set_experiment_tag(exp_id, key, value)
+        elif not view_is_current(view):  # an earlier version's view: this one replaces it
+            c.set_experiment_tag(exp_id, VIEW_TAG, experiment_tags(view)[VIEW_TAG])
         run = c.create_run(exp_id, run_name=e.run_name, tags=e.tags, start_time=e.ts)
         self.run_id = run.info.run_id
         where = self.spool.dir.parent

@@ -107,7 +107,8 @@ class Artifacts:
 
 @dataclass(frozen=True)
 class Model:
-    """An exported HF (or adapter) directory as the run's logged model."""
+    """An exported HF (or adapter) directory as the run's logged model, with the run's final
+    metrics (logged to the run, linked to the model: its page lists them)."""
 
     KIND: ClassVar[str] = "model"
     dir: str
@@ -115,15 +116,19 @@ class Model:
     step: int = 0
     params: dict[str, Any] = field(default_factory=dict)
     model_type: str = "transformers-llama"
+    metrics: dict[str, float] = field(default_factory=dict)
+    ts: int = 0  # when the metrics were taken (0: when delivered)
 
     def wire(self) -> dict[str, Any]:
         return {"t": self.KIND, "dir": self.dir, "name": self.name, "step": self.step,
-                "params": self.params, "model_type": self.model_type}
+                "params": self.params, "model_type": self.model_type, "m": self.metrics,
+                "ts": self.ts}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Model":
         return cls(d["dir"], d["name"], d.get("step", 0), d.get("params") or {},
-                   d.get("model_type", "transformers-llama"))
+                   d.get("model_type", "transformers-llama"), d.get("m") or {},
+                   d.get("ts", 0))
 
 
 @dataclass(frozen=True)

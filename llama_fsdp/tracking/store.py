@@ -1,31 +1,18 @@
-"""The MLflow store: opening a client safely, where artifacts go, and the experiment's view."""
+"""The MLflow store: opening a client safely, where artifacts go, the link to the runs page."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..result import SUMMARY
 from ..rundir import name_problem
 
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
-VIEW = "llama_fsdp"  # a saved runs-table view: open the runs page with ?viewStateShareKey=llama_fsdp
-VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
-VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
-                *(f"metrics.`{m}`" for m in (SUMMARY.tokens_per_sec,
-                                             SUMMARY.tokens_per_sec_per_device, SUMMARY.mfu,
-                                             SUMMARY.peak_memory_gb,
-                                             SUMMARY.predicted_peak_memory_gb,
-                                             SUMMARY.final_loss, SUMMARY.eval_loss)),
-                *(f"params.`{p}`" for p in ("model.name", "finetune.method", "optim.name",
-                                            "sharding.strategy", "precision.name",
-                                            "train.batch_size")),
-                "metrics.`trainable_params`", "metrics.`total_params`",  # what the method trains
-                "tags.`derived.world_size`"]
+# MLflow prints "View run ... at <url>" for a run an http store ends: a link without the saved
+# view and the model-training mode; the links this tool prints are runs_page's.
+QUIET_ENV = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 def open_client(uri: str) -> Any:
@@ -36,6 +23,7 @@ def open_client(uri: str) -> Any:
 
     from ..secrets import client_uri
 
+    os.environ.update(QUIET_ENV)
     if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=client_uri(uri))
     from filelock import FileLock
@@ -132,21 +120,10 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def experiment_tags() -> dict[str, str]:
-    """A model-training experiment, its description, and the runs-table view that shows what
-    runs are compared on (summary metrics, key choices, data), sorted by start so sweeps stay
-    grouped (the UI's own default shows none of them)."""
-    now = int(time.time() * 1000)
-    state = {"selectedColumns": VIEW_COLUMNS, "orderByKey": "attributes.start_time",
-             "orderByAsc": False}
-    view = {"name": "llama_fsdp: throughput, memory, loss", "createdAt": now, "updatedAt": now,
-            "state": json.dumps(state)}
-    return {"mlflow.experimentKind": EXPERIMENT_KIND, VIEW_TAG: json.dumps(view),
-            "mlflow.note.content": "Fine-tuning runs of llama_fsdp. A sweep is one row (expand "
-            "it for its points); the summary/* metrics are each run's steady-state numbers."}
-
-
 def runs_page(uri: str, experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
-    """The URL of the experiment's runs table with the llama_fsdp view (for `mlflow ui`)."""
+    """The URL of the experiment's runs table in model-training mode with the llama_fsdp view
+    (for a sqlite store: as `mlflow ui` serves it)."""
+    from .view import RUNS_QUERY
+
     host = uri if uri.startswith("http") else base
-    return f"{host}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW}"
+    return f"{host}/#/experiments/{experiment_id}/runs?{RUNS_QUERY}"

@@ -81,6 +81,8 @@ class Tracker:
         # initialized module 'mlflow.tracking'"). System metrics that cannot start are a
         # warning, never a stopped run.
         self.sampler = _system_sampler(self, system_metrics_s) if system_metrics_s else None
+        self._start_metrics: dict[str, float] = {}
+        self._start_lock = threading.Lock()  # the system sampler logs from its own thread
         self.shipper = Shipper(self.spool, uri) if ship else None
         if self.shipper is not None:
             self.shipper.start()
@@ -97,6 +99,20 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if metrics:
             self.spool.append(ev.Metrics({k: float(v) for k, v in metrics.items()}, int(step)))
+        self._log_start_metrics()
+
+    def log_start_metrics(self, metrics: dict[str, float]) -> None:
+        """Step-0 facts of the run (the plan, the data, the parameter counts), logged after the
+        first measured metrics (or when the run ends before any): MLflow's compare page plots a
+        run's first metric by default, and it should be a measured one, not the plan's."""
+        with self._start_lock:
+            self._start_metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def _log_start_metrics(self) -> None:
+        with self._start_lock:
+            held, self._start_metrics = self._start_metrics, {}
+        if held:
+            self.spool.append(ev.Metrics(held, 0))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.spool.append(ev.Tags(tags))
@@ -104,25 +120,32 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.spool.append(ev.Text(text, artifact_file))
 
-    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+    def log_model_dir(self, path: Optional[Path], *, name: str, step: int = 0,
                       params: Optional[dict[str, Any]] = None,
-                      model_type: str = "transformers-llama") -> None:
-        """An exported directory as the run's logged model (copied into MLflow's artifact
-        store unless it is larger than MODEL_MAX_BYTES; its path is always a tag)."""
+                      model_type: str = "transformers-llama",
+                      metrics: Optional[dict[str, float]] = None) -> bool:
+        """An exported directory as the run's logged model ``name`` (copied into MLflow's
+        artifact store unless it is larger than MODEL_MAX_BYTES; its path is always a tag),
+        with the run's final ``metrics`` linked to it. False: no model was logged, and the
+        metrics are the caller's to log."""
         if path is None:
-            return
+            return False
         self.set_tags({"export_dir": str(path)})
         size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
         if size > MODEL_MAX_BYTES:
             log.info("export %s (%.1f GB) is linked by its path, not copied into MLflow", path,
                      size / 1e9)
-            return
-        self.spool.append(ev.Model(str(path), Path(path).parent.name, step, params or {},
-                                   model_type))
+            return False
+        self._log_start_metrics()
+        self.spool.append(ev.Model(str(path), name, step, params or {}, model_type,
+                                   {k: float(v) for k, v in (metrics or {}).items()},
+                                   ev.now_ms()))
+        return True
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.sampler is not None:
             self.sampler.stop()
+        self._log_start_metrics()
         self.spool.append(ev.Status(status))
         if self.shipper is None:
             return
@@ -142,11 +165,14 @@ class NullTracker:
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_start_metrics(self, metrics: dict[str, float]) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_model_dir(self, path: Optional[Path], *, step: int = 0,
+    def log_model_dir(self, path: Optional[Path], *, name: str, step: int = 0,
                       params: Optional[dict[str, Any]] = None,
-                      model_type: str = "transformers-llama") -> None: ...
+                      model_type: str = "transformers-llama",
+                      metrics: Optional[dict[str, float]] = None) -> bool:
+        return False
     def finish(self, status: str = "FINISHED") -> None: ...
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -94,7 +95,9 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert out.returncode == 0, out.stderr[-4000:]
     log = out.stdout + out.stderr
     assert log.count("submitted SLURM job") == 4
-    assert "python -m llama_fsdp.sweep" in log  # how to summarize once they finish
+    # the summary at submission says the points are not done, and how to see it later
+    assert re.search(r"\n[0-3] of 4 points ended; the summary is final when the last ends", log)
+    assert "python -m llama_fsdp.sweep" in log
     runs = _wait_all_finished(tmp_path, 4, timeout=480)
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len({r.data.tags["sweep_id"] for r in runs}) == 1
@@ -104,19 +107,33 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     starts = sorted(r.info.start_time for r in runs)
     ends = sorted(r.info.end_time for r in runs)
     assert starts[-1] < ends[0], (starts, ends)
-    # one parent run holds the sweep: running until its summary is made on demand
+    # one parent run holds the sweep; the last job to end completed its summary
     client, every = _runs(tmp_path)
     parents = [r for r in every if r.data.tags.get("llama_fsdp.kind") == "sweep"]
-    assert len(parents) == 1 and parents[0].info.status == "RUNNING"
+    assert len(parents) == 1
+    parent = _wait_parent_finished(client, parents[0].info.run_id, timeout=60)
+    assert parent.data.tags["status"] == "finished" and parent.data.tags["failed_points"] == "0"
+    assert parent.data.tags["best point"] in {r.info.run_name for r in runs}
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
     assert sorted(r.info.run_name for r in runs) == [
         "batch_size=2 sharding=full", "batch_size=2 sharding=no_shard",
         "batch_size=4 sharding=full", "batch_size=4 sharding=no_shard"]
+    # on demand too, the same summary
     summary = subprocess.run([sys.executable, "-m", "llama_fsdp.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
+    assert "points ended" not in summary.stdout + summary.stderr
     parent = client.get_run(parents[0].info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
+
+
+def _wait_parent_finished(client, run_id: str, timeout: float):
+    """The sweep's parent once it ended (the last point's job summarizes after its run ends)."""
+    deadline = time.monotonic() + timeout
+    while (run := client.get_run(run_id)).info.status != "FINISHED":
+        assert time.monotonic() < deadline, (run.info.status, run.data.tags)
+        time.sleep(1)
+    return run
 
 
 # Seconds every rank sleeps after each step of the preempted job (tests.faults.hooks:slow): the

@@ -395,7 +395,7 @@ def test_qlora_merged_export_loads_with_the_trained_logits(runs):
 def test_the_adapter_is_the_logged_model_and_the_counts_are_columns(runs):
     from mlflow.tracking import MlflowClient
 
-    from llama_fsdp.tracking.store import VIEW_COLUMNS
+    from llama_fsdp.tracking.view import SELECTED, round_to
 
     spec, result = runs["specs"]["qlora_2"], runs["rank0"]["qlora_2"]["result"]
     client = MlflowClient(tracking_uri=spec.tracking_uri)
@@ -409,4 +409,8 @@ def test_the_adapter_is_the_logged_model_and_the_counts_are_columns(runs):
     # rank 8 on 7 projections of 4 layers (h=256, kv 128, i=768): 8 x (in + out) each
     assert trainable == 4 * 8 * (2 * 512 + 2 * 384 + 3 * 1024)
     assert total == trainable + 3_410_176
-    assert {"metrics.`trainable_params`", "metrics.`total_params`"} <= set(VIEW_COLUMNS)
+    # the base is the model's own weights: a LoRA model is no bigger than the full one
+    assert run.data.metrics["base_params"] == 3_410_176
+    assert run.data.metrics["trainable pct"] == round_to(100 * trainable / total, 3)
+    assert {"metrics.`trainable M`", "metrics.`trainable pct`", "metrics.`base M`"} <= \
+        set(SELECTED)

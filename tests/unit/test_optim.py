@@ -125,9 +125,10 @@ def test_stochastic_rounding_moves_bf16_parameters_by_updates_below_half_an_ulp(
     moved = {}
     for sr in (False, True):
         torch.manual_seed(0)
-        p = torch.nn.Parameter(torch.full((64, 128), 1.5, dtype=torch.bfloat16))
-        opt = build_optimizer([p], t, OptimConfig(name=name, bf16_stochastic_round=sr,
-                                                  eager=True))
+        holder = torch.nn.Module()
+        holder.p = p = torch.nn.Parameter(torch.full((64, 128), 1.5, dtype=torch.bfloat16))
+        opt = build_optimizer(holder, t, OptimConfig(name=name, bf16_stochastic_round=sr,
+                                                     eager=True))
         for _ in range(steps):
             p.grad = torch.ones_like(p)
             opt.step()

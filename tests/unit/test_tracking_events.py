@@ -13,7 +13,8 @@ def test_every_event_kind_round_trips_through_the_spool(tmp_path):
     written = [events.Create("exp", "tiny full", {"a": "b"}, ts=5), events.Params({"x.y": 1}),
                events.Metrics({"loss": 1.5}, step=3, ts=7), events.Tags({"k": "v"}),
                events.Text("yaml: 1", "config.yaml"), events.Artifacts("/d", "sub"),
-               events.Model("/run/export", "run", 4, {"base": "x"}, "peft-lora"),
+               events.Model("/run/export", "run", 4, {"base": "x"}, "peft-lora",
+                            {"summary/final_loss": 2.5}, ts=8),
                events.Inputs([{"name": "n"}]), events.Status("FINISHED", ts=9), events.Running()]
     assert {type(e) for e in written} == set(events.KINDS.values())  # one of each kind
     spool = Spool(tmp_path)

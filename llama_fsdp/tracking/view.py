@@ -1,0 +1,209 @@
+"""What a person sees of the runs in MLflow's UI (3.x), decided in one place.
+
+- **The link** (``RUNS_QUERY``): the experiment's runs page in model-training mode with the saved
+  view. MLflow opens an experiment in GenAI mode otherwise, and switching modes drops the view.
+- **The saved view** ``llama_fsdp`` (an experiment tag the UI reads for ``viewStateShareKey``):
+  the columns, their order and widths, so that a 1600 px screen shows each run's status, method,
+  trainable parameters, losses, speed, memory and duration without scrolling, its data set and
+  model after them; and the charts: loss and eval loss first, the end-of-run summary as bars.
+- **The shown metrics** (``SHOWN``): MLflow prints a metric's raw float (7317.475065965187) and
+  counts without separators, so the table's columns are rounded copies (``tokens per sec``
+  7317, ``trainable M`` 0.311) logged beside the exact metrics they come from, which stay for
+  filters, the compare page and anyone reading the store. Rounded metrics, not text tags: the
+  table sorts metric columns, never tag columns. A new objective adds its columns to
+  ``BY_OBJECTIVE``.
+- **A run's note** (the command, one override per line) and **its logged model's name**.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from .. import metric_names as m
+
+EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
+VIEW = "llama_fsdp"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
+RUNS_QUERY = f"workflowType=machine_learning&viewStateShareKey={VIEW}"
+STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
+BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A column of rounded numbers: metric ``name`` (the column's header), ``value`` of the run's
+    exact metrics, to ``digits`` significant digits."""
+
+    name: str
+    value: Callable[[Mapping[str, float]], Optional[float]]
+    digits: int
+    width: int  # px: the header fits
+
+
+def _metric(key: str, scale: float = 1.0) -> Callable[[Mapping[str, float]], Optional[float]]:
+    return lambda exact: None if exact.get(key) is None else exact[key] * scale
+
+
+def _trainable_pct(exact: Mapping[str, float]) -> Optional[float]:
+    """The trainable share of all parameters, adapters included (as PEFT and the plan count)."""
+    trainable, total = exact.get(m.TRAINABLE_PARAMS), exact.get(m.TOTAL_PARAMS)
+    return None if trainable is None or not total else 100.0 * trainable / total
+
+
+TRAINABLE = (Shown("trainable M", _metric(m.TRAINABLE_PARAMS, 1e-6), 3, 90),
+             Shown("trainable pct", _trainable_pct, 3, 98))
+# what each training objective is judged by; a new objective (DPO: its rewards/accuracy) adds
+# its columns here, and the view shows them all (a run lacking one shows "-")
+BY_OBJECTIVE: dict[str, tuple[Shown, ...]] = {
+    "sft": (Shown("final loss", _metric(m.SUMMARY_FINAL_LOSS), 4, 78),
+            Shown("eval loss", _metric(m.SUMMARY_EVAL_LOSS), 4, 76)),
+}
+SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 108),
+                Shown("MFU pct", _metric(m.SUMMARY_MFU, 100.0), 3, 80),
+                Shown("peak GB", _metric(m.SUMMARY_PEAK_MEMORY), 3, 74),
+                Shown("planned GB", _metric(m.SUMMARY_PREDICTED_PEAK_MEMORY), 3, 92))
+BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)  # after the first screen
+SHOWN: tuple[Shown, ...] = (*TRAINABLE, *(s for cols in BY_OBJECTIVE.values() for s in cols),
+                            *SPEED_MEMORY, BASE)
+
+
+def round_to(value: float, digits: int) -> float:
+    """``value`` to ``digits`` significant digits (7317.475 -> 7317, 0.0973114 -> 0.0973)."""
+    return float(f"{value:.{digits}g}")
+
+
+def shown_metrics(exact: Mapping[str, float]) -> dict[str, float]:
+    """The table's rounded columns of a run, from its exact metrics (those it has)."""
+    out = {}
+    for s in SHOWN:
+        value = s.value(exact)
+        if value is not None and math.isfinite(value):
+            out[s.name] = round_to(value, s.digits)
+    return out
+
+
+def _col(kind: str, key: str) -> str:
+    return f"{kind}.`{key}`"
+
+
+RUN_NAME, CREATED, DURATION = "attributes.`Run Name`", "runDateAndNestInfo", "duration"
+# (column id, width in px), in the order shown. Run name and created (with MLflow's status icon)
+# are pinned on the left; duration is always shown; the others are chosen by the view.
+COLUMNS: tuple[tuple[str, int], ...] = (
+    (RUN_NAME, 156), (CREATED, 132), (_col("tags", STATUS_TAG), 88),
+    (_col("params", "finetune.method"), 116),
+    *((_col("metrics", s.name), s.width) for s in SHOWN if s is not BASE),
+    (DURATION, 68), (_col("metrics", BASE.name), BASE.width),
+    (_col("tags", BEST_POINT_TAG), 120),
+    ("attributes.`Dataset`", 230), ("attributes.`Models`", 260),
+    (_col("params", "model.name"), 96), (_col("tags", "precision"), 80),  # resolved, not "auto"
+    (_col("tags", "strategy"), 80), (_col("tags", "world_size"), 86),
+    (_col("params", "optim.name"), 92), (_col("params", "train.batch_size"), 128),
+)
+SELECTED = [c for c, _ in COLUMNS if c not in (RUN_NAME, CREATED, DURATION)]
+
+# charts: (section, [(metric, chart type)]); a section's other metrics follow its listed ones
+CHART_SECTIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("Model metrics", tuple((k, "LINE") for k in (
+        m.LOSS, m.EVAL_LOSS, m.TOKENS_PER_SEC, m.PEAK_MEMORY, m.STEP_TIME, m.MFU, m.LR,
+        m.GRAD_NORM))),
+    ("summary", tuple((k, "BAR") for k in (
+        m.SUMMARY_FINAL_LOSS, m.SUMMARY_EVAL_LOSS, m.SUMMARY_TOKENS_PER_SEC,
+        m.SUMMARY_TOKENS_PER_SEC_PER_DEVICE, m.SUMMARY_MFU, m.SUMMARY_PEAK_MEMORY,
+        m.SUMMARY_PREDICTED_PEAK_MEMORY, m.SUMMARY_STEP_TIME))),
+    ("System metrics", ()),
+)
+_LINE = {"lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear", "range": {},
+         "xAxisKey": "step", "selectedXAxisMetricKey": "", "yAxisKey": "metric",
+         "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": True,
+         "useGlobalLineSmoothing": True}
+
+
+def _chart(metric: str, kind: str, section: str, deleted: bool = False) -> dict[str, Any]:
+    chart = {"uuid": f"{VIEW}:{metric}", "type": kind, "runsCountToCompare": 10,
+             "metricSectionId": f"{VIEW}:{section}", "deleted": deleted, "isGenerated": True,
+             "metricKey": metric}
+    return {**chart, **_LINE} if kind == "LINE" else chart
+
+
+def chart_state() -> dict[str, Any]:
+    """The chart view: sections in this order (MLflow's own puts every prefixed section, such
+    as best/ and eval_exact_match/, before the loss); the shown metrics are no charts (the
+    summary/ bars show the exact values)."""
+    charts = [_chart(k, kind, name) for name, listed in CHART_SECTIONS for k, kind in listed]
+    charts += [_chart(s.name, "BAR", "Model metrics", deleted=True) for s in SHOWN]
+    sections = [{"uuid": f"{VIEW}:{name}", "name": name, "display": True, "isReordered": True,
+                 "deleted": False, "isGenerated": True} for name, _ in CHART_SECTIONS]
+    return {"compareRunCharts": charts, "compareRunSections": sections,
+            "isAccordionReordered": True, "hideEmptyCharts": True}
+
+
+def view_state() -> dict[str, Any]:
+    """The saved view's state, as MLflow's UI keeps it (its ExperimentPageUIState and search
+    facets): newest runs first, so a sweep's points stay under their parent."""
+    return {"selectedColumns": SELECTED, "columnOrder": [c for c, _ in COLUMNS],
+            "columnWidths": dict(COLUMNS), "orderByKey": "attributes.start_time",
+            "orderByAsc": False, **chart_state()}
+
+
+def experiment_tags(existing: Optional[str] = None) -> dict[str, str]:
+    """A model-training experiment, its description, and the saved view (``existing``: the
+    view tag the experiment holds; kept as it was created, updated when the view changed)."""
+    now = int(time.time() * 1000)
+    created = now
+    if existing:
+        try:
+            created = json.loads(existing).get("createdAt", now)
+        except (ValueError, AttributeError):
+            pass
+    view = {"name": "llama_fsdp: what runs differ in", "createdAt": created, "updatedAt": now,
+            "state": json.dumps(view_state())}
+    return {"mlflow.experimentKind": EXPERIMENT_KIND, VIEW_TAG: json.dumps(view),
+            "mlflow.note.content": "Fine-tuning runs of llama_fsdp. A sweep is one row (expand "
+            "it for its points; its own numbers are its best point's). The rounded columns are "
+            "copies of the exact summary/* metrics, each run's steady-state numbers."}
+
+
+def view_is_current(tag: Optional[str]) -> bool:
+    """Whether an experiment's view tag holds this version's view."""
+    try:
+        return json.loads(json.loads(tag or "")["state"]) == view_state()
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def status_text(mlflow_status: str) -> str:
+    """A run's MLflow status as the status column says it."""
+    return {"RUNNING": "running", "SCHEDULED": "queued", "FINISHED": "finished",
+            "FAILED": "failed", "KILLED": "stopped"}.get(mlflow_status, mlflow_status.lower())
+
+
+_PROGRAMS = (["python", "-m", "llama_fsdp"], ["llama-fsdp"])
+
+
+def command_note(command: str, heading: str = "") -> str:
+    """A run's note (markdown): the command in a code block, one argument per line, so the
+    run page keeps its side panel on screen."""
+    words = shlex.split(command)
+    n = next((len(p) for p in _PROGRAMS if words[:len(p)] == p), 1)
+    head = [shlex.quote(w) for w in words[:n]]
+    args = [shlex.quote(w) for w in words[n:]]
+    while args and args[0] in ("-m", "--multirun"):  # the sweep flag stays with the program
+        head.append(args.pop(0))
+    text = " \\\n  ".join([" ".join(head), *args])
+    return (f"{heading}\n\n" if heading else "") + f"```\n{text}\n```"
+
+
+_MODEL_NAME_FORBIDDEN = '/:.%"\''  # MLflow refuses these in a logged model's name
+
+
+def model_name(run_name: str, sweep_id: Optional[str] = None) -> str:
+    """A logged model's name: the run's name, and for a sweep point its sweep
+    ("finetune=lora (sweep-2026-11-26_09-26-49-363271)"): unique, and the part that differs
+    first, where the Models column has room for it."""
+    name = f"{run_name} ({sweep_id})" if sweep_id else run_name
+    return "".join("_" if c in _MODEL_NAME_FORBIDDEN else c for c in name).strip() or "model"
