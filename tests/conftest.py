@@ -11,6 +11,9 @@ CONF = REPO / "conf"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# MLflow 3's server (and `mlflow ui`) starts a job runner with about eight huey consumers, each
+# importing mlflow (2-3 s of CPU and ~240 MB apiece) for GenAI jobs no test uses
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 # Rank processes import test hooks (tests.faults.hooks, through train.callbacks).
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
