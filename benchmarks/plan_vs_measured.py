@@ -624,7 +624,7 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "phase of a tied model is over-predicted with AdamW too (0.86 in the tied AdamW rows' "
         "per-phase table), and 8-bit moments leave less around it.",
         "- finetune=lora / qlora (the rows named so; rank 16 on all 7 projections) have their "
-        "own phase model (`llama_fsdp/plan/adapters.py`): a frozen base (16-bit, NF4 with its "
+        "own phase model (`llama_fsdp/plan/lora.py`): a frozen base (16-bit, NF4 with its "
         "scales for qlora's projections) with no gradients and no optimizer state, the "
         "adapters' gradients and moments, LoRA's saved activations (no RMSNorm x rsqrt, each "
         "adapter's rank-wide A x), layers gathered in 4 bits and dequantized one weight at a "

@@ -266,6 +266,7 @@ def _check_choices(cfg: Config, problems: list[str]) -> None:
         ("cluster.device", cfg.cluster.device, DEVICES),
         ("finetune.method", cfg.finetune.method, FinetuneConfig.METHODS),
         ("optim.name", cfg.optim.name, OptimConfig.NAMES),
+        ("train.loss", cfg.train.loss, TrainConfig.LOSSES),
     ):
         if value not in choices:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -279,6 +280,7 @@ def _check_positive(cfg: Config, problems: list[str]) -> None:
         ("train.seq_len", t.seq_len, 2),
         ("train.max_steps", t.max_steps, 1),
         ("train.log_every", t.log_every, 1),
+        ("train.loss_chunk", t.loss_chunk, 1),
         ("cluster.nodes", 1 if cfg.cluster.nodes is None else cfg.cluster.nodes, 1),
         ("checkpointing.every_k", cfg.checkpointing.every_k, 1),
         ("save.keep_last", cfg.save.keep_last, 1),
@@ -452,6 +454,12 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             and _local_cuda_count() > 0 and not _local_bf16():
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
+    _check_offload(cfg, device, problems)
+
+
+def _check_offload(cfg: Config | RunSpec, device: str, problems: list[str]) -> None:
+    """What goes to host memory: sharding.cpu_offload's shards, checkpointing.offload's layer
+    inputs."""
     if cfg.sharding.cpu_offload and device != "cuda":
         problems.append(
             "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
@@ -464,9 +472,14 @@ def _check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) ->
             "memory, and no_shard keeps a full replica on every GPU; use sharding=full (or "
             "hybrid) with cpu_offload, or drop it"
         )
+    if cfg.checkpointing.offload and cfg.checkpointing.mode == "none":
+        problems.append(
+            "checkpointing.offload=true with checkpointing=none: offload moves what activation "
+            "checkpointing keeps (each wrapped layer's input) to host memory, and nothing is "
+            "checkpointed; use checkpointing=full (or selective) with it, or drop it")
 
 
-def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
+def _check_finetune(cfg: Config | RunSpec, mesh: MeshSpec, problems: list[str]) -> None:
     """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py)."""
     ft = cfg.finetune
     own = ft.problems()
@@ -495,6 +508,20 @@ def _check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
         problems.append("finetune=qlora with sharding.cpu_offload=true: the NF4 base is a "
                         "quarter of a 16-bit one and is not offloaded (untested with FSDP2's "
                         "CPU offload); drop sharding.cpu_offload, or use finetune=lora with it")
+
+
+def variant_problems(spec: RunSpec) -> list[str]:
+    """The rules between a run's choices, asked again of a RunSpec the planner changed (another
+    strategy, node count, optimizer, method, offload or sequence length): what build_spec would
+    say of the same choices."""
+    problems: list[str] = []
+    _check_model(spec.model, spec.train, problems)
+    _check_finetune(spec, spec.mesh, problems)
+    _check_offload(spec, spec.device, problems)
+    problems.extend(spec.optim.problems(param_dtype=spec.policy.param_dtype,
+                                        cpu_offload=spec.sharding.cpu_offload,
+                                        full_state_dict=spec.save.full_state_dict))
+    return problems
 
 
 def point_name(values: dict[str, str]) -> str:

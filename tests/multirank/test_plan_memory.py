@@ -61,7 +61,7 @@ PREDICTED_BAND = (0.88, 1.02)
 # (without that copy, which the plan counts on CPU only, the prediction is 7% under the
 # measured peak: out of the band).
 # Low-bit AdamW moments (compiled step), peaking in the optimizer step with 4-bit moments.
-# finetune=lora / qlora: a frozen base (plan/adapters.py), its peaks in the loss phase.
+# finetune=lora / qlora: a frozen base (plan/lora.py), its peaks in the loss phase.
 CASES = {
     2: [("full", "fp32", "none", 4, False, 1, "sdpa"), ("grad_op", "bf16", "full", 4),
         ("no_shard", "fp32", "full", 2), ("full", "bf16", "none", 2),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llama_fsdp import plan as P
-from llama_fsdp.plan import fit as plan_fit
+from llama_fsdp.plan import search as plan_search
 from llama_fsdp.config import CheckpointingConfig, model_preset
 from llama_fsdp.devices import BY_KEY
 from llama_fsdp.spec import RunSpec
@@ -258,7 +258,9 @@ def test_activation_estimate_matches_bytes_autograd_saves(dtype):
         F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
     c = 2 if dtype == "bfloat16" else 4
     log_probs, total_weight = b * s * 256 * 4, 4  # saved by log_softmax and nll_loss
-    expected = P.activation_bytes(m, micro_batch=b, seq_len=s, c=c) + log_probs + total_weight
+    head_input = b * s * m.hidden_size * c  # saved by the head's matmul (plan/loss.py, full)
+    expected = (P.activation_bytes(m, micro_batch=b, seq_len=s, c=c) + head_input + log_probs
+                + total_weight)
     assert sum(saved.values()) == expected
 
 
@@ -299,7 +301,7 @@ def test_fixes_list_each_change_once():
     low-bit moments are the changes left, so "all of them together" is bf16 again (not listed
     twice), then bf16 with 8-bit and with 4-bit moments."""
     base = ("model=8b", "cluster.device=cpu", "sharding=full", "checkpointing=full",
-            "train.batch_size=1")
+            "train.batch_size=1", "train.loss=chunked")
 
     def fixes(*extra):
         with pytest.raises(P.PlanError) as err:
@@ -319,7 +321,7 @@ def test_fixes_list_each_change_once():
     with pytest.raises(P.PlanError) as err:  # and with qlora in bf16, nothing is left to change
         P.check_fits(make_spec("model=70b", "cluster.device=cpu", "sharding=full",
                                "checkpointing=full", "train.batch_size=1", "precision=bf16",
-                               "finetune=qlora"))
+                               "finetune=qlora", "train.loss=chunked"))
     fixes = [line for line in str(err.value).splitlines() if line.startswith("  - ")]
     assert fixes == ["  - none left in this config: every memory-saving setting is on; it needs "
                      "devices with more memory, or more of them"]
@@ -393,7 +395,7 @@ def test_choose_strategy_takes_first_that_fits(overrides, expected):
     spec = make_spec("sharding=auto", *overrides)
     strategy, reason = P.choose_strategy(spec)
     assert strategy == expected and reason.startswith(expected)
-    order = plan_fit._candidates(spec)
+    order = plan_search._candidates(spec)
     if spec.nodes == 1:
         assert "hybrid" not in order and "hybrid_grad_op" not in order
     for earlier in order[: order.index(strategy)]:

@@ -11,7 +11,7 @@ import torch
 from llama_fsdp import nf4
 from llama_fsdp import plan as P
 from llama_fsdp.config import FinetuneConfig, ModelConfig, model_preset
-from llama_fsdp.plan import adapters as PA
+from llama_fsdp.plan import lora as PA
 from llama_fsdp.plan import host as PH
 from llama_fsdp.spec import ConfigError
 from tests import conftest
@@ -117,7 +117,7 @@ def test_lora_dropout_keeps_each_target_its_dropped_input_and_mask():
     without = make_spec("finetune=lora", "finetune.rank=8", "data.packing=false",
                         "model.attn_implementation=sdpa")
     tokens = spec.train.batch_size * spec.train.seq_len
-    assert PA.activation_bytes(spec) - PA.activation_bytes(without) == tokens * (
+    assert PA.lora_activation_bytes(spec) - PA.lora_activation_bytes(without) == tokens * (
         m.num_layers * (10 * m.hidden_size + m.intermediate_size) * 4 - 3 * m.hidden_size * 4)
 
 
@@ -133,7 +133,7 @@ def test_flops_per_token_is_4n_plus_6na_and_matches_torch_flop_counter():
         model(input_ids=ids).logits.float().sum().backward()
     n, n_a = P.n_matmul(m), PA.adapter_params(m, ft)
     q = m.hidden_size // m.num_heads
-    planned = PA.flops_per_token(m, ft, s)
+    planned = PA.lora_flops_per_token(m, ft, s)
     attention = 12 * m.num_layers * m.num_heads * q * s
     assert planned == 4 * n + 6 * n_a + attention
     # torch counts the matmuls that run (CPU SDPA is not counted, nor are the RMSNorm weights
