@@ -273,7 +273,7 @@ class TrainConfig:
     compile: bool = False
     max_grad_norm: float = 1.0
     log_every: int = 1
-    loss: str = "full"
+    loss: str = "chunked"
     loss_chunk: int = 1024  # target tokens per chunk of the chunked loss
     # Stop after this step without changing the LR schedule (which runs to max_steps): train a
     # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.

@@ -96,6 +96,11 @@ COMBINABLE: list[Change] = [
 ]
 
 
+def _made(make: Callable[[RunSpec], Optional[RunSpec]], spec: RunSpec) -> Optional[RunSpec]:
+    """A change applied to ``spec``: None where it does not apply or the validator refuses it."""
+    return or_none(lambda: make(spec))
+
+
 def _texts(spec: RunSpec, text: str, variant: RunSpec) -> str:
     """A change's override text with its consequences and explanation."""
     if text == "train.batch_size=1":
@@ -122,7 +127,7 @@ def _lowbit_variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
 def _variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Single changes that lower memory, cheapest first, as (override text, spec)."""
     out = [(_texts(spec, text, v), v) for text, make in COMBINABLE
-           if (v := make(spec)) is not None]
+           if (v := _made(make, spec)) is not None]
     out += _lowbit_variants(spec)
     if (v := _offload_activations(spec)) is not None:
         out.append((_offload_text(spec), v))
@@ -137,7 +142,7 @@ def _combined(spec: RunSpec) -> tuple[str, RunSpec]:
     is not enough)."""
     texts, combo = [], spec
     for text, make in COMBINABLE:
-        if (v := make(combo)) is not None:
+        if (v := _made(make, combo)) is not None:
             texts.append(text.split(" (")[0] if text != "train.batch_size=1" else
                          _texts(spec, text, v))
             combo = v

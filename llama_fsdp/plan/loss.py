@@ -6,7 +6,8 @@
 - ``chunked``: the head and the cross-entropy chunk by chunk over the target tokens
   (train.loss_chunk of them): one chunk's logits in the compute dtype, turned in place into fp32
   softmax and gradient, then cast back; the hidden's gradient (b·s·hidden) and, where the head
-  trains, its gradient (vocab·hidden), are made in forward and held until backward.
+  trains, its gradient (vocab·hidden, summed over the chunks in place in the compute dtype), are
+  made in forward and held until backward.
 
 The phase models (full.py, lora.py, ddp.py) add these terms where they are live. Checked
 against real CPU gloo ranks in benchmarks/plan_vs_measured_cpu.md (the chunked rows).
@@ -75,7 +76,7 @@ def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
     return LossBytes(
         at_head=grad_hidden,
         # the hidden (the head's input, live through the loss), its gradient being filled,
-        # one chunk
+        # one chunk (the head's gradient, summed in place, is ``head_grad``)
         peak=c * tokens * hidden + grad_hidden
         + chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c),
         # the stored gradient of the hidden and its copy scaled and scattered to every token

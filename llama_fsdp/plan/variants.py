@@ -29,7 +29,7 @@ def checked(spec: RunSpec) -> RunSpec:
     return spec
 
 
-def or_none(make: Callable[[], RunSpec]) -> Optional[RunSpec]:
+def or_none(make: Callable[[], Optional[RunSpec]]) -> Optional[RunSpec]:
     """A variant, or None where it is not a valid run (e.g. NF4 shapes over its shard group)."""
     try:
         return make()

@@ -379,15 +379,15 @@ def test_tiny_fits_and_table_reads_well():
       "train.seq_len=2048"], "grad_op"),
     (["model=8b", *GPUS, "cluster.nodes=2", "precision=mixed", "checkpointing=full",
       "train.batch_size=1", "train.seq_len=2048"], "hybrid_grad_op"),
-    # 8B on 2 nodes at 2 x 8192: hybrid_grad_op peaks at 58.2 GB (the layers' backward, with
-    # the bf16 copy of all params kept), which fits 70 GB's 63 GB usable; the old summed
-    # prediction added grads and comm buffers never live at once and picked hybrid here.
+    # 8B on 2 nodes at 2 x 8192: hybrid_grad_op peaks at 40.1 GB (the layers' backward, with
+    # the bf16 copy of all params kept), which fits 50 GB's 45 GB usable; a summed prediction
+    # would add grads and comm buffers never live at once and pick hybrid here.
     (["model=8b", *GPUS, "cluster.nodes=2", "precision=mixed", "checkpointing=full",
-      "train.batch_size=2", "train.seq_len=8192", "cluster.device_memory_gb=70"],
+      "train.batch_size=2", "train.seq_len=8192", "cluster.device_memory_gb=50"],
      "hybrid_grad_op"),
-    # ... on 55 GB (49.5 usable) it does not, and hybrid (42.5 GB) is the pick
+    # ... on 40 GB (36 usable) it does not, and hybrid (26.4 GB) is the pick
     (["model=8b", *GPUS, "cluster.nodes=2", "precision=mixed", "checkpointing=full",
-      "train.batch_size=2", "train.seq_len=8192", "cluster.device_memory_gb=55"], "hybrid"),
+      "train.batch_size=2", "train.seq_len=8192", "cluster.device_memory_gb=40"], "hybrid"),
     (["model=70b", *GPUS, "cluster.nodes=4", "precision=mixed", "checkpointing=full",
       "train.batch_size=1", "train.seq_len=2048"], "full"),
 ])
@@ -406,7 +406,7 @@ def test_choose_strategy_takes_first_that_fits(overrides, expected):
 def test_resolve_auto_replaces_strategy_and_mesh():
     spec = make_spec("sharding=auto", "model=8b", *GPUS, "cluster.nodes=2", "precision=mixed",
                      "checkpointing=full", "train.batch_size=2", "train.seq_len=8192",
-                     "cluster.device_memory_gb=55")  # hybrid_grad_op needs 58.2 GB: hybrid
+                     "cluster.device_memory_gb=40")  # hybrid_grad_op needs 40.1 GB: hybrid
     resolved = P.resolve_auto(spec)
     assert resolved.strategy == resolved.sharding.strategy == "hybrid"
     assert resolved.mesh == MeshSpec(replicate=2, shard=8, reshard_after_forward=True)
