@@ -60,11 +60,13 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
-                                                                      torch.Tensor]:
-    """One chunk's fp32 logits -> (their summed NLL, and the logits turned in place into the
-    gradient of that sum: softmax minus one-hot)."""
-    logits = logits.float()
+def _chunk_grad(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows ``h``: (their summed NLL in fp32, and the gradient of ``scale`` times it
+    with respect to their logits, in the compute dtype: softmax minus one-hot). The logits are
+    made in the compute dtype and turned into fp32 at once, and everything after that is done
+    in place: at most the logits in the compute dtype and in fp32 exist together."""
+    logits = (h @ w.T).float()
     logits -= logits.amax(1, keepdim=True)
     target = logits.gather(1, targets[:, None]).squeeze(1)
     logits.exp_()
@@ -72,21 +74,35 @@ def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tens
     nll = (total.log() - target).sum()
     logits /= total[:, None]
     logits.scatter_add_(1, targets[:, None], logits.new_full((len(targets), 1), -1.0))
-    return nll, logits
+    if scale is not None:
+        logits.mul_(scale)
+    return nll, logits.to(h.dtype)
 
 
-def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-    """One chunk's logits -> (the targets' fp32 log-probs, each row's logsumexp)."""
-    logits = logits.float()
+def _chunk_step(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                scale: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
+                grad_w: Optional[torch.Tensor], need_w: bool) -> tuple[torch.Tensor,
+                                                                     Optional[torch.Tensor]]:
+    """One chunk's NLL, and its backward at once: its rows of the hidden's gradient written into
+    ``grad_h`` (a view), the head's gradient added to ``grad_w`` (None: this chunk's starts
+    it). Returns (the NLL, the head's gradient so far); the chunk's temporaries end here."""
+    if grad_h is None and not need_w:  # eval: the loss alone
+        logits = (h @ w.T).float()
+        return (torch.logsumexp(logits, 1) - logits.gather(1, targets[:, None])[:, 0]).sum(), None
+    nll, g = _chunk_grad(h, w, targets, scale)
+    if grad_h is not None:
+        torch.mm(g, w, out=grad_h)
+    if need_w:
+        grad_w = g.T @ h if grad_w is None else grad_w.addmm_(g.T, h)
+    return nll, grad_w
+
+
+def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows ``h`` -> (the targets' fp32 log-probs, each row's logsumexp)."""
+    logits = (h @ w.T).float()
     lse = torch.logsumexp(logits, 1)
     return logits.gather(1, targets[:, None]).squeeze(1) - lse, lse
-
-
-def _accumulate(total: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """total + a @ b, in place, in the compute dtype (as FSDP2 sums a gradient over several
-    backward calls); the first chunk's product is the start."""
-    return a @ b if total is None else total.addmm_(a, b)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -109,14 +125,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 end = min(start + chunk, len(rows))
                 idx = rows[start:end]
                 h = (hidden[start:end] if all_rows else hidden.index_select(0, idx)).to(cd)
-                nll, g = _chunk_grad(h @ w.T, labels.index_select(0, idx))
+                nll, grad_w = _chunk_step(h, w, labels.index_select(0, idx), scale,
+                                          grad_h[start:end] if need_h else None, grad_w, need_w)
                 loss += nll
-                if need_h or need_w:
-                    g = (g if scale is None else g.mul_(scale)).to(cd)
-                    if need_h:
-                        torch.mm(g, w, out=grad_h[start:end])
-                    if need_w:
-                        grad_w = _accumulate(grad_w, g.T, h)
         if need_w and grad_w is None:  # no target token here: a zero gradient all the same
             grad_w = torch.zeros_like(w)
         ctx.grads, ctx.scale = (grad_h, grad_w), scale
@@ -141,6 +152,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+def _logprob_grad(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                  upstream: torch.Tensor) -> torch.Tensor:
+    """The gradient of sum(upstream * log p[target]) with respect to one chunk's logits, in the
+    compute dtype: (onehot - softmax) * upstream, from the recomputed logits in fp32."""
+    p = (h @ w.T).float().sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, targets[:, None], p.new_full((len(targets), 1), -1.0))
+    return p.mul_(-upstream[:, None]).to(h.dtype)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """log softmax(hidden @ weight.T)[label] of every row (0 where ignored), chunk by chunk;
     backward recomputes each chunk's logits."""
@@ -155,9 +175,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, len(rows), chunk):
                 idx = rows[start:start + chunk]
-                logits = hidden.index_select(0, idx).to(cd) @ w.T
-                lp, lse[start:start + chunk] = _chunk_logprobs(logits,
-                                                               labels.index_select(0, idx))
+                lp, lse[start:start + chunk] = _chunk_logprobs(
+                    hidden.index_select(0, idx).to(cd), w, labels.index_select(0, idx))
                 out.index_copy_(0, idx, lp)
         ctx.save_for_backward(hidden, weight, labels, rows, lse)
         ctx.chunk, ctx.cd = chunk, cd
@@ -174,15 +193,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
             for start in range(0, len(rows), ctx.chunk):
                 idx = rows[start:start + ctx.chunk]
                 h = hidden.index_select(0, idx).to(cd)
-                p = (h @ w.T).float().sub_(lse[start:start + ctx.chunk, None]).exp_()
-                y = labels.index_select(0, idx)
-                # d log p[y] / d logits = onehot(y) - softmax, times each row's incoming grad
-                p.scatter_add_(1, y[:, None], p.new_full((len(idx), 1), -1.0))
-                g = p.mul_(-out.index_select(0, idx)[:, None]).to(cd)
+                g = _logprob_grad(h, w, labels.index_select(0, idx),
+                                  lse[start:start + ctx.chunk], out.index_select(0, idx))
                 if need_h:
                     grad_h.index_copy_(0, idx, g @ w)
                 if need_w:
                     grad_w.addmm_(g.T, h)
+                del g  # before the next chunk's logits
         return (grad_h.to(hidden.dtype) if need_h else None,
                 grad_w.to(weight.dtype) if need_w else None, None, None, None)
 

@@ -224,11 +224,12 @@ def _grouped_phase_peaks(spec: RunSpec, s: _Step) -> dict[str, int]:
     head_shard = head_local * r
     embed_shard = sharded_numel([(vocab, hidden)], mesh.shard) * r
     before = s.state + s.accumulated + s.saved + s.kept + head_kept + lb.head_grad
+    # at the head: its all-gather output is held beside the copied-out params until the root's
+    # post-forward (through the chunked loss, which runs inside the head's forward)
+    gathered = head * c
     return {
-        # at the head: its all-gather output is held beside the copied-out params until the
-        # root's post-forward
-        "forward": before + head * c + lb.at_head,
-        "loss": before + lb.peak,
+        "forward": before + gathered + lb.at_head,
+        "loss": before + (gathered if lb.in_head_forward else 0) + lb.peak,
         "layers": s.state + max(
             # the head's backward: its unsharded grad beside the loss's gradients
             s.kept + s.saved + s.accumulated + head_kept + head * c + lb.head_backward,

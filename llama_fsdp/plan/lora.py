@@ -248,7 +248,7 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     before = state + accumulated + saved + kept + head_kept
     return {
         "forward": max(start, in_layer, before + head + lb.at_head),
-        "loss": before + lb.peak,
+        "loss": before + (head if lb.in_head_forward else 0) + lb.peak,
         "layers": state + max(before - state + lb.head_backward, after_head + layer_bwd),
         "root": root, "optimizer": state + grads + adapters}
 

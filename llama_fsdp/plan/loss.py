@@ -29,7 +29,9 @@ class LossBytes:
     head's backward, the gradients of its output and input (the head's own weight gradient is
     the phase models' term); ``head_grad``: a trainable head's unsharded gradient already
     made in forward (chunked), held from the loss to the head's reduce-scatter;
-    ``saved_input``: the head's input, saved for its weight's gradient (full, trainable head).
+    ``saved_input``: the head's input, saved for its weight's gradient (full, trainable head);
+    ``in_head_forward``: the loss runs inside the head's forward (chunked), where FSDP2 still
+    holds the head unit's all-gather output.
     """
 
     at_head: int
@@ -37,6 +39,7 @@ class LossBytes:
     head_backward: int
     head_grad: int = 0
     saved_input: int = 0
+    in_head_forward: bool = False
 
 
 def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int) -> int:
@@ -81,4 +84,4 @@ def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
         + chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c),
         # the stored gradient of the hidden and its copy scaled and scattered to every token
         head_backward=2 * grad_hidden,
-        head_grad=head_grad)
+        head_grad=head_grad, in_head_forward=True)

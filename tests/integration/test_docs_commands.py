@@ -358,7 +358,7 @@ def test_lora_8b_on_one_4090_dry_run(work):
     _local_dry_run_checks(r, work, before, ranks=1)
     assert printed(r.output, "finetune").startswith("lora (rank 16, alpha 32")
     assert "  fits with a 10% margin" in r.output and "DOES NOT FIT" not in r.output
-    peak = plan_gb(r.output, "predicted peak (max over phases: forward)")
+    peak = plan_gb(r.output, "predicted peak (max over phases: loss)")
     (doc_peak,) = doc_states("docs/finetune.md",
                              r"Llama 3.1 8B with LoRA on one 24 GB GPU: ([\d.]+) GB planned")
     assert same(doc_peak, peak), (doc_peak, peak)

@@ -217,6 +217,7 @@ def _grads_with_and_without_offload(rank, world, specs):
             batch = model_inputs(model, {"input_ids": ids, "labels": ids.roll(-1, 1)},
                                  torch.device("cpu"))
             before = packed[0]
+            torch.manual_seed(0)  # the same LoRA dropout masks with and without offload
             loss_sum(model, batch).backward()
             out[name] = {"packed": packed[0] - before, "grads": {
                 n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()

@@ -253,7 +253,7 @@ def test_a_dry_run_plans_for_gpus_this_machine_does_not_have():
 
 def test_70b_qlora_fits_four_rtx_4090s_at_under_20_gb():
     """The headline: 70B QLoRA, seq 2048, micro-batch 1, full AC, on 4 x 24 GB (the chunked
-    loss, the default). Full fine-tuning needs 353 GB per device there; lora 44.7 GB."""
+    loss, the default). Full fine-tuning needs 353 GB per device there; lora 45.4 GB."""
     spec = make_spec("model=70b", "finetune=qlora", "cluster.nproc_per_node=4", *GPU4090)
     plan = P.make_plan(spec)
     assert plan.fits and plan.predicted_peak_gb <= 20.0, plan.table()
@@ -268,16 +268,16 @@ def test_70b_qlora_fits_four_rtx_4090s_at_under_20_gb():
     lora = P.make_plan(make_spec("model=70b", "finetune=lora", "cluster.nproc_per_node=4",
                                  *GPU4090))
     assert full.predicted_peak_gb == pytest.approx(352.8, abs=0.1) and not full.fits
-    assert lora.predicted_peak_gb == pytest.approx(44.7, abs=0.1) and not lora.fits
+    assert lora.predicted_peak_gb == pytest.approx(45.4, abs=0.1) and not lora.fits
     fixes = P.fixes_text(full.spec, full)
     assert "finetune=qlora (adapters on a frozen NF4 base): 18.8 GB (fits)" in fixes
-    assert "finetune=lora (adapters on a frozen base): 44.7 GB" in fixes
+    assert "finetune=lora (adapters on a frozen base): 45.4 GB" in fixes
 
 
 def test_8b_lora_fits_one_24_gb_gpu():
     spec = make_spec("model=8b", "finetune=lora", "cluster.nproc_per_node=1", *GPU4090)
     plan = P.make_plan(spec)
-    assert plan.fits and plan.predicted_peak_gb == pytest.approx(19.66, abs=0.01), plan.table()
+    assert plan.fits and plan.predicted_peak_gb == pytest.approx(20.47, abs=0.01), plan.table()
     full = P.make_plan(make_spec("model=8b", "cluster.nproc_per_node=1", *GPU4090))
     assert not full.fits and full.predicted_peak_gb > 100
 

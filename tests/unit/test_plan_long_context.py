@@ -32,7 +32,7 @@ def test_chunked_loss_replaces_the_logits_in_the_plan():
     # hidden and its gradient over the micro-batch; no head gradient (frozen)
     one_chunk = 1024 * (vocab * 6 + hidden * 2 + 12) + 8 * tokens
     assert chunked.memory.logits_loss == one_chunk + 2 * 2 * tokens * hidden
-    assert chunked.predicted_peak_bytes < full.predicted_peak_bytes - 11e9
+    assert chunked.predicted_peak_bytes < full.predicted_peak_bytes - 10e9
     assert "loss, chunked (1024 tokens x vocab a chunk)" in chunked.table()
 
 
