@@ -669,7 +669,18 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "time, no head or embedding backward, and a step that ends at layer 0, whose "
         "reduce-scatter waits for FSDP2's final callback (its input needs no gradient). The "
         "peak is the loss phase's in every one of them.",
-        "- train.loss=chunked (the rows naming the chunked loss, in chunks of 256 tokens; every other row pins train.loss=full, the loss the sweep was first measured with): one chunk"s logits in the compute dtype beside their fp32 copy, the hidden and its gradient over the micro-batch, the head"s gradient made in forward where it trains, and, since the loss runs inside the head"s forward, the head unit"s all-gather output still held (`llama_fsdp/plan/loss.py`). Measured within 0.93 to 1.02 of the plan, its loss phase within 0.93 to 1.02. The *offload* rows (checkpointing.offload=true) are a plain copy on CPU and change nothing here: their pinned host memory and device saving are CUDA"s (tests/gpu/test_gpu_long_context.py). Against the same config with the full loss, the peak drops by what the plan says (tests/multirank/test_plan_memory.py: 2 ranks, full, bf16, AC none, b=2: planned 103.4 -> 70.3 MB).",
+        "- train.loss=chunked (the rows naming the chunked loss, in chunks of 256 tokens; "
+        "every other row pins train.loss=full, the loss the sweep was first measured with): "
+        "one chunk's logits in the compute dtype beside their fp32 copy, the hidden and its "
+        "gradient over the micro-batch, the head's gradient made in forward where it trains, "
+        "and, since the loss runs inside the head's forward, the head unit's all-gather "
+        "output still held (`llama_fsdp/plan/loss.py`). Measured within 0.93 to 1.02 of the "
+        "plan, its loss phase within 0.93 to 1.02. The *offload* rows "
+        "(checkpointing.offload=true) are a plain copy on CPU and change nothing here: their "
+        "pinned host memory and device saving are CUDA's "
+        "(tests/gpu/test_gpu_long_context.py). Against the same config with the full loss, "
+        "the peak drops by what the plan says (tests/multirank/test_plan_memory.py: 2 ranks, "
+        "full, bf16, AC none, b=2: planned 103.4 -> 70.3 MB).",
         "- `tests/multirank/test_plan_memory.py` checks 22 of these configs on every run "
         "(3 with low-bit moments, 5 lora / qlora, 6 with the chunked loss): measured within "
         "[0.88, 1.02] x "
