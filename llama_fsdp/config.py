@@ -79,6 +79,10 @@ class CheckpointingConfig:
     mode: str = "none"
     # selective: wrap every k-th decoder layer (layer-level selective AC, as torchtitan's "int").
     every_k: int = 2
+    # Keep what checkpointing keeps of each wrapped layer (its input) in pinned host memory
+    # from forward to backward, copied on a side stream (CUDA; on CPU a plain copy). The plan
+    # counts it against the host's RAM (docs/long_context.md).
+    offload: bool = False
 
     def wrapped_layers(self, num_layers: int) -> range:
         """Indices of the decoder layers activation checkpointing wraps (parallel.py wraps
@@ -252,6 +256,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    # train.loss (llama_fsdp/loss.py): chunked computes the head and the cross-entropy a chunk
+    # of loss_chunk target tokens at a time, never holding b x s x vocab logits; full is
+    # F.cross_entropy over all the logits (class attributes, not config keys).
+    CHUNKED, FULL = "chunked", "full"
+    LOSSES = (CHUNKED, FULL)
+
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 128
@@ -267,6 +277,8 @@ class TrainConfig:
     compile: bool = False
     max_grad_norm: float = 1.0
     log_every: int = 1
+    loss: str = "chunked"
+    loss_chunk: int = 1024  # target tokens per chunk of the chunked loss
     # Stop after this step without changing the LR schedule (which runs to max_steps): train a
     # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.
     stop_after: Optional[int] = None

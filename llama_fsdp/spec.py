@@ -256,6 +256,20 @@ def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
     return devices.DEFAULT_GPU
 
 
+def variant_problems(spec: RunSpec) -> list[str]:
+    """The rules between a run's choices, asked again of a RunSpec the planner changed (another
+    strategy, node count, optimizer, method, offload or sequence length): what build_spec would
+    say of the same choices (validate.py's checks)."""
+    problems: list[str] = []
+    validate.check_model(spec.model, spec.train, problems)
+    validate.check_finetune(spec, spec.mesh, problems)
+    validate.check_offload(spec, spec.device, problems)
+    problems.extend(spec.optim.problems(param_dtype=spec.policy.param_dtype,
+                                        cpu_offload=spec.sharding.cpu_offload,
+                                        full_state_dict=spec.save.full_state_dict))
+    return problems
+
+
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("batch_size=2 sharding=full")."""

@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import model_inputs
 from .config import EvalConfig, TrainConfig
 from .data.packing import IGNORE_INDEX
+from .loss import loss_sum, target_rows
 from .parallel import clip_grad_norm, uses_ddp
 from .train_state import TrainState
 
@@ -47,14 +47,6 @@ def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.l
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup=t.warmup_steps, max_steps=t.max_steps,
                                  min_ratio=t.min_lr_ratio))
-
-
-def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (fp32)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _world() -> int:
@@ -90,9 +82,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     for i, batch in enumerate(micro_batches):
         if defer_sync:  # DDP: all-reduce once, in the last micro-batch's backward
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        rows = target_rows(batch["labels"], device)  # from the host's labels: no sync
         batch = model_inputs(model, batch, device)
         # FSDP and DDP average gradients over ranks: scale by world to get sum / global targets.
-        loss = loss_sum(model, batch) / targets
+        loss = loss_sum(model, batch, rows=rows, grad_scale=world / targets) / targets
         (loss * world).backward()
         total += loss.detach()
     grad_norm = clip_grad_norm([p for p in model.parameters()], max_grad_norm)

@@ -28,7 +28,7 @@ From the command line to one optimizer step, the functions on the way:
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is
           train.train_step                     micro-batches: attention.model_inputs,
-                                               train.loss_sum, backward;
+                                               loss.loss_sum, backward;
                                                parallel.clip_grad_norm, optimizer.step
 
 The driver has already prepared everything that needs no process group (tokenized data in the
@@ -49,11 +49,13 @@ from torch import nn
 
 from . import checkpoint as ckpt_io
 from .checkpoint.layout import resume_candidates
+from .config import TrainConfig
 from .data import DataModule, build_data
 from .distributed import DistEnv, process_group
 from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
 from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
+from .loss import install as install_loss_head
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .optim import build_optimizer, compile_cache_dir, use_compile_cache
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
@@ -85,6 +87,8 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
     model.to(torch_dtype(spec.policy.param_dtype))
     ft = spec.finetune
     apply_adapters(model, ft, policy=spec.policy)
+    if spec.train.loss == TrainConfig.CHUNKED:  # the head computes the loss (loss.py)
+        install_loss_head(model, chunk=spec.train.loss_chunk)
     mesh = build_mesh(spec.mesh, device.type)
     parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
                 ac=spec.checkpointing, compile=spec.train.compile,

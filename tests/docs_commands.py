@@ -286,6 +286,34 @@ REGISTRY: dict[str, Entry] = {
         "lora_8b_dry", f"{LOCAL}::test_lora_8b_on_one_4090_dry_run",
         "plans 8b LoRA for one RTX 4090: it fits at the peak docs/finetune.md states; the one "
         "local rank it would start; leaves no run directory"),
+    # --- docs/long_context.md (its first command is README.md's too: one entry) -------------
+    "python -m llama_fsdp model=8b finetune=qlora cluster.nproc_per_node=1 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=32768 train.batch_size=1 checkpointing=full "
+    "dry_run=true": Entry(
+        "longctx_8b_dry", f"{LOCAL}::test_long_context_8b_qlora_dry_run",
+        "plans 8b QLoRA at 32,768 tokens for one RTX 4090: it fits with the chunked loss, at the "
+        "peak, phase and longest sequence README.md and docs/long_context.md state; leaves no "
+        "run directory"),
+    "python -m llama_fsdp model=8b finetune=qlora cluster=slurm cluster.gpus_per_node=1 "
+    "cluster.gpu_type=rtx4090 cluster.mem_gb=64 cluster.timeout_min=60 train.seq_len=65536 "
+    "train.batch_size=1 checkpointing=full checkpointing.offload=true dry_run=true": Entry(
+        "longctx_8b_offload_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "plans 8b QLoRA at 65,536 tokens with the layer inputs offloaded: it fits; the device "
+        "peak, the pinned host RAM, the recompute note and the longest sequence are what "
+        "docs/long_context.md states; then the sbatch script", (NO_SLURM,)),
+    "python -m llama_fsdp model=70b finetune=qlora cluster=slurm cluster.gpus_per_node=4 "
+    "cluster.gpu_type=rtx4090 cluster.mem_gb=128 cluster.timeout_min=60 train.seq_len=16384 "
+    "train.batch_size=1 checkpointing=full checkpointing.offload=true dry_run=true": Entry(
+        "longctx_70b_offload_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "plans 70b QLoRA at 16,384 tokens on 4 RTX 4090s with the inputs offloaded: it fits at "
+        "the peak and pinned host RAM docs/long_context.md states", (NO_SLURM,)),
+    "python -m llama_fsdp model=8b finetune=qlora cluster.nproc_per_node=1 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=65536 train.batch_size=1 checkpointing=full "
+    "train.loss=full dry_run=true": Entry(
+        "longctx_full_loss_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "the full loss at 65,536 tokens: refused in the plan (a dry run still exits 0) with the "
+        "peak docs/long_context.md states and the fixes it names: the chunked loss, the offload, "
+        "both with bf16, the longest sequence"),
     # --- docs/optimizer.md ------------------------------------------------------------------
     "python -m llama_fsdp model=70b cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=h100 "
     "precision=bf16 checkpointing=full train.batch_size=1 train.seq_len=2048 dry_run=true": Entry(
