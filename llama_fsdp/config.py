@@ -358,6 +358,15 @@ class ObjectiveConfig:
     # sharded per layer like it (full); cached: the reference's log-probs computed once, before
     # the first step, and kept on disk beside the tokenized data (no reference in memory).
     REFERENCES = ("model", "cached")
+    # What a dpo run logs at every log step (means over the step's pairs; TRL's names), and
+    # with "eval_" before them at eval steps.
+    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+               "logps/chosen", "logps/rejected")
+    # The runs table's columns of a dpo run: summary name -> the metric whose last value it is.
+    SUMMARY = {"summary/reward_accuracy": "rewards/accuracy",
+               "summary/reward_margin": "rewards/margin",
+               "summary/eval_reward_accuracy": "eval_rewards/accuracy",
+               "summary/eval_reward_margin": "eval_rewards/margin"}
 
     name: str = "sft"
     beta: float = 0.1

@@ -19,7 +19,6 @@ size and micro-batching. The metrics are means over the same pairs (``METRICS``)
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
@@ -37,15 +36,7 @@ from .spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-# What a DPO run logs at every log step (means over the step's pairs), and with "eval_" before
-# it at eval steps; TRL's names.
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
-           "logps/chosen", "logps/rejected")
-# The runs table's summary columns: (summary name, the logged metric: its last value).
-SUMMARY = {"summary/reward_accuracy": "rewards/accuracy",
-           "summary/reward_margin": "rewards/margin",
-           "summary/eval_reward_accuracy": "eval_rewards/accuracy",
-           "summary/eval_reward_margin": "eval_rewards/margin"}
+METRICS, SUMMARY = ObjectiveConfig.METRICS, ObjectiveConfig.SUMMARY
 
 
 def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, cfg: ObjectiveConfig,
@@ -184,8 +175,3 @@ def build_preference(spec: RunSpec, model: nn.Module, data: Any, device: torch.d
         log.info("reference log-probs from %s", path)
     return Preference(cfg, PreferenceLoss(cfg), None, device)
 
-
-def first_loss(cfg: ObjectiveConfig) -> float:
-    """The loss of a pair whose policy equals its reference (every margin 0): ln 2 for sigmoid
-    (any label smoothing), 1 / (4 beta^2) for ipo."""
-    return math.log(2) if cfg.loss == "sigmoid" else 1 / (4 * cfg.beta ** 2)

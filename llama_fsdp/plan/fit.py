@@ -26,6 +26,7 @@ from .device import GB, device_capacity_bytes, peak_flops
 from .host import host_capacity_bytes, load_peak_bytes
 from .memory import Memory, memory_breakdown, phase_peaks
 from .optimizer import describe as describe_optimizer
+from . import preference
 from .shapes import count_params, flops_per_token, n_matmul
 
 log = logging.getLogger("llama_fsdp.plan")
@@ -141,6 +142,7 @@ def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAUL
     capacity, source = device_capacity_bytes(spec)
     flops = (adapter_flops(spec.model, spec.finetune, spec.train.seq_len)
              if spec.finetune.adapters else flops_per_token(spec.model, spec.train.seq_len))
+    flops += preference.reference_flops_per_token(spec)  # objective=dpo's reference forward
     memory = memory_breakdown(spec)
     host, host_source = host_capacity_bytes(spec)
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
@@ -180,6 +182,7 @@ def _table(plan: Plan) -> str:
         f"world={s.world_size}",
         f"parameters   {plan.num_params:,} (N_matmul {plan.n_matmul:,})",
         *adapter_lines(s),
+        *preference.plan_lines(s),
         f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP ("
         + ("4*N_matmul + 6*N_adapters" if s.finetune.adapters else "6*N_matmul")
         + f" + 12*L*H*Q*T, T={s.train.seq_len})",

@@ -149,6 +149,10 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     Activations include the packed sequences' mask term when data.packing is true (see
     ``packed_mask_bytes``), in every phase that holds saved activations.
     """
+    if spec.objective.name == "dpo":  # the reference beside the policy: plan/preference.py
+        from . import preference
+
+        return preference.phase_peaks(spec, gloo=gloo)
     if spec.finetune.adapters:  # a frozen base: plan/adapters.py
         from . import adapters
 

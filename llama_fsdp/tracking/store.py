@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import ObjectiveConfig
+
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
@@ -21,6 +23,9 @@ VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
                                             "sharding.strategy", "precision.name",
                                             "train.batch_size")),
                 "metrics.`trainable_params`", "metrics.`total_params`",  # what the method trains
+                # objective=dpo: what it trains for, and how well the held-out pairs agree
+                "params.`objective.name`", "params.`objective.beta`",
+                *(f"metrics.`{m}`" for m in ObjectiveConfig.SUMMARY),
                 "tags.`derived.world_size`"]
 
 
