@@ -31,7 +31,7 @@ from torch import nn
 from .attention import model_inputs
 from .config import ObjectiveConfig
 from .logprobs import sequence_logps
-from .reference import LiveReference, cached_logps, frozen_copy
+from .reference import LiveReference, cached_logps, frozen_copy, reshard
 from .spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ METRICS, SUMMARY = ObjectiveConfig.METRICS, ObjectiveConfig.SUMMARY
 
 
 def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, cfg: ObjectiveConfig,
-              tokens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              tokens: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per pair: the loss and ``METRICS``, from [2P] sequence log-probs (chosen at even
     positions, rejected at odd ones) of the policy and the reference. ``tokens``: each
     sequence's answer tokens (ipo only)."""
@@ -171,6 +172,7 @@ def build_preference(spec: RunSpec, model: nn.Module, data: Any, device: torch.d
         return LiveReference(live, adapters_off=adapters, device=device).logps
 
     path = cached_logps(spec, data, reference_now, rank=rank, world=world, device=device)
+    reshard(model)  # before the optimizer is built: it must hold the sharded parameters
     if rank == 0:
         log.info("reference log-probs from %s", path)
     return Preference(cfg, PreferenceLoss(cfg), None, device)

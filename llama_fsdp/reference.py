@@ -81,6 +81,18 @@ class LiveReference:
         return {**batch, "ref_logps": self.logps(batch)}
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its shards. A no_grad forward leaves the units FSDP
+    does not reshard after forward (the last layer, [norm, head]) gathered until a backward
+    that never comes, and their parameters are then the gathered tensors: an optimizer built
+    at that moment would hold those, not the shards it must update."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _mesh(model: nn.Module) -> Any:
     from torch.distributed.tensor import DTensor
 
@@ -94,7 +106,8 @@ def frozen_copy(spec: RunSpec, policy: nn.Module, device: torch.device) -> nn.Mo
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from . import checkpoint as ckpt_io
-    from .model import build_meta_model, decoder_layers, init_weights, retie_embeddings
+    from .model import (build_meta_model, decoder_layers, init_buffers, init_weights,
+                        retie_embeddings)
     from .parallel import apply_compile, mixed_precision, torch_dtype
 
     model = build_meta_model(spec.model).to(torch_dtype(spec.policy.frozen_dtype))
@@ -121,6 +134,7 @@ def frozen_copy(spec: RunSpec, policy: nn.Module, device: torch.device) -> nn.Mo
     if mesh is None:
         retie_embeddings(model)
     if spec.model.path:
+        init_buffers(model)  # RoPE's frequencies: computed, not in the files
         ckpt_io.load_hf_weights(model, spec.model.path)
     else:
         init_weights(model, std=spec.model.init_std, seed=spec.train.seed)

@@ -34,7 +34,8 @@ def test_sigmoid_loss_and_rewards_equal_the_hand_computed_ones():
     torch.testing.assert_close(m["rewards/rejected"], torch.tensor([-0.1, 0.1]))
     torch.testing.assert_close(m["rewards/margin"], torch.tensor([0.2, -0.1]))
     assert m["rewards/accuracy"].tolist() == [1.0, 0.0]
-    assert m["logps/chosen"].tolist() == [-5.0, -3.0] and m["logps/rejected"].tolist() == [-7.0, -2.0]
+    assert m["logps/chosen"].tolist() == [-5.0, -3.0]
+    assert m["logps/rejected"].tolist() == [-7.0, -2.0]
 
 
 def test_label_smoothing_and_ipo_equal_the_hand_computed_ones():
