@@ -8,7 +8,9 @@ synthetic pairs, each row holding several pairs):
   ``lora``'s step-2 checkpoint), ``full`` (full fine-tuning: the frozen copy as reference),
   ``qlora``, ``full_ddp`` (sharding=no_shard), ``lora_zero2_ac`` (grad_op, full AC),
   ``lora_cached`` and ``full_cached`` (objective.reference=cached, in a cache of their own, the
-  first computing it), ``lora_cached_again`` (finds it);
+  first computing it), ``lora_cached_again`` (finds it), ``full_cached_r2`` (resumes
+  ``full``'s step 2 in a cache of its own: nothing cached yet), ``lora_learns`` (the default
+  command's shape for 20 steps, the held-out pairs at the end);
 - 1 rank: ``lora_1`` (micro-batch 8) and ``lora_r1`` (resumes ``lora``'s step 2).
 """
 from __future__ import annotations
@@ -134,7 +136,7 @@ def runs(tmp_path_factory, hf_dir):
            # (resumes a checkpoint the session writes before it gets there)
            "lora_r2": dataclasses.replace(spec("lora_r2", 2, 4, "finetune=lora"),
                                           resume=str(step2)),
-           "full": spec("full", 2, 4, "finetune=full", "save.every_steps=4"),
+           "full": spec("full", 2, 4, "finetune=full", "save.every_steps=2"),
            "qlora": spec("qlora", 2, 4, "finetune=qlora"),
            # the reference a whole replica (no_shard: DDP), and ZeRO-2 with every layer
            # checkpointed
@@ -143,7 +145,19 @@ def runs(tmp_path_factory, hf_dir):
                                  "checkpointing=full"),
            "lora_cached": spec("lora_cached", 2, 4, "finetune=lora", *cached),
            "lora_cached_again": spec("lora_cached_again", 2, 4, "finetune=lora", *cached),
-           "full_cached": spec("full_cached", 2, 4, "finetune=full", *cached)}
+           "full_cached": spec("full_cached", 2, 4, "finetune=full", *cached),
+           # resumes full's step 2 with no cache yet: the reference's log-probs must come
+           # from the initial weights (a copy made for them), not from the policy
+           "full_cached_r2": dataclasses.replace(
+               spec("full_cached_r2", 2, 4, "finetune=full", "objective.reference=cached",
+                    f"cache_dir={tmp_path_factory.mktemp('ref-cache-2')}"),
+               resume=str(layout.step_dir(root / "full", 2)))}
+    # the default command's data and rows (4000 pairs, 8 x 128 tokens per rank), 20 steps, the
+    # held-out pairs at the end
+    two["lora_learns"] = make_spec(
+        ["objective=dpo", "finetune=lora", "tracking.enabled=false", "train.max_steps=20",
+         "eval.every_steps=20", "eval.task_prompts=0", f"model.path={hf_dir}"],
+        output_dir=root / "lora_learns")
     prepare(two["lora"], command="pytest")  # its MLflow run, as the driver makes it
     out = run_ranks(_session, 2, two)
     one = {"lora_1": spec("lora_1", 1, 8, "finetune=lora"),
@@ -168,6 +182,14 @@ def test_the_first_step_loses_exactly_ln2_with_zero_rewards(runs):
         assert first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.0, name
     later = runs["rank0"]["full"]["metrics"][STEPS]
     assert later["rewards/margin"] != 0.0 and later["logps/chosen"] < 0
+
+
+def test_held_out_reward_accuracy_rises_well_above_chance(runs):
+    """The synthetic pairs' chosen answer is the right one: after 20 steps of the default
+    command's shape most held-out pairs prefer it (0 at step 0: every margin is 0)."""
+    final = runs["rank0"]["lora_learns"]["result"].final
+    assert final["eval_rewards/accuracy"] >= 0.7, final
+    assert final["eval_rewards/margin"] > 0 and final["eval_loss"] < 0.6
 
 
 def test_micro_batches_and_world_sizes_agree(runs):
@@ -231,6 +253,9 @@ def test_cached_reference_log_probs_are_computed_once_and_train_alike(runs):
         torch.testing.assert_close(_losses(runs, cached), _losses(runs, live), rtol=1e-5,
                                    atol=0, msg=cached)
     assert _losses(runs, "lora_cached_again") == _losses(runs, "lora_cached")
+    assert "reference" not in runs["rank0"]["full_cached"]  # no model beside the policy
+    torch.testing.assert_close(_losses(runs, "full_cached_r2"), _losses(runs, "full")[2:],
+                               rtol=1e-5, atol=0)
 
 
 def test_peft_loads_the_exported_adapter_with_the_trained_logits(runs):

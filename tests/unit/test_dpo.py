@@ -85,10 +85,16 @@ def test_objective_options_are_checked():
 STANDARD = [{"prompt": "Opposite hot =", "chosen": " cold", "rejected": " wet"},
             {"prompt": "Add 2 + 3 =", "chosen": " 5", "rejected": " 6"},
             {"prompt": "Reverse cat dog =", "chosen": " dog cat", "rejected": " cat dog"}]
+# the last one's prompt has an assistant turn of its own: never a target
 CONVERSATIONAL = [{"prompt": [{"role": "user", "content": p["prompt"]}],
                    "chosen": [{"role": "assistant", "content": p["chosen"].strip()}],
                    "rejected": [{"role": "assistant", "content": p["rejected"].strip()}]}
-                  for p in STANDARD]
+                  for p in STANDARD[:2]] + [
+    {"prompt": [{"role": "user", "content": "Opposite up ="},
+                {"role": "assistant", "content": "down"},
+                {"role": "user", "content": STANDARD[2]["prompt"]}],
+     "chosen": [{"role": "assistant", "content": "dog cat"}],
+     "rejected": [{"role": "assistant", "content": "cat dog"}]}]
 
 
 @pytest.fixture(scope="module")
