@@ -360,6 +360,63 @@ class FinetuneConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the weights train for (conf/objective/), beside which weights train (finetune):
+    next-token cross-entropy on the answers (sft), or Direct Preference Optimization on
+    prompt / chosen / rejected pairs (dpo: llama_fsdp/dpo.py, docs/dpo.md)."""
+
+    # Valid values (class attributes, not config keys).
+    NAMES = ("sft", "dpo")
+    # sigmoid: DPO's -log sigmoid(beta * margin), with label_smoothing the conservative cDPO;
+    # ipo: (margin per answer token - 1 / (2 beta))^2, TRL's IPO.
+    LOSSES = ("sigmoid", "ipo")
+    # model: the policy with its adapters off (lora / qlora: nothing added), or a frozen copy
+    # sharded per layer like it (full); cached: the reference's log-probs computed once, before
+    # the first step, and kept on disk beside the tokenized data (no reference in memory).
+    REFERENCES = ("model", "cached")
+    # What a dpo run logs at every log step (means over the step's pairs; TRL's names), and
+    # with "eval_" before them at eval steps.
+    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+               "logps/chosen", "logps/rejected")
+    # The runs table's columns of a dpo run: summary name -> the metric whose last value it is.
+    SUMMARY = {"summary/reward_accuracy": "rewards/accuracy",
+               "summary/reward_margin": "rewards/margin",
+               "summary/eval_reward_accuracy": "eval_rewards/accuracy",
+               "summary/eval_reward_margin": "eval_rewards/margin"}
+
+    name: str = "sft"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "model"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        for key, value, valid in (("name", self.name, ObjectiveConfig.NAMES),
+                                  ("loss", self.loss, ObjectiveConfig.LOSSES),
+                                  ("reference", self.reference, ObjectiveConfig.REFERENCES)):
+            if value not in valid:
+                out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
+        if self.name != "dpo":
+            changed = [f"objective.{k}" for k, v in vars(self).items()
+                       if k != "name" and v != getattr(ObjectiveConfig, k)]
+            if changed:
+                out.append(f"{', '.join(changed)} set with objective={self.name}: "
+                           f"{'they apply' if len(changed) > 1 else 'it applies'} to "
+                           "objective=dpo (add objective=dpo, or drop them)")
+            return out
+        if self.beta <= 0:
+            out.append(f"objective.beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            out.append(f"objective.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.label_smoothing and self.loss != "sigmoid":
+            out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
+                       f"{self.loss}: drop it")
+        return out
+
+
+@dataclass
 class OptimConfig:
     """The optimizer (conf/optim/): AdamW with its moments in the parameters' dtype (adamw), or
     in 8 or 4 bits with block-wise scales (torchao's low-bit AdamW). Its hyperparameters stay
@@ -459,6 +516,7 @@ class Config:
     cluster: ClusterConfig = MISSING
     data: DataConfig = MISSING
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -1,6 +1,7 @@
 """The loss: next-token cross-entropy summed over the target tokens (``loss_sum``, training and
 eval), and the labels' log-probabilities per token or per sequence (``token_logprobs``,
-``sequence_logprobs``: what DPO's sequence log-probs are made of), through train.loss's path:
+``sequence_logprobs``, and ``packed_sequence_logprobs`` for rows that hold several sequences:
+DPO's pairs, llama_fsdp/dpo.py, its policy and its reference), through train.loss's path:
 
 - ``chunked`` (the default): the output projection and the cross-entropy run over the target
   tokens a chunk at a time (train.loss_chunk tokens), ignored tokens dropped before the matmul,
@@ -32,6 +33,10 @@ from torch import nn
 
 from .config import TrainConfig
 from .data.packing import IGNORE_INDEX
+
+# The batch keys a model's forward takes: a preference batch carries more (where each sequence's
+# targets are, the reference's log-probs: data/preference.py), which the model must not get.
+MODEL_KEYS = ("input_ids", "position_ids", "attention_mask")
 
 
 def target_rows(labels: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -336,3 +341,15 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], *,
     """Each row's summed log-probability of its target tokens (fp32, one per row): the
     sequence log-probs DPO compares (rows are whole sequences, not packed)."""
     return token_logprobs(model, batch, rows=rows).sum(-1)
+
+
+def packed_sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[sequences] fp32: each sequence's summed log-prob of its target tokens, for a batch whose
+    rows hold several sequences (data/preference.py's PairPacked: ``target_index``, the target
+    tokens' flat positions; ``target_seq``, the sequence of each; ``seq_records``, one per
+    sequence), by the model's loss path: with train.loss=chunked only the target tokens reach
+    the head, a chunk at a time."""
+    rows, seq = batch["target_index"], batch["target_seq"]
+    inputs = {k: v for k, v in batch.items() if k in (*MODEL_KEYS, "labels")}
+    tokens = token_logprobs(model, inputs, rows=rows).reshape(-1).index_select(0, rows)
+    return tokens.new_zeros(batch["seq_records"].shape[0]).index_add(0, seq, tokens)

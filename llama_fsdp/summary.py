@@ -19,6 +19,9 @@ def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
                      + (f"   exact match {final['eval_exact_match']:.2f}"
                         if "eval_exact_match" in final else ""))
+    if "eval_rewards/accuracy" in final:  # objective=dpo: how often held-out pairs agree
+        lines.append(f"rewards        held-out accuracy {final['eval_rewards/accuracy']:.2f} "
+                     f"(chance 0.5), margin {final['eval_rewards/margin']:.3f}")
     if SUMMARY.tokens_per_sec in s:
         lines.append(f"tokens/s       {s[SUMMARY.tokens_per_sec]:.0f} global, "
                      f"{s[SUMMARY.tokens_per_sec_per_device]:.0f} per device (median of the "

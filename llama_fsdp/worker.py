@@ -67,6 +67,7 @@ from .spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from .tracking import Console, NullConsole, NullTracker, open_tracker
 from .train import (
+    TOKEN_LOSS,
     LoopContext,
     StopRequested,
     build_scheduler,
@@ -164,6 +165,7 @@ class RankRun:
     checkpointer: Any
     state: TrainState
     resumed_from: Optional[Path] = None
+    preference: Any = None  # objective=dpo: dpo.Preference (its reference, loss and eval)
 
     @classmethod
     def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
@@ -175,6 +177,12 @@ class RankRun:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         # the driver announced the data's notes already
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
+        preference = None
+        if spec.objective.name == "dpo":  # its reference, from the weights not yet trained
+            from .dpo import build_preference
+
+            preference = build_preference(spec, model, data, device, rank=env.rank,
+                                          world=env.world_size, resuming=bool(resume))
         compile_cache(spec, env.rank)
         optimizer = build_optimizer(model, spec.train, spec.optim)
         scheduler = build_scheduler(optimizer, spec.train)
@@ -189,7 +197,7 @@ class RankRun:
             tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
             finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
-                  console, checkpointer, state)
+                  console, checkpointer, state, preference=preference)
         run.resumed_from = checkpointer.resume(resume)
         run.console.set_initial(state.step)
         run.record_start()
@@ -222,15 +230,22 @@ class RankRun:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
 
     def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
-        spec = self.spec
+        spec, pref = self.spec, self.preference
+        eval_fn = (lambda step: evaluate(self.model, self.data, spec, self.device)) \
+            if pref is None else (lambda step: pref.evaluate(
+                self.model, self.data, max_batches=spec.eval.max_batches,
+                task_prompts=spec.eval.task_prompts, max_new_tokens=spec.eval.max_new_tokens))
         return LoopContext(
             device=self.device, train=spec.train, eval=spec.eval,
-            batches=self.data.train_batches(), tracker=self.tracker, console=self.console,
+            batches=self.data.train_batches() if pref is None
+            else pref.batches(self.data.train_batches()),
+            loss_fn=TOKEN_LOSS if pref is None else pref.loss,
+            tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
                          hang.arm],
             saves_at=self.checkpointer.saves_at,
-            evaluate=lambda step: evaluate(self.model, self.data, spec, self.device),
+            evaluate=eval_fn,
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,
                                  save_on_user_stop=spec.save.every_steps > 0),
@@ -312,6 +327,8 @@ class RankRun:
                SUMMARY.final_loss: final.get("loss"),
                SUMMARY.eval_loss: final.get("eval_loss"),
                SUMMARY.eval_exact_match: final.get("eval_exact_match")}
+        if self.preference is not None:
+            out.update(self.preference.summary(logged, final))
         return {k: float(v) for k, v in out.items() if v is not None}
 
 

@@ -446,6 +446,29 @@ REGISTRY: dict[str, Entry] = {
         "hook", f"{LOCAL}::test_preprocess_hook",
         "Self-Instruct tasks reshaped by the docs' own hooks.py (one record per instance): "
         "status finished, the split counts the instances", (SHRINK,)),
+    # --- docs/dpo.md (the first and the sweep also in README.md) -----------------------------
+    "python -m llama_fsdp objective=dpo finetune=lora": Entry(
+        "dpo", f"{LOCAL}::test_dpo_lora",
+        "DPO with LoRA on the synthetic pairs, 2 CPU ranks: status finished; MLflow has "
+        "objective.name dpo, the first step's loss ln 2 (policy and reference the same "
+        "weights), the rewards, margin, accuracy and log-probs per step; the PEFT adapter is "
+        "the run's model", (SHRINK, SYNTH)),
+    "python -m llama_fsdp save.export_hf=true output_dir=outputs/sft": Entry(
+        "sft_export", f"{LOCAL}::test_sft_then_dpo",
+        "SFT of the tiny model, its HF export in outputs/sft/export (loads in transformers)",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp objective=dpo finetune=lora model.path=outputs/sft/export": Entry(
+        "dpo_from_sft", f"{LOCAL}::test_sft_then_dpo",
+        "DPO from that export: status finished; the base and the reference are the SFT model "
+        "(first loss ln 2), its tokenizer encodes the pairs (tokenizer source model.path)",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp -m objective=dpo finetune=lora objective.beta=0.05,0.1,0.5": Entry(
+        "dpo_sweep", f"{LOCAL}::test_dpo_beta_sweep",
+        "a sweep over beta: every point finished, the summary table has a row per beta, and "
+        "MLflow has each point's objective.beta",
+        (Replace("objective.beta=0.05,0.1,0.5", "objective.beta=0.05,0.5",
+                 "two of the three points: the same sweep, a point (20 s) less"),
+         SHRINK, SYNTH)),
     # --- docs/mlflow.md ---------------------------------------------------------------------
     "mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db": Entry(
         "mlflow_ui", f"{LOCAL}::test_mlflow_ui",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..spec import RunSpec
-from . import full, lora
+from . import full, lora, preference
 from .device import GB, device_capacity_bytes, peak_flops
 from .host import activation_host_bytes, host_capacity_bytes, load_peak_bytes
 from .phases import Memory
@@ -44,9 +44,11 @@ def memory_breakdown(spec: RunSpec) -> Memory:
 
 def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     """Bytes per rank at the peak of each phase of a training step (``gloo``: with gloo's copy
-    of a reduce-scatter's input, for CPU runs); full.full_phase_peaks says what each holds."""
-    return (lora.lora_phase_peaks if spec.finetune.adapters
-            else full.full_phase_peaks)(spec, gloo=gloo)
+    of a reduce-scatter's input, for CPU runs); full.full_phase_peaks says what each holds,
+    and preference.phase_peaks what objective=dpo's reference adds."""
+    policy = (lora.lora_phase_peaks if spec.finetune.adapters
+              else full.full_phase_peaks)(spec, gloo=gloo)
+    return preference.phase_peaks(spec, policy)
 
 
 def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:
@@ -55,11 +57,13 @@ def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:
 
 
 def flops_per_token_of(spec: RunSpec) -> float:
-    """Forward + backward FLOPs per token of this run (a frozen base has no weight gradients)."""
+    """Forward + backward FLOPs per token of this run (a frozen base has no weight gradients),
+    with objective=dpo's reference forward."""
     m, t = spec.model, spec.train
+    ref = preference.reference_flops_per_token(spec)
     if spec.finetune.adapters:
-        return lora.lora_flops_per_token(m, spec.finetune, t.seq_len)
-    return flops_per_token(m, t.seq_len)
+        return lora.lora_flops_per_token(m, spec.finetune, t.seq_len) + ref
+    return flops_per_token(m, t.seq_len) + ref
 
 
 # ---------------------------------------------------------------------------------------------

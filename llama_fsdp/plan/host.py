@@ -38,7 +38,7 @@ def read_bytes(spec: RunSpec) -> int:
 
 def staging_bytes(spec: RunSpec) -> int:
     """qlora from HF files: one decoder layer's target rows per rank in the frozen dtype, read
-    before they are quantized (checkpoint.adapters.load_hf_base: its ``staging_bytes``)."""
+    before they are quantized (checkpoint.peft.load_hf_base: its ``staging_bytes``)."""
     ft = spec.finetune
     if not (ft.nf4 and spec.model.path):
         return 0

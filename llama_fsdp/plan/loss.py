@@ -9,6 +9,11 @@
   trains, its gradient (vocab·hidden, summed over the chunks in place in the compute dtype), are
   made in forward and held until backward.
 
+objective=dpo reads the labels' log-probs per token instead (loss.token_logprobs:
+``logprob_bytes``): ``full`` holds the same buffers as the summed loss; ``chunked`` saves the
+hidden for a backward that recomputes each chunk's logits, so nothing of the gradients is made
+in forward. Its reference's no-grad forward: ``reference_logprob_bytes``.
+
 The phase models (full.py, lora.py, ddp.py) add these terms where they are live. Checked
 against real CPU gloo ranks in benchmarks/plan_vs_measured_cpu.md (the chunked rows).
 """
@@ -65,7 +70,14 @@ def chunk_bytes(m: ModelConfig, *, tokens: int, chunk: int, c: int) -> int:
 
 
 def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
-    """The terms of spec.train.loss for one micro-batch of this spec."""
+    """The terms of spec.train.loss for one micro-batch of this spec (objective=dpo: the
+    per-token log-probs', ``logprob_bytes``)."""
+    if spec.objective.name == "dpo":
+        return logprob_bytes(spec, head_trains=head_trains)
+    return _summed_loss_bytes(spec, head_trains=head_trains)
+
+
+def _summed_loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
     m, t = spec.model, spec.train
     c = DTYPE_BYTES[spec.policy.compute_dtype]
     tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
@@ -86,3 +98,32 @@ def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
         # the stored gradient of the hidden and its copy scaled and scattered to every token
         head_backward=2 * grad_hidden,
         head_grad=head_grad, in_head_forward=True)
+
+
+def logprob_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
+    """The terms of the per-token log-probs (loss.token_logprobs, DPO's policy) for one
+    micro-batch. ``full``: the summed loss's buffers (F.cross_entropy without the reduction
+    holds the same). ``chunked``: the hidden saved for backward, the per-token outputs and
+    logsumexps (fp32), one chunk in forward; in backward the hidden's gradient, the incoming
+    per-token gradient and one recomputed chunk."""
+    if spec.train.loss == TrainConfig.FULL:
+        return _summed_loss_bytes(spec, head_trains=head_trains)
+    m, t = spec.model, spec.train
+    c = DTYPE_BYTES[spec.policy.compute_dtype]
+    tokens = t.batch_size * t.seq_len
+    chunk = chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c)
+    return LossBytes(at_head=8 * tokens, peak=chunk + 8 * tokens,
+                     head_backward=c * tokens * m.hidden_size + 4 * tokens + chunk,
+                     saved_input=c * tokens * m.hidden_size, in_head_forward=True)
+
+
+def reference_logprob_bytes(spec: RunSpec) -> int:
+    """The peak of the loss path in a no-grad forward of the per-token log-probs (DPO's
+    reference): ``full``, the logits, their fp32 copy and the fp32 log-softmax; ``chunked``,
+    one chunk and the per-token outputs."""
+    m, t = spec.model, spec.train
+    c = DTYPE_BYTES[spec.policy.compute_dtype]
+    tokens = t.batch_size * t.seq_len
+    if t.loss == TrainConfig.FULL:
+        return tokens * m.vocab_size * (c + (4 if c < 4 else 0) + 4)
+    return chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c) + 8 * tokens

@@ -10,6 +10,7 @@ from .activations import checkpointed_inputs, saved_layer_bytes
 from .device import GB
 from .lora import adapter_params, lora_saved_layer_bytes, trainable_fraction
 from .optimizer import describe as describe_optimizer
+from .preference import plan_lines
 
 # ``Plan`` below is fit.Plan, whose table() calls render(self): fit.py imports this module, so
 # the name is not imported here (even a type-only import would make the two import each other).
@@ -64,6 +65,7 @@ def render(plan: Plan) -> str:
         f"world={s.world_size}",
         f"parameters   {plan.num_params:,} (N_matmul {plan.n_matmul:,})",
         *_adapter_lines(s),
+        *plan_lines(s),
         f"FLOPs/token  {plan.flops_per_token / 1e9:.2f} GFLOP ("
         + ("4*N_matmul + 6*N_adapters" if s.finetune.adapters else "6*N_matmul")
         + f" + 12*L*H*Q*T, T={s.train.seq_len})",

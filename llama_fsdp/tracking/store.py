@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..result import SUMMARY
+from ..config import ObjectiveConfig
 
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -24,6 +25,9 @@ VIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Models`",
                                             "sharding.strategy", "precision.name",
                                             "train.batch_size")),
                 "metrics.`trainable_params`", "metrics.`total_params`",  # what the method trains
+                # objective=dpo: what it trains for, and how well the held-out pairs agree
+                "params.`objective.name`", "params.`objective.beta`",
+                *(f"metrics.`{m}`" for m in ObjectiveConfig.SUMMARY),
                 "tags.`derived.world_size`"]
 
 

@@ -335,6 +335,58 @@ def test_finetune_sweep(work):
     assert all(run.info.status == "FINISHED" for run in runs)
 
 
+# --- docs/dpo.md ---------------------------------------------------------------------------------
+
+
+def _dpo(r: docs.Ran, work: Path):
+    """A DPO run with adapters finished from weights equal to its reference (first loss ln 2),
+    and MLflow has what it trains for and the DPO metrics of every step."""
+    run = _adapters(r, work, "lora")
+    assert printed(r.output, "objective") == "dpo (beta 0.1, sigmoid, reference model)"
+    assert "reference: the policy with its adapters off" in r.output  # the plan says which
+    c, run_id = client(work), run.info.run_id
+    assert run.data.params["objective.name"] == "dpo"
+    assert c.get_metric_history(run_id, "loss")[0].value == pytest.approx(0.6931472, abs=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+                "logps/chosen", "logps/rejected"):
+        assert [m.step for m in c.get_metric_history(run_id, key)] == [1, 2], key
+    return run
+
+
+def test_dpo_lora(work):
+    _dpo(run_doc("dpo", work), work)
+
+
+def test_sft_then_dpo(work):
+    from transformers import AutoModelForCausalLM
+
+    sft = run_doc("sft_export", work)
+    finished(sft, work)
+    export = work / "outputs" / "sft" / "export"
+    assert AutoModelForCausalLM.from_pretrained(str(export)).config.vocab_size == 512
+    dpo = run_doc("dpo_from_sft", work)
+    run = _dpo(dpo, work)
+    assert run.data.tags["derived.tokenizer_source"] == "model.path"
+    assert run.data.params["model.path"] == "outputs/sft/export"
+
+
+def test_dpo_beta_sweep(work):
+    r = run_doc("dpo_sweep", work, timeout=900)
+    assert r.returncode == 0, str(r)
+    assert r.output.count("status         finished") == 2, str(r)
+    table = r.output.split(" summary:\n", 1)[1].splitlines()
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    beta = header.index("objective.beta")
+    assert sorted(row[beta] for row in rows) == ["0.05", "0.5"], table
+    assert all(row[header.index("status")] == "FINISHED" for row in rows), table
+    c = client(work)
+    runs = [c.get_run(run_id) for run_id in re.findall(r"^\s+mlflow run\s+(\w+)", r.output, re.M)]
+    assert sorted(run.data.params["objective.beta"] for run in runs) == ["0.05", "0.5"]
+    assert all("rewards/accuracy" in run.data.metrics for run in runs)
+
+
 def test_qlora_70b_from_hub_weights(work, hub):
     r = run_doc("qlora_70b_hub", work, hub=str(hub))
     _adapters(r, work, "qlora")
