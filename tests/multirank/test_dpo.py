@@ -9,8 +9,9 @@ synthetic pairs, each row holding several pairs):
   ``qlora``, ``full_ddp`` (sharding=no_shard), ``lora_zero2_ac`` (grad_op, full AC),
   ``lora_cached`` and ``full_cached`` (objective.reference=cached, in a cache of their own, the
   first computing it), ``lora_cached_again`` (finds it), ``full_cached_r2`` (resumes
-  ``full``'s step 2 in a cache of its own: nothing cached yet), ``lora_learns`` (the default
-  command's shape for 20 steps, the held-out pairs at the end);
+  ``full``'s step 2 in a cache of its own: nothing cached yet), ``full_loss`` (``full`` with
+  train.loss=full: every other run takes the default chunked head), ``lora_learns`` (the
+  default command's shape for 20 steps, the held-out pairs at the end);
 - 1 rank: ``lora_1`` (micro-batch 8) and ``lora_r1`` (resumes ``lora``'s step 2).
 """
 from __future__ import annotations
@@ -137,6 +138,7 @@ def runs(tmp_path_factory, hf_dir):
            "lora_r2": dataclasses.replace(spec("lora_r2", 2, 4, "finetune=lora"),
                                           resume=str(step2)),
            "full": spec("full", 2, 4, "finetune=full", "save.every_steps=2"),
+           "full_loss": spec("full_loss", 2, 4, "finetune=full", "train.loss=full"),
            "qlora": spec("qlora", 2, 4, "finetune=qlora"),
            # the reference a whole replica (no_shard: DDP), and ZeRO-2 with every layer
            # checkpointed
@@ -207,6 +209,20 @@ def test_micro_batches_and_world_sizes_agree(runs):
     m2, m1 = runs["rank0"]["lora_2x2"]["metrics"], runs["rank0"]["lora_1"]["metrics"]
     for key in ("rewards/margin", "logps/chosen", "logps/rejected"):
         assert m2[STEPS][key] == pytest.approx(m1[STEPS][key], rel=RTOL, abs=1e-6), key
+
+
+def test_the_chunked_head_trains_as_the_full_logits_do(runs):
+    """DPO's log-probs through train.loss=chunked's head (``full``: the policy's, with a
+    trainable head, and the frozen copy's) give the losses and log-probs of train.loss=full,
+    step after step."""
+    specs = runs["specs"]
+    assert (specs["full"].train.loss, specs["full_loss"].train.loss) == ("chunked", "full")
+    want = _losses(runs, "full_loss")
+    assert len(want) == STEPS and want[-1] < want[0]
+    torch.testing.assert_close(_losses(runs, "full"), want, rtol=RTOL, atol=0)
+    chunked, full = runs["rank0"]["full"]["metrics"], runs["rank0"]["full_loss"]["metrics"]
+    for key in ("rewards/margin", "logps/chosen", "logps/rejected"):
+        assert chunked[STEPS][key] == pytest.approx(full[STEPS][key], rel=RTOL, abs=1e-6), key
 
 
 def test_resume_is_exact_and_works_on_another_world_size(runs):

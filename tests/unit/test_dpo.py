@@ -156,11 +156,17 @@ def test_loss_rewards_and_log_probs_equal_trl_dpo_trainer(models, tmp_path, layo
         assert m[ours_key] == pytest.approx(trl[trl_key], rel=1e-5, abs=1e-6), ours_key
 
 
-def test_pair_log_probs_through_the_chunked_head_equal_a_whole_log_softmax(models, tmp_path):
+def test_pair_log_probs_through_the_chunked_head_equal_a_whole_log_softmax(tmp_path):
     """DPO's sequence log-probs (loss.packed_sequence_logprobs) through train.loss=chunked's
-    head, in chunks of 3 target tokens, and through train.loss=full: each sequence's sum of a
-    log_softmax over the whole logits, with the same gradients."""
-    policy, _ = models
+    head, in chunks of 3 target tokens (the head never returns [tokens, vocab] logits), and
+    through train.loss=full: each sequence's sum of a log_softmax over the whole logits, with
+    the same gradients."""
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.model import llama_config
+
+    torch.manual_seed(0)  # a model of its own: TRL's trainer changes the one it was given
+    policy = LlamaForCausalLM(llama_config(make_spec(["model.attn_implementation=sdpa"]).model))
     *_, data = _ours(STANDARD, policy, policy, tmp_path, beta=0.5)
     batch = data.train.batch(torch.arange(len(data.train)).numpy())
     assert len(batch["target_index"]) > 3 * 2  # several chunks
@@ -169,9 +175,15 @@ def test_pair_log_probs_through_the_chunked_head_equal_a_whole_log_softmax(model
     install(chunked, chunk=3)
     out = {}
     for name, model in (("full", copy.deepcopy(policy)), ("chunked", chunked)):
+        shapes = []  # what the output head returns: the logits, or the chunked log-probs
+        model.get_output_embeddings().register_forward_hook(
+            lambda mod, args, out: shapes.append(tuple(out.shape)))
         lp = packed_sequence_logprobs(model, batch)
         (lp * coef).sum().backward()
         out[name] = lp.detach(), {n: p.grad for n, p in model.named_parameters()}
+        vocab = policy.config.vocab_size
+        assert shapes == [(*batch["input_ids"].shape, vocab) if name == "full"
+                          else tuple(batch["input_ids"].shape)], name
     whole_model = copy.deepcopy(policy)
     logits = whole_model(**{k: batch[k] for k in MODEL_KEYS if k in batch}).logits
     index = batch["target_index"]
