@@ -93,7 +93,8 @@ def _build(specs: dict, rank: int, world: int) -> dict:
 
     from llama_fsdp.data import build_data
     from llama_fsdp.dpo import build_preference
-    from llama_fsdp.train import TOKEN_LOSS, build_optimizer, build_scheduler
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import TOKEN_LOSS, build_scheduler
     from llama_fsdp.worker import build_model
 
     cpu, out = torch.device("cpu"), {}
@@ -153,7 +154,8 @@ def peak_on_rank(rank: int, world: int, spec) -> dict:
 
     from benchmarks.plan_vs_measured import Heap, small_state_bytes
     from llama_fsdp.data import build_data
-    from llama_fsdp.train import TOKEN_LOSS, build_optimizer, build_scheduler
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import TOKEN_LOSS, build_scheduler
     from llama_fsdp.worker import build_model
 
     torch.set_num_threads(1)

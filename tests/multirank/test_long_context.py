@@ -62,7 +62,8 @@ def _count_collectives(rank, world, specs):
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
 
     from llama_fsdp.data import build_data
-    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import build_scheduler, train_step
     from llama_fsdp.worker import build_model
 
     out = {}
@@ -114,7 +115,8 @@ def test_the_head_unit_is_gathered_once_per_micro_batch():
 def _masked_step(rank, world, specs):
     """Two steps in which this rank's second micro-batch (rank 1's) has no target token."""
     from llama_fsdp.data import IGNORE_INDEX
-    from llama_fsdp.train import build_optimizer, build_scheduler, train_step
+    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.train import build_scheduler, train_step
     from llama_fsdp.worker import build_model
 
     out = {}
