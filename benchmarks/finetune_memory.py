@@ -73,7 +73,7 @@ def measure(models: list[str], lib: Path) -> list[dict]:
 
 
 def markdown(rows: list[dict], command: str) -> str:
-    from llama_fsdp.plan.adapters import adapter_params
+    from llama_fsdp.plan.lora import adapter_params
     from llama_fsdp.plan.shapes import count_params
 
     lines = [

@@ -86,9 +86,11 @@ def seed_table_markdown() -> str:
         "of its per-phase peaks (`phase_peaks`, NCCL), with the phase where it is. Packed rows "
         "(data.packing=true, the default) run varlen attention (model.attn_implementation=auto "
         "on CUDA in 16-bit): no mask term; with a torch whose varlen_attn has no enable_gqa "
-        "(before 2.12) k/v repeated to every head would add to the activations.",
+        "(before 2.12) k/v repeated to every head would add to the activations. The loss is "
+        "train.loss=chunked (the default: one 1,024-token chunk of logits at a time, "
+        "docs/long_context.md); its column is its buffers at their peak.",
         "",
-        "| model | precision | model state | transient | activations | logits + loss "
+        "| model | precision | model state | transient | activations | loss buffers "
         "| peak GB | fits | nodes needed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from . import metric_names as names
 from .attention_kernels import AUTO as AUTO_KERNEL
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
@@ -128,6 +129,10 @@ class CheckpointingConfig:
     mode: str = "none"
     # selective: wrap every k-th decoder layer (layer-level selective AC, as torchtitan's "int").
     every_k: int = 2
+    # Keep what checkpointing keeps of each wrapped layer (its input) in pinned host memory
+    # from forward to backward, copied on a side stream (CUDA; on CPU a plain copy). The plan
+    # counts it against the host's RAM (docs/long_context.md).
+    offload: bool = False
 
     def wrapped_layers(self, num_layers: int) -> range:
         """Indices of the decoder layers activation checkpointing wraps (parallel.py wraps
@@ -323,6 +328,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    # train.loss (llama_fsdp/loss.py): chunked computes the head and the cross-entropy a chunk
+    # of loss_chunk target tokens at a time, never holding b x s x vocab logits; full is
+    # F.cross_entropy over all the logits (class attributes, not config keys).
+    CHUNKED, FULL = "chunked", "full"
+    LOSSES = (CHUNKED, FULL)
+
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 128
@@ -338,6 +349,8 @@ class TrainConfig:
     compile: bool = False
     max_grad_norm: float = 1.0
     log_every: int = 1
+    loss: str = "chunked"
+    loss_chunk: int = 1024  # target tokens per chunk of the chunked loss
     # Stop after this step without changing the LR schedule (which runs to max_steps): train a
     # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.
     stop_after: Optional[int] = None
@@ -439,6 +452,57 @@ class FinetuneConfig:
                        f"without repeats of {', '.join(FinetuneConfig.TARGETS)}")
         if min(self.nf4_block_size, self.nf4_scaler_block_size) < 2:
             out.append("finetune.nf4_block_size and finetune.nf4_scaler_block_size must be >= 2")
+        return out
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the weights train for (conf/objective/), beside which weights train (finetune):
+    next-token cross-entropy on the answers (sft), or Direct Preference Optimization on
+    prompt / chosen / rejected pairs (dpo: llama_fsdp/dpo.py, docs/dpo.md)."""
+
+    # Valid values (class attributes, not config keys).
+    NAMES = ("sft", "dpo")
+    # sigmoid: DPO's -log sigmoid(beta * margin), with label_smoothing the conservative cDPO;
+    # ipo: (margin per answer token - 1 / (2 beta))^2, TRL's IPO.
+    LOSSES = ("sigmoid", "ipo")
+    # model: the policy with its adapters off (lora / qlora: nothing added), or a frozen copy
+    # sharded per layer like it (full); cached: the reference's log-probs computed once, before
+    # the first step, and kept on disk beside the tokenized data (no reference in memory).
+    REFERENCES = ("model", "cached")
+    # What a dpo run logs (metric_names.py, TRL's names) and the runs table's columns of it.
+    METRICS = names.DPO_METRICS
+    SUMMARY = names.DPO_SUMMARY
+
+    name: str = "sft"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "model"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        for key, value, valid in (("name", self.name, ObjectiveConfig.NAMES),
+                                  ("loss", self.loss, ObjectiveConfig.LOSSES),
+                                  ("reference", self.reference, ObjectiveConfig.REFERENCES)):
+            if value not in valid:
+                out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
+        if self.name != "dpo":
+            changed = [f"objective.{k}" for k, v in vars(self).items()
+                       if k != "name" and v != getattr(ObjectiveConfig, k)]
+            if changed:
+                out.append(f"{', '.join(changed)} set with objective={self.name}: "
+                           f"{'they apply' if len(changed) > 1 else 'it applies'} to "
+                           "objective=dpo (add objective=dpo, or drop them)")
+            return out
+        if self.beta <= 0:
+            out.append(f"objective.beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            out.append(f"objective.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.label_smoothing and self.loss != "sigmoid":
+            out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
+                       f"{self.loss}: drop it")
         return out
 
 
@@ -552,6 +616,7 @@ class Config:
     cluster: ClusterConfig = MISSING
     data: DataConfig = MISSING
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

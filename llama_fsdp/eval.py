@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .attention import model_inputs, standard_attention
-from .data.packing import IGNORE_INDEX
-from .train import loss_sum
+from .loss import loss_sum, target_rows
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -35,9 +34,10 @@ def eval_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     sums = torch.zeros(2, device=device, dtype=torch.float64)
     try:
         for batch in batches[:n]:  # every rank runs the same number of forwards (FSDP)
+            rows = target_rows(batch["labels"], device)
             batch = model_inputs(model, batch, device)
-            sums[0] += loss_sum(model, batch).double()
-            sums[1] += (batch["labels"] != IGNORE_INDEX).sum()
+            sums[0] += loss_sum(model, batch, rows=rows).double()
+            sums[1] += len(rows)
     finally:
         model.train(was_training)
     s, c = _all_reduce(sums).tolist()

@@ -51,6 +51,8 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / rank
         # A Python flag, not isinstance on the weight: a constant under torch.compile.
         self.nf4 = False
+        # The adapters off: the frozen base alone (DPO's reference: llama_fsdp/reference.py).
+        self.disabled = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
                                                dtype=dtype), requires_grad=False)
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
@@ -62,6 +64,8 @@ class LoRALinear(nn.Module):
             base = nf4.nf4_module().linear_nf4(x, self.weight)
         else:
             base = F.linear(x, self.weight)
+        if self.disabled:
+            return base
         return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:

@@ -32,3 +32,14 @@ SUMMARY_PREDICTED_PEAK_MEMORY = "summary/predicted_peak_memory_gb"  # the plan's
 SUMMARY_FINAL_LOSS = "summary/final_loss"
 SUMMARY_EVAL_LOSS = "summary/eval_loss"
 SUMMARY_EVAL_EXACT_MATCH = "summary/eval_exact_match"
+
+# objective=dpo (TRL's names): per log step, means over the step's pairs, and with "eval_" before
+# them at eval steps; at the end, the last values the runs table shows
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+               "logps/chosen", "logps/rejected")
+SUMMARY_REWARD_ACCURACY = "summary/reward_accuracy"
+SUMMARY_EVAL_REWARD_ACCURACY = "summary/eval_reward_accuracy"
+DPO_SUMMARY = {SUMMARY_REWARD_ACCURACY: "rewards/accuracy",
+               "summary/reward_margin": "rewards/margin",
+               SUMMARY_EVAL_REWARD_ACCURACY: "eval_rewards/accuracy",
+               "summary/eval_reward_margin": "eval_rewards/margin"}

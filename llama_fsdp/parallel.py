@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .config import CheckpointingConfig
+from .offload import attach as attach_offload
 from .precision import DTYPE_BYTES, PrecisionPolicy
 from .strategies import DDP_BUCKET_MB, MeshSpec
 
@@ -170,8 +171,9 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
                 policy: PrecisionPolicy, ac: CheckpointingConfig, compile: bool,
                 cpu_offload: bool, ignored_params: Optional[set] = None,
                 preserve_rng_state: bool = False) -> nn.Module:
-    """AC -> compile -> FSDP (or DDP for no_shard), in place; the model may still be on the meta
-    device. ``ignored_params`` (FSDP only) and ``preserve_rng_state`` (AC): the adapters' needs
+    """AC -> compile -> FSDP (or DDP for no_shard) -> activation offload (checkpointing.offload:
+    hooks on the outermost layer modules), in place; the model may still be on the meta device.
+    ``ignored_params`` (FSDP only) and ``preserve_rng_state`` (AC): the adapters' needs
     (lora.py)."""
     wrapped = apply_activation_checkpointing(layers, ac, preserve_rng_state=preserve_rng_state)
     if compile:
@@ -188,7 +190,9 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, *, mesh: DeviceMesh, me
                   else "the embedding, [norm, head], an empty root")
         how = (f"{len(units)} FSDP units on mesh {dict(zip(mesh_spec.dim_names, mesh_spec.shape))} "
                f"({len(layers)} layers, {groups})")
-    log.info("parallelized: %s, %d layer(s) checkpointed, compile=%s", how, wrapped, compile)
+    offloaded = attach_offload(layers, ac, device_type=mesh.device_type)
+    log.info("parallelized: %s, %d layer(s) checkpointed%s, compile=%s", how, wrapped,
+             " (their inputs offloaded to host memory)" if offloaded else "", compile)
     return model
 
 

@@ -29,6 +29,7 @@ from .config import (
     FinetuneConfig,
     EvalConfig,
     ModelConfig,
+    ObjectiveConfig,
     OptimConfig,
     PrecisionConfig,
     SaveConfig,
@@ -95,6 +96,7 @@ class RunSpec:
     sweep_point: dict[str, str] = field(default_factory=dict)  # its values of the swept keys
     restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
     launcher_ships: bool = False  # set by a launcher that delivers rank 0's spool while it waits
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # sft | dpo
 
     @property
     def dp_size(self) -> int:
@@ -106,7 +108,8 @@ class RunSpec:
         return {"seq_len": self.train.seq_len, "micro_batch": self.train.batch_size,
                 "dp_rank": dp_rank, "dp_world": self.dp_size, "seed": self.train.seed,
                 "cache_dir": Path(self.cache_dir), "vocab_size": self.model.vocab_size,
-                "model_path": self.model.path, "announce": announce}
+                "model_path": self.model.path, "announce": announce,
+                "preference": self.objective.name == "dpo"}
 
     def summary(self) -> dict[str, Any]:
         """The values a user checks before launching."""
@@ -121,6 +124,9 @@ class RunSpec:
                 f"{', '.join(self.finetune.target_modules)})"
                 if self.finetune.method != "full" else ""),
             "optimizer": self.optim.name,
+            **({"objective": f"dpo (beta {self.objective.beta:g}, {self.objective.loss}, "
+                             f"reference {self.objective.reference})"}
+               if self.objective.name == "dpo" else {}),
             "device": f"{self.device} ({self.backend})",
             "world_size": f"{self.world_size} = {self.nodes} node(s) x {self.nproc_per_node}",
             "mesh": " x ".join(f"{n}={s}" for n, s in zip(self.mesh.dim_names, self.mesh.shape)),
@@ -258,6 +264,20 @@ def _gpu_type(cfg: Config, device: str, problems: list[str]) -> Optional[str]:
     return devices.DEFAULT_GPU
 
 
+def variant_problems(spec: RunSpec) -> list[str]:
+    """The rules between a run's choices, asked again of a RunSpec the planner changed (another
+    strategy, node count, optimizer, method, offload or sequence length): what build_spec would
+    say of the same choices (validate.py's checks)."""
+    problems: list[str] = []
+    validate.check_model(spec.model, spec.train, problems)
+    validate.check_finetune(spec, spec.mesh, problems)
+    validate.check_offload(spec, spec.device, problems)
+    problems.extend(spec.optim.problems(param_dtype=spec.policy.param_dtype,
+                                        cpu_offload=spec.sharding.cpu_offload,
+                                        full_state_dict=spec.save.full_state_dict))
+    return problems
+
+
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("batch_size=2 sharding=full")."""
@@ -277,6 +297,8 @@ def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int
         parts.insert(3, cfg.optim.name)
     if cfg.finetune.method != "full":
         parts.insert(1, cfg.finetune.method)
+    if cfg.objective.name != "sft":
+        parts.insert(1, cfg.objective.name)
     return " ".join(parts)
 
 
@@ -310,7 +332,8 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
     # caller's output_dir, not the config's)
     problems.extend(checkpoint_problems(dataclasses.replace(obj, output_dir=str(out))))
-    for node in (obj.data, obj.model, obj.train, obj.eval, obj.cluster, obj.tracking):
+    for node in (obj.data, obj.model, obj.train, obj.eval, obj.cluster, obj.tracking,
+                 obj.objective):
         problems.extend(node.problems())
     if obj.cluster.kind == "slurm" and has_line_break(str(out)):  # in the #SBATCH lines
         problems.append(line_break("output_dir", str(out)))
@@ -347,7 +370,9 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
                                            cpu_offload=obj.sharding.cpu_offload,
                                            full_state_dict=obj.save.full_state_dict))
         model = resolve_attention(obj.model, device=device, compute_dtype=policy.compute_dtype,
-                                  packing=obj.data.packing, problems=problems)
+                                  # a DPO row holds two records at least: the pair
+                                  packing=obj.data.packing or obj.objective.name == "dpo",
+                                  problems=problems)
     if problems:
         raise ConfigError(problems)
 
@@ -367,5 +392,5 @@ def build_spec(cfg: DictConfig | Config, *, output_dir: Optional[str] = None,
         run_name=obj.tracking.run_name or point_name(sweep_point or {}) or _run_name(
             obj, strategy, precision.name, world, nproc, device),
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
-        sweep_point=dict(sweep_point or {}),
+        sweep_point=dict(sweep_point or {}), objective=obj.objective,
     )

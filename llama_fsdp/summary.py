@@ -20,6 +20,9 @@ def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
                      + (f"   exact match {final['eval_exact_match']:.2f}"
                         if "eval_exact_match" in final else ""))
+    if "eval_rewards/accuracy" in final:  # objective=dpo: how often held-out pairs agree
+        lines.append(f"rewards        held-out accuracy {final['eval_rewards/accuracy']:.2f} "
+                     f"(chance 0.5), margin {final['eval_rewards/margin']:.3f}")
     if names.SUMMARY_TOKENS_PER_SEC in s:
         lines.append(f"tokens/s       {s[names.SUMMARY_TOKENS_PER_SEC]:.0f} global, "
                      f"{s[names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE]:.0f} per device (median of the "

@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import model_inputs
 from .config import EvalConfig, TrainConfig
 from .data.packing import IGNORE_INDEX
+from .loss import loss_sum, target_rows
 from .parallel import clip_grad_norm, uses_ddp
 from .train_state import TrainState
 
@@ -49,12 +49,23 @@ def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.l
                                  min_ratio=t.min_lr_ratio))
 
 
-def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (fp32)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+class TokenLoss:
+    """SFT's loss for ``train_step``: summed over a micro-batch's target tokens (loss.loss_sum,
+    by train.loss's path); the step divides by the global target count (``count`` summed over
+    micro-batches and ranks). Another objective gives the same two methods (dpo.PreferenceLoss:
+    pairs), and metrics of its own: sums normalized and reduced like the loss. ``rows``: the
+    target tokens' flat indices on the device; ``grad_scale``: what the step multiplies the sum
+    by before backward (loss.chunked_cross_entropy says why it helps)."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], *, rows: torch.Tensor,
+                 grad_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return loss_sum(model, batch, rows=rows, grad_scale=grad_scale), {}
+
+
+TOKEN_LOSS = TokenLoss()
 
 
 def _world() -> int:
@@ -68,33 +79,40 @@ class StepResult:
     loss: torch.Tensor  # this rank's share of the global token-mean loss
     grad_norm: torch.Tensor  # global (all shards)
     tokens: int  # input tokens processed by all ranks (known from the batch shapes)
+    # the objective's metrics, each this rank's share of the global mean (as ``loss``)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler,
                micro_batches: list[dict[str, torch.Tensor]], *, device: torch.device,
-               max_grad_norm: float) -> StepResult:
-    """One optimizer step over this rank's micro-batches; the loss is the global token mean."""
+               max_grad_norm: float, loss_fn: TokenLoss = TOKEN_LOSS) -> StepResult:
+    """One optimizer step over this rank's micro-batches; the loss is the global mean over
+    ``loss_fn``'s units (target tokens; a DPO run's pairs)."""
     world = _world()
     # torch.full, not torch.tensor(..., device=cuda): a fill kernel, where a host-to-device
     # copy of a pageable scalar would synchronize the stream every step
-    targets = torch.full((), float(sum(int((b["labels"] != IGNORE_INDEX).sum())
-                                      for b in micro_batches)),
+    targets = torch.full((), float(sum(loss_fn.count(b) for b in micro_batches)),
                          device=device)
     if world > 1:
         dist.all_reduce(targets)
     targets = targets.clamp(min=1.0)  # a step without targets (prepare refuses such data)
     total = torch.zeros((), device=device)
+    extras: dict[str, torch.Tensor] = {}
     ddp = uses_ddp(model)
     defer_sync = ddp and len(micro_batches) > 1
     for i, batch in enumerate(micro_batches):
         if defer_sync:  # DDP: all-reduce once, in the last micro-batch's backward
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        rows = target_rows(batch["labels"], device)  # from the host's labels: no sync
         batch = model_inputs(model, batch, device)
         # FSDP and DDP average gradients over ranks: scale by world to get sum / global targets.
-        loss = loss_sum(model, batch) / targets
+        summed, metrics = loss_fn(model, batch, rows=rows, grad_scale=world / targets)
+        loss = summed / targets
         (loss * world).backward()
         total += loss.detach()
+        for k, v in metrics.items():
+            extras[k] = extras.get(k, 0) + v.detach() / targets
     grad_norm = clip_grad_norm([p for p in model.parameters()], max_grad_norm)
     optimizer.step()
     # DDP's gradients are views into its all-reduce buckets: zeroed in place, they stay there
@@ -102,7 +120,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=not ddp)
     scheduler.step()
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * world  # same shape everywhere
-    return StepResult(loss=total, grad_norm=grad_norm, tokens=tokens)
+    return StepResult(loss=total, grad_norm=grad_norm, tokens=tokens, extras=extras)
 
 
 class MemoryMeter:
@@ -164,6 +182,8 @@ class LoopContext:
     # Steps whose reduction is read before the step-end hooks even so: a checkpoint is saved
     # there, and a non-finite loss must stop the run before it is published.
     saves_at: Callable[[int], bool] = lambda step: False
+    # What a step minimizes: SFT's token loss, or an objective's (dpo.PreferenceLoss).
+    loss_fn: TokenLoss = TOKEN_LOSS
 
 
 @dataclass
@@ -188,6 +208,7 @@ class _LogReduce:
     keys: list[str]
     rows: list[torch.Tensor]
     work: Any = None
+    extra_keys: tuple[str, ...] = ()  # the objective's metrics, summed over ranks as the loss
 
     @classmethod
     def start(cls, res: StepResult, meter: MemoryMeter, stop: int, device: torch.device, *,
@@ -195,24 +216,30 @@ class _LogReduce:
         mem = meter.read_gb()  # CUDA's counters are host-side: no sync
         # host values as fill kernels (no synchronizing copy); the gradient norm is on the CPU
         # when sharding.cpu_offload keeps the gradients there
+        extra = tuple(res.extras)
         local = torch.stack([res.loss.to(device, torch.float64),
+                             *[res.extras[k].to(device, torch.float64) for k in extra],
                              res.grad_norm.reshape(()).to(device, torch.float64),
                              *[torch.full((), v, device=device, dtype=torch.float64)
                                for v in [*mem.values(), float(stop)]]])
         world = _world()
         if world == 1:
-            return cls(step, lr, window, list(mem), [local])
+            return cls(step, lr, window, list(mem), [local], extra_keys=extra)
         rows = [torch.empty_like(local) for _ in range(world)]
-        return cls(step, lr, window, list(mem), rows, dist.all_gather(rows, local, async_op=True))
+        return cls(step, lr, window, list(mem), rows, dist.all_gather(rows, local, async_op=True),
+                   extra_keys=extra)
 
-    def result(self) -> tuple[float, float, dict[str, float], int]:
-        """(global loss, grad norm, max peak memory over ranks, agreed stop request)."""
+    def result(self) -> tuple[float, float, dict[str, float], int, dict[str, float]]:
+        """(global loss, grad norm, max peak memory over ranks, agreed stop request, the
+        objective's global metrics)."""
         if self.work is not None:
             self.work.wait()
         stacked = torch.stack(self.rows)
-        vals = torch.cat([stacked[:, :1].sum(0), stacked[0, 1:2],
-                          stacked[:, 2:].max(0).values]).tolist()
-        return vals[0], vals[1], dict(zip(self.keys, vals[2:-1])), int(vals[-1])
+        k = 1 + len(self.extra_keys)  # summed over ranks
+        vals = torch.cat([stacked[:, :k].sum(0), stacked[0, k:k + 1],
+                          stacked[:, k + 1:].max(0).values]).tolist()
+        return (vals[0], vals[k], dict(zip(self.keys, vals[k + 1:-1])), int(vals[-1]),
+                dict(zip(self.extra_keys, vals[1:k])))
 
 
 def step_metrics(*, loss: float, grad_norm: float, lr: float, window: _Window, now: float,
@@ -267,7 +294,7 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         """Read and log a log step's reduction; return when its result arrived (the next
         window's start) and the stop request the ranks agreed on."""
         nonlocal last
-        loss, grad_norm, mem, stop = reduce.result()
+        loss, grad_norm, mem, stop, extras = reduce.result()
         now = time.perf_counter()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {reduce.step}: lower train.lr "
@@ -276,7 +303,8 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         last = {**{k: v for k, v in last.items() if k.startswith("eval_")},
                 **step_metrics(loss=loss, grad_norm=grad_norm, lr=reduce.lr, window=reduce.window,
                                now=now, world=world, mem=mem,
-                               flops_per_token=ctx.flops_per_token, peak_flops=ctx.peak_flops)}
+                               flops_per_token=ctx.flops_per_token, peak_flops=ctx.peak_flops),
+                **extras}
         step_only = {k: v for k, v in last.items() if not k.startswith("eval_")}
         logged.append({"step": reduce.step, **step_only})
         ctx.tracker.log_metrics(step_only, step=reduce.step)
@@ -287,7 +315,7 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         micro = [next(ctx.batches) for _ in range(t.grad_accum)]
         lr = float(scheduler.get_last_lr()[0])  # a 0-d tensor for torchao's optimizers
         res = train_step(model, optimizer, scheduler, micro, device=ctx.device,
-                         max_grad_norm=t.max_grad_norm)
+                         max_grad_norm=t.max_grad_norm, loss_fn=ctx.loss_fn)
         state.step += 1
         state.tokens_seen += res.tokens
         stop = 0

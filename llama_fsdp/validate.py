@@ -38,6 +38,7 @@ def check_choices(cfg: Config, problems: list[str]) -> None:
         ("cluster.device", cfg.cluster.device, DEVICES),
         ("finetune.method", cfg.finetune.method, FinetuneConfig.METHODS),
         ("optim.name", cfg.optim.name, tuple(OPTIMIZERS)),
+        ("train.loss", cfg.train.loss, TrainConfig.LOSSES),
     ):
         if value not in choices:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -51,6 +52,7 @@ def check_positive(cfg: Config, problems: list[str]) -> None:
         ("train.seq_len", t.seq_len, 2),
         ("train.max_steps", t.max_steps, 1),
         ("train.log_every", t.log_every, 1),
+        ("train.loss_chunk", t.loss_chunk, 1),
         ("cluster.nodes", 1 if cfg.cluster.nodes is None else cfg.cluster.nodes, 1),
         ("checkpointing.every_k", cfg.checkpointing.every_k, 1),
         ("save.keep_last", cfg.save.keep_last, 1),
@@ -163,6 +165,12 @@ def check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) -> 
             and devices.local_cuda_count() > 0 and not devices.local_bf16():
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
+    check_offload(cfg, device, problems)
+
+
+def check_offload(cfg: Config, device: str, problems: list[str]) -> None:
+    """What goes to host memory: sharding.cpu_offload's shards, checkpointing.offload's layer
+    inputs. ``cfg``: a Config, or a RunSpec (spec.variant_problems; the same fields)."""
     if cfg.sharding.cpu_offload and device != "cuda":
         problems.append(
             "sharding.cpu_offload=true needs CUDA (on CPU the parameters already live in host "
@@ -175,10 +183,16 @@ def check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) -> 
             "memory, and no_shard keeps a full replica on every GPU; use sharding=full (or "
             "hybrid) with cpu_offload, or drop it"
         )
+    if cfg.checkpointing.offload and cfg.checkpointing.mode == "none":
+        problems.append(
+            "checkpointing.offload=true with checkpointing=none: offload moves what activation "
+            "checkpointing keeps (each wrapped layer's input) to host memory, and nothing is "
+            "checkpointed; use checkpointing=full (or selective) with it, or drop it")
 
 
 def check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
-    """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py)."""
+    """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py).
+    ``cfg``: a Config, or a RunSpec (spec.variant_problems; the same fields)."""
     ft = cfg.finetune
     own = ft.problems()
     problems.extend(own)

@@ -28,7 +28,7 @@ From the command line to one optimizer step, the functions on the way:
                                                (resume), tracking.open_tracker
         RankRun.train -> train.run_loop        the loop; each step is
           train.train_step                     micro-batches: attention.model_inputs,
-                                               train.loss_sum, backward;
+                                               loss.loss_sum, backward;
                                                parallel.clip_grad_norm, optimizer.step
 
 The driver has already prepared everything that needs no process group (tokenized data in the
@@ -49,11 +49,13 @@ from torch import nn
 from . import checkpoint as ckpt_io
 from . import metric_names as names
 from .checkpoint.layout import resume_candidates
+from .config import TrainConfig
 from .data import DataModule, build_data
 from .distributed import DistEnv, process_group
 from .eval import eval_loss, exact_match
 from .hf_dir import hub_name
 from .lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
+from .loss import install as install_loss_head
 from .model import build_meta_model, decoder_layers, init_buffers, init_weights, retie_embeddings
 from .optim import build_optimizer, compile_cache_dir, use_compile_cache
 from .parallel import build_mesh, local_numel, parallelize, torch_dtype
@@ -66,6 +68,7 @@ from .stopping import StopSignals, stop_handler
 from .tracking import Console, NullConsole, NullTracker, open_tracker
 from .tracking.view import STATUS_TAG, model_name, shown_metrics, status_text
 from .train import (
+    TOKEN_LOSS,
     LoopContext,
     StopRequested,
     build_scheduler,
@@ -86,6 +89,8 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
     model.to(torch_dtype(spec.policy.param_dtype))
     ft = spec.finetune
     apply_adapters(model, ft, policy=spec.policy)
+    if spec.train.loss == TrainConfig.CHUNKED:  # the head computes the loss (loss.py)
+        install_loss_head(model, chunk=spec.train.loss_chunk)
     mesh = build_mesh(spec.mesh, device.type)
     parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
                 ac=spec.checkpointing, compile=spec.train.compile,
@@ -160,6 +165,7 @@ class RankRun:
     state: TrainState
     resumed_from: Optional[Path] = None
     counts: dict[str, int] = field(default_factory=dict)  # trainable, base, total parameters
+    preference: Any = None  # objective=dpo: dpo.Preference (its reference, loss and eval)
 
     @classmethod
     def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
@@ -171,6 +177,12 @@ class RankRun:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         # the driver announced the data's notes already
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
+        preference = None
+        if spec.objective.name == "dpo":  # its reference, from the weights not yet trained
+            from .dpo import build_preference
+
+            preference = build_preference(spec, model, data, device, rank=env.rank,
+                                          world=env.world_size, resuming=bool(resume))
         compile_cache(spec, env.rank)
         optimizer = build_optimizer(model, spec.train, spec.optim)
         scheduler = build_scheduler(optimizer, spec.train)
@@ -185,7 +197,7 @@ class RankRun:
             tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
             finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
-                  console, checkpointer, state)
+                  console, checkpointer, state, preference=preference)
         run.resumed_from = checkpointer.resume(resume)
         run.console.set_initial(state.step)
         run.record_start()
@@ -219,15 +231,22 @@ class RankRun:
             self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
 
     def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
-        spec = self.spec
+        spec, pref = self.spec, self.preference
+        eval_fn = (lambda step: evaluate(self.model, self.data, spec, self.device)) \
+            if pref is None else (lambda step: pref.evaluate(
+                self.model, self.data, max_batches=spec.eval.max_batches,
+                task_prompts=spec.eval.task_prompts, max_new_tokens=spec.eval.max_new_tokens))
         return LoopContext(
             device=self.device, train=spec.train, eval=spec.eval,
-            batches=self.data.train_batches(), tracker=self.tracker, console=self.console,
+            batches=self.data.train_batches() if pref is None
+            else pref.batches(self.data.train_batches()),
+            loss_fn=TOKEN_LOSS if pref is None else pref.loss,
+            tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
                          hang.arm],
             saves_at=self.checkpointer.saves_at,
-            evaluate=lambda step: evaluate(self.model, self.data, spec, self.device),
+            evaluate=eval_fn,
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,
                                  save_on_user_stop=spec.save.every_steps > 0),
@@ -312,6 +331,8 @@ class RankRun:
                names.SUMMARY_FINAL_LOSS: final.get(names.LOSS),
                names.SUMMARY_EVAL_LOSS: final.get(names.EVAL_LOSS),
                names.SUMMARY_EVAL_EXACT_MATCH: final.get("eval_exact_match")}
+        if self.preference is not None:
+            out.update(self.preference.summary(logged, final))
         return {k: float(v) for k, v in out.items() if v is not None}
 
     def final_metrics(self, summary: dict[str, float]) -> dict[str, float]:

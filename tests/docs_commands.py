@@ -288,6 +288,34 @@ REGISTRY: dict[str, Entry] = {
         "lora_8b_dry", f"{LOCAL}::test_lora_8b_on_one_4090_dry_run",
         "plans 8b LoRA for one RTX 4090: it fits at the peak docs/finetune.md states; the one "
         "local rank it would start; leaves no run directory"),
+    # --- docs/long_context.md (its first command is README.md's too: one entry) -------------
+    "python -m llama_fsdp model=8b finetune=qlora cluster.nproc_per_node=1 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=32768 train.batch_size=1 checkpointing=full "
+    "dry_run=true": Entry(
+        "longctx_8b_dry", f"{LOCAL}::test_long_context_8b_qlora_dry_run",
+        "plans 8b QLoRA at 32,768 tokens for one RTX 4090: it fits with the chunked loss, at the "
+        "peak, phase and longest sequence README.md and docs/long_context.md state; leaves no "
+        "run directory"),
+    "python -m llama_fsdp model=8b finetune=qlora cluster=slurm cluster.gpus_per_node=1 "
+    "cluster.gpu_type=rtx4090 cluster.mem_gb=64 cluster.timeout_min=60 train.seq_len=65536 "
+    "train.batch_size=1 checkpointing=full checkpointing.offload=true dry_run=true": Entry(
+        "longctx_8b_offload_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "plans 8b QLoRA at 65,536 tokens with the layer inputs offloaded: it fits; the device "
+        "peak, the pinned host RAM, the recompute note and the longest sequence are what "
+        "docs/long_context.md states; then the sbatch script", (NO_SLURM,)),
+    "python -m llama_fsdp model=70b finetune=qlora cluster=slurm cluster.gpus_per_node=4 "
+    "cluster.gpu_type=rtx4090 cluster.mem_gb=128 cluster.timeout_min=60 train.seq_len=16384 "
+    "train.batch_size=1 checkpointing=full checkpointing.offload=true dry_run=true": Entry(
+        "longctx_70b_offload_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "plans 70b QLoRA at 16,384 tokens on 4 RTX 4090s with the inputs offloaded: it fits at "
+        "the peak and pinned host RAM docs/long_context.md states", (NO_SLURM,)),
+    "python -m llama_fsdp model=8b finetune=qlora cluster.nproc_per_node=1 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=65536 train.batch_size=1 checkpointing=full "
+    "train.loss=full dry_run=true": Entry(
+        "longctx_full_loss_dry", f"{LOCAL}::test_long_context_offload_dry_runs",
+        "the full loss at 65,536 tokens: refused in the plan (a dry run still exits 0) with the "
+        "peak docs/long_context.md states and the fixes it names: the chunked loss, the offload, "
+        "both with bf16, the longest sequence"),
     # --- docs/optimizer.md ------------------------------------------------------------------
     "python -m llama_fsdp model=70b cluster=slurm cluster.gpus_per_node=8 cluster.gpu_type=h100 "
     "precision=bf16 checkpointing=full train.batch_size=1 train.seq_len=2048 dry_run=true": Entry(
@@ -471,6 +499,29 @@ REGISTRY: dict[str, Entry] = {
         "hook", f"{LOCAL}::test_preprocess_hook",
         "Self-Instruct tasks reshaped by the docs' own hooks.py (one record per instance): "
         "status finished, the split counts the instances", (SHRINK,)),
+    # --- docs/dpo.md (the first and the sweep also in README.md) -----------------------------
+    "python -m llama_fsdp objective=dpo finetune=lora": Entry(
+        "dpo", f"{LOCAL}::test_dpo_lora",
+        "DPO with LoRA on the synthetic pairs, 2 CPU ranks: status finished; MLflow has "
+        "objective.name dpo, the first step's loss ln 2 (policy and reference the same "
+        "weights), the rewards, margin, accuracy and log-probs per step; the PEFT adapter is "
+        "the run's model", (SHRINK, SYNTH)),
+    "python -m llama_fsdp save.export_hf=true output_dir=outputs/sft": Entry(
+        "sft_export", f"{LOCAL}::test_sft_then_dpo",
+        "SFT of the tiny model, its HF export in outputs/sft/export (loads in transformers)",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp objective=dpo finetune=lora model.path=outputs/sft/export": Entry(
+        "dpo_from_sft", f"{LOCAL}::test_sft_then_dpo",
+        "DPO from that export: status finished; the base and the reference are the SFT model "
+        "(first loss ln 2), its tokenizer encodes the pairs (tokenizer source model.path)",
+        (SHRINK, SYNTH)),
+    "python -m llama_fsdp -m objective=dpo finetune=lora objective.beta=0.05,0.1,0.5": Entry(
+        "dpo_sweep", f"{LOCAL}::test_dpo_beta_sweep",
+        "a sweep over beta: every point finished, the summary table has a row per beta, and "
+        "MLflow has each point's objective.beta",
+        (Replace("objective.beta=0.05,0.1,0.5", "objective.beta=0.05,0.5",
+                 "two of the three points: the same sweep, a point (20 s) less"),
+         SHRINK, SYNTH)),
     # --- docs/mlflow.md ---------------------------------------------------------------------
     "mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db": Entry(
         "mlflow_ui", f"{LOCAL}::test_mlflow_ui",

@@ -25,15 +25,19 @@ log = logging.getLogger("llama_fsdp.data")
 
 def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int, dp_world: int,
                seed: int, cache_dir: Path, vocab_size: int, model_path: Optional[str] = None,
-               announce: Optional[bool] = None) -> DataModule:
+               announce: Optional[bool] = None, preference: bool = False) -> DataModule:
     """Tokenize (or load from cache), pack, and return this rank's ``DataModule``.
 
     ``model_path``: the HF model directory being fine-tuned (model.path): its tokenizer encodes
     the data unless data.tokenizer is set. ``announce``: log the data's notes (the split, the
     tokenizer used, advice); default: on dp rank 0. The driver announces; ranks need not again.
+    ``preference``: prompt / chosen / rejected pairs (objective=dpo: data/preference.py), each
+    pair's two sequences in one row.
     """
+    from .preference import PAIRS, PairPacked, preference_problems
+
     cfg = as_config(cfg)
-    problems = cfg.problems()
+    problems = cfg.problems() + (preference_problems(cfg) if preference else [])
     if problems:
         raise ValueError("invalid data config: " + "; ".join(problems))
     announce = dp_rank == 0 if announce is None else announce
@@ -43,10 +47,12 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
         raise ValueError(problem)
     # the announcing process (the driver) checks the cache's digests before any rank reads it
     prep = tokenize_splits(cfg, seq_len=seq_len, cache_dir=Path(cache_dir), tokenizer=tok,
-                           show_progress=dp_rank == 0, verify_digests=announce)
+                           show_progress=dp_rank == 0, verify_digests=announce,
+                           kind=PAIRS if preference else None)
     pad = tok.pad_token_id
-    train = Packed.build(TokenStore(prep.train), seq_len, pad, cfg.packing)
-    ev = Packed.build(TokenStore(prep.eval), seq_len, pad, cfg.packing)
+    rows = PairPacked.build_pairs if preference else Packed.build
+    train = rows(TokenStore(prep.train), seq_len, pad, cfg.packing)
+    ev = rows(TokenStore(prep.eval), seq_len, pad, cfg.packing)
     tr_meta, ev_meta = prep.meta["train"], prep.meta["eval"]
     chars = tr_meta["chars"] + ev_meta["chars"]
     tokens_per_char = (tr_meta["full_tokens"] + ev_meta["full_tokens"]) / max(1, chars)
@@ -68,13 +74,16 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
         "tokens_per_char": float(tokens_per_char),
         "tokenized_from_cache": float(prep.from_cache),
         "tokenizer_size": float(size),
+        **({"train_pairs": float(train.pairs), "eval_pairs": float(ev.pairs)} if preference
+           else {}),
     }
     info = DataInfo(
         source=describe_source(cfg), format=tr_meta["format"],
         tokenizer=(str(choice.name_or_path) if not choice.is_project
                    else str(Path(tok.name_or_path).resolve())),
         tokenizer_source=choice.source, tokenizer_size=size,
-        train_records=len(train.store), eval_records=len(ev.store),
+        train_records=len(train.store) // (2 if preference else 1),
+        eval_records=len(ev.store) // (2 if preference else 1),
         train_origin=tr_meta["origin"], eval_origin=ev_meta["origin"],
         tokens_per_char=float(tokens_per_char), cache_path=str(prep.path))
     dm = DataModule(train=train, eval=ev, tokenizer=tok, micro_batch=micro_batch, dp_rank=dp_rank,

@@ -10,7 +10,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -39,6 +39,20 @@ _CACHE_VERSION = 3
 _WORK_COLUMNS = ("full_len", "targets", "chars", "keep")
 
 
+class RecordKind(Protocol):
+    """Records other than the SFT formats (preference pairs: data/preference.py): where they
+    come from, how a split is tokenized, and what of theirs keys the cache."""
+
+    name: str  # in the cache entry's name
+
+    def fingerprint(self, cfg: DataConfig) -> Any: ...
+
+    def load(self, cfg: DataConfig, cache_dir: Path) -> tuple[Split, Split]: ...
+
+    def tokenize(self, cfg: DataConfig, split: Split, tok, seq_len: int, split_name: str,
+                 key: str) -> tuple[Any, dict]: ...
+
+
 @dataclass
 class Tokenized:
     """Tokenized train / eval splits (datasets, memory-mapped) and what building them found."""
@@ -52,7 +66,7 @@ class Tokenized:
 
 def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer=None,
                     model_path: Optional[str] = None, show_progress: bool = True,
-                    verify_digests: bool = False) -> Tokenized:
+                    verify_digests: bool = False, kind: Optional[RecordKind] = None) -> Tokenized:
     """Tokenize both splits into ``cache_dir/data/<key>`` or find them there.
 
     ``tokenizer``: the one to use (default: ``resolve_tokenizer`` with ``model_path``).
@@ -60,14 +74,14 @@ def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer
     its manifest and renames it into place; the others wait for the lock and load the result.
     An entry whose files do not match their manifest (sizes; with ``verify_digests``, as the
     driver checks before the ranks start, SHA-256 too) is rebuilt, with a warning naming the
-    file.
+    file. ``kind``: records other than the SFT formats (preference pairs), keyed apart.
     """
     cfg, cache_dir = as_config(cfg), Path(cache_dir)
     tok = tokenizer if tokenizer is not None else build_tokenizer(cfg, cache_dir,
                                                                   model_path=model_path)
-    key = _cache_key(cfg, seq_len, tok)
+    key = _cache_key(cfg, seq_len, tok, kind)
     root = cache_dir / "data"
-    final = root / f"{cfg.name}-{key[:20]}"
+    final = root / f"{cfg.name}-{kind.name + '-' if kind else ''}{key[:20]}"
     if not cached_entry_ok(final, digests=verify_digests):
         from filelock import FileLock
 
@@ -75,7 +89,7 @@ def tokenize_splits(cfg: DataConfig, *, seq_len: int, cache_dir: Path, tokenizer
         with FileLock(str(root / f"{final.name}.lock")):
             if not cached_entry_ok(final, digests=verify_digests, damaged=(
                     "the cached tokenized data is damaged ({problem}): tokenizing again")):
-                _build(cfg, seq_len, tok, cache_dir, final, show_progress)
+                _build(cfg, seq_len, tok, cache_dir, final, show_progress, kind)
                 return _load_tokenized(final, from_cache=False)
     log.info("tokenized data found in cache: %s", final)
     return _load_tokenized(final, from_cache=True)
@@ -107,7 +121,7 @@ def as_config(cfg) -> DataConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), cfg))
 
 
-def _cache_key(cfg: DataConfig, seq_len: int, tok) -> str:
+def _cache_key(cfg: DataConfig, seq_len: int, tok, kind: Optional[RecordKind] = None) -> str:
     fields = {f: getattr(cfg, f) for f in (
         "name", "num_records", "eval_fraction", "eval_min_records", "eval_max_records",
         "eval_records", "seed", "path", "subset", "revision", "split", "eval_split", "eval_path",
@@ -118,12 +132,13 @@ def _cache_key(cfg: DataConfig, seq_len: int, tok) -> str:
         fields.pop("num_records")
     fields["preprocess_source"] = hook_fingerprint(cfg.preprocess)
     blob = {"v": _CACHE_VERSION, "cfg": fields, "seq_len": seq_len,
-            "tokenizer": tokenizer_fingerprint(tok), "files": source_stamp(cfg)}
+            "tokenizer": tokenizer_fingerprint(tok), "files": source_stamp(cfg),
+            **({"kind": [kind.name, kind.fingerprint(cfg)]} if kind else {})}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
-           show_progress: bool) -> None:
+           show_progress: bool, kind: Optional[RecordKind] = None) -> None:
     import datasets
 
     meta: dict[str, Any] = {"name": cfg.name, "seq_len": seq_len, "tokenizer": tok.name_or_path}
@@ -134,9 +149,10 @@ def _build(cfg: DataConfig, seq_len: int, tok, cache_dir: Path, final: Path,
     if not show_progress:
         datasets.disable_progress_bars()
     try:
-        train, ev = load_sources(cfg, cache_dir)
+        train, ev = (kind.load if kind else load_sources)(cfg, cache_dir)
+        tokenize = kind.tokenize if kind else _tokenize
         for split_name, split in (("train", train), ("eval", ev)):
-            ds, info = _tokenize(cfg, split, tok, seq_len, split_name, final.name)
+            ds, info = tokenize(cfg, split, tok, seq_len, split_name, final.name)
             if len(ds):  # (datasets cannot reload an empty saved dataset: absent means empty)
                 datasets.disable_progress_bars()  # a local copy: nothing to watch
                 ds.save_to_disk(str(tmp / split_name))

@@ -61,7 +61,7 @@ def encode_text(tok: PreTrainedTokenizerBase, text: str) -> Encoded:
 # --- chat ----------------------------------------------------------------------------------------
 
 def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
-                train_on_prompt: bool) -> Encoded:
+                train_on_prompt: bool, targets_from: int = 0) -> Encoded:
     """A conversation exactly as ``tok.apply_chat_template(messages)`` tokenizes it, with the loss
     on assistant turns (their content and end-of-turn token) only.
 
@@ -79,7 +79,8 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
     all-zero mask for byte-level tokenizers when an assistant turn starts with a space.
 
     ``prompt_len`` is where the last assistant turn starts (0 when the conversation does not end
-    with one). Needs a fast tokenizer (character offsets) and a template that renders every
+    with one). ``targets_from``: only assistant turns from this message on are targets (a
+    preference pair's answer after its prompt turns). Needs a fast tokenizer (character offsets) and a template that renders every
     prefix of the conversation as a prefix of the whole (``ChatTemplateError`` otherwise).
     """
     if not tok.chat_template:
@@ -94,6 +95,8 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     spans = assistant_spans(tok, messages, full)
+    if targets_from:  # a preference answer: only the turns from message targets_from on
+        spans = spans[sum(m["role"] == "assistant" for m in messages[:targets_from]):]
     mask = _overlap_mask(offsets, spans)
     prompt_len = 0
     if messages[-1]["role"] == "assistant" and spans:
@@ -236,6 +239,11 @@ def detect_format(cfg: DataConfig, features: Any, where: str) -> tuple[str, Data
     if fmt == "auto":
         fmt = next((f for f in ("chat", "instruction", "text")
                     if all(c in features for c in need[f])), None)
+        if fmt is None and {"chosen", "rejected"} <= set(features):
+            raise ValueError(f"{where}: this is preference data (columns 'chosen' and 'rejected'"
+                             f"; found {describe_columns(features)}): use objective=dpo "
+                             "(docs/dpo.md), or give each record one answer for supervised "
+                             "fine-tuning")
         if fmt is None:
             raise ValueError(f"{where}: cannot tell the record format from its columns (layout "
                              f"not supported). Columns found: {describe_columns(features)}. "

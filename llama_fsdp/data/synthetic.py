@@ -80,6 +80,48 @@ def synthetic_records(n: int, seed: int, split: str) -> list[dict[str, str]]:
     return out
 
 
+# kind -> a plausible wrong answer to (input, right answer): the rejected answer of a synthetic
+# preference pair (objective=dpo), so the preferred answer is known and checkable.
+def _wrong_opposite(r: random.Random, x: str, y: str) -> str:
+    return r.choice([w for w in sorted(_OPPOSITES) if w != y])
+
+
+def _wrong_letter(r: random.Random, x: str, y: str) -> str:
+    i = _LETTERS.index(x)
+    return r.choice([c for c in (_LETTERS[i], _LETTERS[min(i + 2, 25)]) if c != y])
+
+
+def _wrong_sum(r: random.Random, x: str, y: str) -> str:
+    return str(int(y) + 1 if int(y) == 0 or r.random() < 0.5 else int(y) - 1)
+
+
+def _wrong_order(r: random.Random, x: str, y: str) -> str:
+    ws = y.split()
+    wrong = " ".join(reversed(ws))
+    return wrong if wrong != y else " ".join(ws[1:] + ws[:1])
+
+
+WRONG_ANSWERS: dict[str, Callable[[random.Random, str, str], str]] = {
+    "opposite": _wrong_opposite, "next_letter": _wrong_letter, "add": _wrong_sum,
+    "copy": _wrong_order, "reverse": _wrong_order,
+}
+
+
+def synthetic_pairs(n: int, seed: int, split: str, *, prompt_template: str) -> list[dict[str, str]]:
+    """``n`` preference records (prompt / chosen / rejected / task): the instruction records of
+    ``synthetic_records`` with the right answer chosen and a plausible wrong one rejected (a
+    near miss of the same kind: another opposite, a neighbouring letter, a sum off by one, the
+    words in the wrong order). Deterministic in (seed, split)."""
+    r = random.Random(f"llama_fsdp-synthetic-pairs-{seed}-{split}")
+    out = []
+    for rec in synthetic_records(n, seed, split):
+        prompt = prompt_template.format(instruction=rec["instruction"], input=rec["input"])
+        wrong = WRONG_ANSWERS[rec["task"]](r, rec["input"], rec["output"])
+        out.append({"prompt": prompt, "chosen": rec["output"], "rejected": wrong,
+                    "task": rec["task"]})
+    return out
+
+
 def synthetic_corpus() -> list[str]:
     """The project tokenizer's training text: synthetic records as instructions and chats."""
     d = DataConfig()

@@ -27,12 +27,15 @@ from ..config import CheckpointingConfig, ModelConfig
 # attention (flash / memory-efficient / CPU flash) keeps no s×s probabilities: there is no s²
 # term (eager attention would add about (2c + 1)·heads·s per token per layer).
 # Total: (8 + 6c)·h + 2c·g + 4c·i + 4·(heads + 2); bf16: 20h + 4g + 8i, which is 49h for 8B
-# (Korthikanti's GPT layer: 34h + 5·heads·s). Outside the layers: the final RMSNorm (4h + 2c·h
-# + 4), int64 input ids kept by the embedding (8) and RoPE cos/sin (2·s·Q·c per sequence).
+# (Korthikanti's GPT layer: 34h + 5·heads·s). Outside the layers: the final RMSNorm (4h + c·h
+# + 4; its weighted output is the head's input, saved or not by the loss: plan/loss.py),
+# int64 input ids kept by the embedding (8) and RoPE cos/sin (2·s·Q·c per sequence).
 # tests/unit/test_plan.py checks all of this against the bytes autograd really saves.
 # Full activation checkpointing keeps only each layer's input (c·h); layer-selective wraps
 # every k-th layer (floor(L/k) layers, as parallel.py). Backward recomputes one wrapped layer
 # at a time, so one layer's full activations are added back while any layer is wrapped.
+# checkpointing.offload (llama_fsdp/offload.py) keeps those inputs in pinned host memory on
+# CUDA: on the device stay the input being recomputed and the next one, brought back ahead.
 
 
 # Packed sequences (data.packing=true): position_ids restart at every document, so transformers
@@ -61,6 +64,21 @@ from ..config import CheckpointingConfig, ModelConfig
 # record per row comes near it, short records far below), counted once at that bound
 # (``varlen_mask_bytes``). An explicit varlen on unpacked rows runs the same way (one record per
 # row): these terms count whenever the kernel is varlen, packed or not.
+
+
+# checkpointed inputs on the device with checkpointing.offload: the one being recomputed and
+# the one being brought back for the layer before it
+OFFLOAD_IN_FLIGHT = 2
+
+
+def checkpointed_inputs(ac: CheckpointingConfig, num_layers: int, device: str) -> tuple[int, int]:
+    """(on the device, in host memory): how many checkpointed layers' inputs are kept where
+    between forward and backward (with offload, every one has its pinned host copy: blocks
+    the caching host allocator keeps for the next step)."""
+    wrapped = len(ac.wrapped_layers(num_layers))
+    if ac.offload and device == "cuda":
+        return min(wrapped, OFFLOAD_IN_FLIGHT), wrapped
+    return wrapped, 0
 
 
 def _varlen_repeats_kv() -> bool:
@@ -107,30 +125,16 @@ def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = F
 def activation_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,
                      ac: Optional[CheckpointingConfig] = None, packing: bool = False,
                      device: str = "cuda") -> int:
-    """Activations kept for backward by one micro-batch, loss buffers excluded (``packing``:
+    """Activations kept for backward by one micro-batch, the loss's excluded (``packing``:
     data.packing, which adds the packed attention's terms above)."""
     per_layer = saved_layer_bytes(m, seq_len=seq_len, c=c, packing=packing, device=device)
-    wrapped = len((ac or CheckpointingConfig()).wrapped_layers(m.num_layers))
-    layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
+    ac = ac or CheckpointingConfig()
+    wrapped = len(ac.wrapped_layers(m.num_layers))
+    on_device, _ = checkpointed_inputs(ac, m.num_layers, device)
+    layers = (m.num_layers - wrapped) * per_layer + on_device * c * m.hidden_size
     if wrapped:
         layers += per_layer  # the layer being recomputed in backward
-    outside = 4 * m.hidden_size + 2 * c * m.hidden_size + 4 + 8
+    outside = 4 * m.hidden_size + c * m.hidden_size + 4 + 8
     outside += varlen_mask_bytes(m, seq_len, c, device)
     rope = 2 * seq_len * (m.hidden_size // m.num_heads) * c
     return micro_batch * seq_len * (layers + outside) + rope
-
-
-def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int) -> int:
-    """Peak of the logits and F.cross_entropy(logits.float()) buffers, b·s·vocab wide.
-
-    Forward: logits (c) + their fp32 copy (4, none when c is 4) + the saved fp32 log-softmax
-    (4). Backward: saved log-softmax + its incoming grad + the grad to the logits (3 × 4), after
-    the worker's loss function dropped its logits reference. Chunked loss would remove this.
-    """
-    forward = c + (4 if c < 4 else 0) + 4
-    return micro_batch * seq_len * m.vocab_size * max(forward, 12)
-
-
-def _grad_logits_bytes(c: int, tokens: int, vocab: int) -> int:
-    """The fp32 grad of the logits, and its cast to a narrower compute dtype."""
-    return (4 + (c if c < 4 else 0)) * tokens * vocab

@@ -1,5 +1,6 @@
-"""Host RAM per rank: where the plan puts memory on the host (sharding.cpu_offload's state; the
-weights on their way in) against the host's RAM (this machine's, or cluster.mem_gb on SLURM).
+"""Host RAM per rank: where the plan puts memory on the host (sharding.cpu_offload's state;
+checkpointing.offload's layer inputs; the weights on their way in) against the host's RAM (this
+machine's, or cluster.mem_gb on SLURM).
 
 Loading never needs a whole tensor, let alone a model, on the host: from HF files each rank
 reads one tensor's rows at a time (DCP's HuggingFaceStorageReader; file dtype taken as 16-bit,
@@ -16,6 +17,7 @@ from typing import Optional
 from .. import nf4
 from ..precision import DTYPE_BYTES
 from ..spec import RunSpec
+from .activations import checkpointed_inputs
 from .device import GB, _host_ram_bytes
 from .shapes import param_shapes, projection_shapes
 
@@ -36,7 +38,7 @@ def read_bytes(spec: RunSpec) -> int:
 
 def staging_bytes(spec: RunSpec) -> int:
     """qlora from HF files: one decoder layer's target rows per rank in the frozen dtype, read
-    before they are quantized (checkpoint.adapters.load_hf_base: its ``staging_bytes``)."""
+    before they are quantized (checkpoint.peft.load_hf_base: its ``staging_bytes``)."""
     ft = spec.finetune
     if not (ft.nf4 and spec.model.path):
         return 0
@@ -66,6 +68,24 @@ def load_peak_bytes(spec: RunSpec, params: int) -> int:
     if spec.device == "cuda":
         return read_bytes(spec)
     return params + read_bytes(spec) + staging_bytes(spec) + quantize_temp_bytes(spec)
+
+
+def pinned_bytes(n: int) -> int:
+    """A pinned host block as CUDA's caching host allocator hands it out: rounded up to a power
+    of two (c10's CachingHostAllocator), so it can be reused for any smaller request."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def activation_host_bytes(spec: RunSpec) -> int:
+    """checkpointing.offload on CUDA: the checkpointed layers' inputs (b x s x hidden each, in
+    the residual stream's dtype: the param dtype under DDP's autocast) held in pinned host
+    memory from their forward to their backward. On CPU they stay where they are: host memory,
+    counted as the run's device memory."""
+    m, t, p = spec.model, spec.train, spec.policy
+    _, on_host = checkpointed_inputs(spec.checkpointing, m.num_layers, spec.device)
+    wide = spec.mesh.ddp and p.param_dtype != p.compute_dtype
+    each = DTYPE_BYTES[p.param_dtype if wide else p.compute_dtype]
+    return on_host * pinned_bytes(t.batch_size * t.seq_len * m.hidden_size * each)
 
 
 def host_capacity_bytes(spec: RunSpec) -> tuple[Optional[int], str]:

@@ -61,6 +61,7 @@ TRAINABLE = (Shown("trainable M", _metric(m.TRAINABLE_PARAMS, 1e-6), 3, 90),
 BY_OBJECTIVE: dict[str, tuple[Shown, ...]] = {
     "sft": (Shown("final loss", _metric(m.SUMMARY_FINAL_LOSS), 4, 78),
             Shown("eval loss", _metric(m.SUMMARY_EVAL_LOSS), 4, 76)),
+    "dpo": (Shown("eval reward acc", _metric(m.SUMMARY_EVAL_REWARD_ACCURACY), 3, 116),),
 }
 SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 108),
                 Shown("MFU pct", _metric(m.SUMMARY_MFU, 100.0), 3, 80),

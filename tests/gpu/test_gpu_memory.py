@@ -41,7 +41,8 @@ def _spec(strategy: str, precision: str, ac: str, batch: int):
                       "cluster.device=cuda", "cluster.nproc_per_node=1", f"sharding={strategy}",
                       f"precision={precision}", f"checkpointing={ac}",
                       f"train.batch_size={batch}", f"train.seq_len={SEQ_LEN}",
-                      "data.packing=false"],  # _measure feeds unpacked input_ids
+                      "data.packing=false",  # _measure feeds unpacked input_ids
+                      "train.loss=full"],  # as measured (the chunked loss: test_gpu_long_context)
                      output_dir="/tmp/llama_fsdp_test/gpu_memory")
 
 

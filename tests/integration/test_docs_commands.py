@@ -233,19 +233,19 @@ def test_qlora_70b_on_four_4090s_dry_run(work):
     assert printed(out, "world_size") == "4 = 1 node(s) x 4"
     assert printed(out, "finetune").startswith("qlora (rank 16, alpha 32")
     assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
-    peak = plan_gb(out, "predicted peak (max over phases: loss)")
+    peak = plan_gb(out, "predicted peak (max over phases: layers)")
     (readme_peak,) = doc_states("README.md", r"planned for 4 x RTX 4090: ([\d.]+) GB per GPU")
     assert same(readme_peak, peak), (readme_peak, peak)
     doc_peak, phase, capacity = doc_states(
         "docs/finetune.md", r"The plan: ([\d.]+) GB per GPU at its peak \(the (\w+) phase\), "
                             r"which fits a 4090's ([\d.]+) GB")
-    assert same(doc_peak, peak) and phase == "loss", (doc_peak, phase, peak)
+    assert same(doc_peak, peak) and phase == "layers", (doc_peak, phase, peak)
     assert same(capacity, plan_gb(out, "capacity (rtx4090 (cluster.gpu_type table))"))
     base, state, trainable, share, activations, logits = doc_states(
         "docs/finetune.md", r"Of it, ([\d.]+) GB is the sharded base .*? ([\d.]+) GB the "
                             r"adapters' fp32 gradients and AdamW moments \(([\d.]+) M trainable "
                             r"parameters, ([\d.]+)%\), ([\d.]+) GB activations and ([\d.]+) GB "
-                            r"logits")
+                            r"loss buffers")
     assert same(base, plan_gb(out, "base NF4/bfloat16 + adapters float32 (sharded)"))
     adapters_state = (float(plan_gb(out, "gradients (adapters only, float32)"))
                       + float(plan_gb(out, "optimizer (AdamW 2 moments of the adapters, "
@@ -256,7 +256,7 @@ def test_qlora_70b_on_four_4090s_dry_run(work):
     assert same(trainable, f"{int(m.group(1).replace(',', '')) / 1e6:.0f}")
     assert same(share, m.group(2)), (share, m.group(2))
     assert same(activations, plan_gb(out, "activations (b=1, s=2048, AC full)"))
-    assert same(logits, plan_gb(out, "logits + fp32 loss (b x s x vocab)"))
+    assert same(logits, plan_gb(out, "loss, chunked (1024 tokens x vocab a chunk)"))
 
 
 def test_sweep(work):
@@ -335,6 +335,58 @@ def test_finetune_sweep(work):
     assert all(run.info.status == "FINISHED" for run in runs)
 
 
+# --- docs/dpo.md ---------------------------------------------------------------------------------
+
+
+def _dpo(r: docs.Ran, work: Path):
+    """A DPO run with adapters finished from weights equal to its reference (first loss ln 2),
+    and MLflow has what it trains for and the DPO metrics of every step."""
+    run = _adapters(r, work, "lora")
+    assert printed(r.output, "objective") == "dpo (beta 0.1, sigmoid, reference model)"
+    assert "reference: the policy with its adapters off" in r.output  # the plan says which
+    c, run_id = client(work), run.info.run_id
+    assert run.data.params["objective.name"] == "dpo"
+    assert c.get_metric_history(run_id, "loss")[0].value == pytest.approx(0.6931472, abs=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+                "logps/chosen", "logps/rejected"):
+        assert [m.step for m in c.get_metric_history(run_id, key)] == [1, 2], key
+    return run
+
+
+def test_dpo_lora(work):
+    _dpo(run_doc("dpo", work), work)
+
+
+def test_sft_then_dpo(work):
+    from transformers import AutoModelForCausalLM
+
+    sft = run_doc("sft_export", work)
+    finished(sft, work)
+    export = work / "outputs" / "sft" / "export"
+    assert AutoModelForCausalLM.from_pretrained(str(export)).config.vocab_size == 512
+    dpo = run_doc("dpo_from_sft", work)
+    run = _dpo(dpo, work)
+    assert run.data.tags["derived.tokenizer_source"] == "model.path"
+    assert run.data.params["model.path"] == "outputs/sft/export"
+
+
+def test_dpo_beta_sweep(work):
+    r = run_doc("dpo_sweep", work, timeout=900)
+    assert r.returncode == 0, str(r)
+    assert r.output.count("status         finished") == 2, str(r)
+    table = r.output.split(" summary:\n", 1)[1].splitlines()
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    beta = header.index("objective.beta")
+    assert sorted(row[beta] for row in rows) == ["0.05", "0.5"], table
+    assert all(row[header.index("status")] == "FINISHED" for row in rows), table
+    c = client(work)
+    runs = [c.get_run(run_id) for run_id in re.findall(r"^\s+mlflow run\s+(\w+)", r.output, re.M)]
+    assert sorted(run.data.params["objective.beta"] for run in runs) == ["0.05", "0.5"]
+    assert all("rewards/accuracy" in run.data.metrics for run in runs)
+
+
 def test_qlora_70b_from_hub_weights(work, hub):
     r = run_doc("qlora_70b_hub", work, hub=str(hub))
     _adapters(r, work, "qlora")
@@ -363,6 +415,67 @@ def test_lora_8b_on_one_4090_dry_run(work):
                              r"Llama 3.1 8B with LoRA on one 24 GB GPU: ([\d.]+) GB planned")
     assert same(doc_peak, peak), (doc_peak, peak)
     assert plan_gb(r.output, "capacity (rtx4090 (cluster.gpu_type table))") == "25.40"
+
+
+# --- docs/long_context.md ------------------------------------------------------------------------
+
+
+def test_long_context_8b_qlora_dry_run(work):
+    """README.md's and docs/long_context.md's 8B QLoRA at 32,768 tokens on one 24 GB card."""
+    before = docs.run_dirs(work)
+    r = run_doc("longctx_8b_dry", work, timeout=300)
+    _local_dry_run_checks(r, work, before, ranks=1)
+    out = r.output
+    assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
+    assert "  loss, chunked (1024 tokens x vocab a chunk)" in out
+    peak = plan_gb(out, "predicted peak (max over phases: layers)")
+    (readme_peak,) = doc_states("README.md", r"8B QLoRA at 32,768 tokens on one 24 GB card: "
+                                             r"([\d.]+) GB")
+    doc_peak, phase, longest = doc_states(
+        "docs/long_context.md", r"at 32,768 tokens: ([\d.]+) GB planned, the peak in the (\w+)"
+                                r"' backward; the longest that fits is ([\d,]+) tokens")
+    assert same(readme_peak, peak) and same(doc_peak, peak) and phase == "layers", peak
+    assert f"longest train.seq_len that fits at b=1: {longest}\n" in out
+
+
+def test_long_context_offload_dry_runs(work):
+    before = docs.run_dirs(work)
+    r = run_doc("longctx_8b_offload_dry", work, timeout=300)
+    script = _dry_run_checks(r, work, before)
+    out = r.output
+    assert "  fits with a 10% margin" in out and "AC full, inputs offloaded" in out
+    peak, pinned, recompute, longest = doc_states(
+        "docs/long_context.md", r"65,536 tokens: ([\d.]+) GB on the card and ([\d.]+) GB of "
+                                r"pinned host memory; one layer's recompute is ([\d.]+) GB of "
+                                r"it, and the longest that fits is ([\d,]+) tokens")
+    assert same(peak, plan_gb(out, "predicted peak (max over phases: layers)"))
+    assert same(pinned, plan_gb(out, "host RAM per rank (activation offload, pinned)"))
+    assert f"one layer's recompute in backward ({recompute} GB)" in out
+    assert f"longest train.seq_len that fits at b=1: {longest}\n" in out
+    assert "#SBATCH --gpus-per-node=1" in script
+
+    r = run_doc("longctx_70b_offload_dry", work, timeout=300)
+    _dry_run_checks(r, work, before)
+    peak, pinned = doc_states("docs/long_context.md", r"16,384 tokens: ([\d.]+) GB per card and "
+                                                      r"([\d.]+) GB of pinned host memory")
+    assert "  fits with a 10% margin" in r.output
+    assert same(peak, plan_gb(r.output, "predicted peak (max over phases: layers)"))
+    assert same(pinned, plan_gb(r.output, "host RAM per rank (activation offload, pinned)"))
+
+    r = run_doc("longctx_full_loss_dry", work, timeout=300)
+    _local_dry_run_checks(r, work, before, ranks=1)
+    out = r.output
+    peak, chunked, together, longest = doc_states(
+        "docs/long_context.md", r"The full loss at 65,536 tokens needs ([\d.]+) GB .*? "
+                                r"`train.loss=chunked` \(([\d.]+) GB, not enough alone\), "
+                                r"`checkpointing.offload=true`, both together with bf16 "
+                                r"\(([\d.]+) GB\), and `train.seq_len=(\d+)`")
+    assert "this run would be refused at launch: it does not fit" in out
+    assert same(peak, plan_gb(out, "predicted peak (max over phases: loss)"))
+    assert f"  - train.loss=chunked (no b x s x vocab logits): {chunked} GB (not enough alone)" in out
+    assert (f"  - precision=bf16 train.loss=chunked checkpointing.offload=true: {together} GB"
+            in out)
+    assert f"  - train.seq_len={longest} (the longest that fits as configured)" in out
 
 
 # --- docs/optimizer.md, docs/planner.md: 70B on one node of 8 x 80 GB ----------------------------

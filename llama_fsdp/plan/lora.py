@@ -2,15 +2,15 @@
 (16-bit, or for qlora NF4 on the target projections, scales included), adapters that have
 both, fewer saved activations, and fewer FLOPs (no weight gradients over the base).
 
-memory.py and fit.py hand a spec with adapters to ``model_state_bytes``, ``memory_breakdown``,
-``phase_peaks`` and ``flops_per_token`` here; the phases are the full model's (memory.py), less
-what a frozen weight never has, plus the NF4 terms. Checked against real gloo ranks in
-benchmarks/plan_vs_measured_cpu.md and tests/multirank/test_plan_memory.py.
+fit.py hands a spec with adapters to ``lora_state_bytes``, ``lora_memory_breakdown``,
+``lora_phase_peaks`` and ``lora_flops_per_token`` here (full.py has full fine-tuning's); the
+phases are full fine-tuning's less what a frozen weight never has, plus the NF4 terms. Checked
+against real gloo ranks in benchmarks/plan_vs_measured_cpu.md and
+tests/multirank/test_plan_memory.py.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from .. import nf4
 from ..config import FinetuneConfig, ModelConfig
@@ -18,16 +18,14 @@ from ..precision import DTYPE_BYTES
 from ..spec import RunSpec
 from ..strategies import DDP_BUCKET_MB
 from .activations import (
-    _grad_logits_bytes,
+    checkpointed_inputs,
     layer_activation_bytes,
-    logits_loss_bytes,
     packed_mask_bytes,
     varlen_mask_bytes,
 )
-from .shapes import numel, projection_shapes, root_shapes, sharded_numel
-
-if TYPE_CHECKING:  # memory.py imports this module
-    from .memory import Memory
+from .loss import LossBytes, loss_bytes
+from .phases import Memory
+from .shapes import count_params, n_matmul, numel, projection_shapes, root_shapes, sharded_numel
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
@@ -45,14 +43,12 @@ def adapter_params(m: ModelConfig, ft: FinetuneConfig) -> int:
     return numel(adapter_shapes(m, ft)) * m.num_layers
 
 
-def flops_per_token(m: ModelConfig, ft: FinetuneConfig, seq_len: int) -> float:
+def lora_flops_per_token(m: ModelConfig, ft: FinetuneConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token with a frozen base: 2N forward and 2N for the input
     gradients, no weight gradients (4 N_matmul), 6 N_a for the adapters, and attention as
     full fine-tuning (12 L H Q T). The input gradient of layer 0's frozen projections, which
     nothing needs, is counted: it is a 1/L share, and the convention counts matmuls."""
     q = m.hidden_size // m.num_heads
-    from .shapes import n_matmul
-
     return (4.0 * n_matmul(m) + 6.0 * adapter_params(m, ft)
             + 12.0 * m.num_layers * m.num_heads * q * seq_len)
 
@@ -87,7 +83,7 @@ def base_bytes(spec: RunSpec) -> int:
     return plain * f + _nf4_layer_bytes(spec, shard) * m.num_layers
 
 
-def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
+def lora_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
     """(params, grads, optimizer) one rank holds: the base and its adapters' shards; the
     adapters' gradients; AdamW's two moments of the adapters."""
     a = sharded_numel(adapter_shapes(spec.model, spec.finetune) * spec.model.num_layers,
@@ -129,15 +125,17 @@ def _mask_bytes(c: int, device: str) -> int:
     return 1 if device == "cuda" else c
 
 
-def saved_layer_bytes(m: ModelConfig, ft: FinetuneConfig, *, seq_len: int, c: int,
-                      packing: bool, device: str) -> int:
+def lora_saved_layer_bytes(m: ModelConfig, ft: FinetuneConfig, *, seq_len: int, c: int,
+                           packing: bool, device: str) -> int:
+    """Saved-for-backward bytes per token of one (not checkpointed) layer with adapters, with
+    the packed sequences' terms (activations.saved_layer_bytes' with a frozen base)."""
     varlen = m.attn_implementation == "varlen"
     extra = (packed_mask_bytes(m, seq_len, c, m.attn_implementation, device)
              if packing or varlen else 0)
     return lora_layer_activation_bytes(m, ft, c, device) + extra
 
 
-def activation_bytes(spec: RunSpec) -> int:
+def lora_activation_bytes(spec: RunSpec) -> int:
     """Activations one micro-batch keeps for backward (activations.activation_bytes with the
     layer above). Outside the layers only the loss's int64 targets are kept: the final
     RMSNorm's fp32 input and rsqrt (4h + 4) are what layer 0's first RMSNorm, whose input
@@ -145,10 +143,11 @@ def activation_bytes(spec: RunSpec) -> int:
     the frozen head keeps its input."""
     m, t, ft = spec.model, spec.train, spec.finetune
     c = DTYPE_BYTES[spec.policy.compute_dtype]
-    per_layer = saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c, packing=spec.data.packing,
-                                  device=spec.device)
+    per_layer = lora_saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c,
+                                       packing=spec.data.packing, device=spec.device)
     wrapped = len(spec.checkpointing.wrapped_layers(m.num_layers))
-    layers = (m.num_layers - wrapped) * per_layer + wrapped * c * m.hidden_size
+    on_device, _ = checkpointed_inputs(spec.checkpointing, m.num_layers, spec.device)
+    layers = (m.num_layers - wrapped) * per_layer + on_device * c * m.hidden_size
     if wrapped:
         layers += per_layer  # the layer being recomputed in backward
     outside = 8 + varlen_mask_bytes(m, t.seq_len, c, spec.device)  # the loss's int64 targets
@@ -185,33 +184,33 @@ def _dequantized_bytes(spec: RunSpec) -> int:
     return max(math.prod(shapes[t]) for t in ft.target_modules) * (8 + 3 * c)
 
 
-def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
-    """Bytes per rank at the peak of each phase (memory.phase_peaks, whose docstring explains
-    the phases), with a frozen base: no gradient of the base, the embedding or the head, so no
-    head gradient in its backward, no reduce-scatter but the adapters', no embedding backward
-    at all (the root phase holds the state and the adapters' gradients); the optimizer phase's
-    foreach temporary is adapter-sized. qlora adds a dequantized weight inside a layer's
-    forward and backward; the forward's peak may be at its start (the first unit gathered) or
-    inside a layer rather than at the head."""
+def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
+    """Bytes per rank at the peak of each phase (full.full_phase_peaks, whose docstrings
+    explain the phases), with a frozen base: no gradient of the base, the embedding or the
+    head, so no head gradient in its backward, no reduce-scatter but the adapters', no
+    embedding backward at all (the root phase holds the state and the adapters' gradients);
+    the optimizer phase's foreach temporary is adapter-sized. qlora adds a dequantized weight
+    inside a layer's forward and backward; the forward's peak may be at its start (the first
+    unit gathered) or inside a layer rather than at the head."""
     m, pol, t, mesh, ft = spec.model, spec.policy, spec.train, spec.mesh, spec.finetune
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
-    params, grads, optim = model_state_bytes(spec)
+    params, grads, optim = lora_state_bytes(spec)
     adapters = grads  # sharded, param dtype
     if spec.sharding.cpu_offload:
         params = grads = optim = 0
-    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
-    acts = activation_bytes(spec)
+    tokens, hidden = t.batch_size * t.seq_len, m.hidden_size
+    acts = lora_activation_bytes(spec)
     wrapped = len(spec.checkpointing.wrapped_layers(m.num_layers))
-    recomputed = tokens * saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c,
-                                            packing=spec.data.packing, device=spec.device)
+    recomputed = tokens * lora_saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c,
+                                                 packing=spec.data.packing, device=spec.device)
     saved = acts - (recomputed if wrapped else 0)
     accumulated = grads if t.grad_accum > 1 else 0
     state = params + optim
-    logits = logits_loss_bytes(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c)
+    lb = loss_bytes(spec, head_trains=False)
     a_layer = numel(adapter_shapes(m, ft))
     if mesh.ddp:
-        return _ddp_phase_peaks(spec, state=state, grads=grads, adapters=adapters, acts=acts,
-                                saved=saved, logits=logits, gloo=gloo)
+        return _lora_ddp_phase_peaks(spec, state=state, grads=grads, adapters=adapters,
+                                     acts=acts, saved=saved, loss=lb, gloo=gloo)
     layer_u = _unsharded_layer_bytes(spec)
     root_u = numel(root_shapes(m)) * c
     resharded = mesh.reshard_after_forward
@@ -237,55 +236,49 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
             + c * tokens * (hidden + m.num_heads * q + 2 * m.num_kv_heads * q))
     if m.tie_word_embeddings:  # the root (embedding, norm, head) stays gathered throughout
         root_kept = root_u if resharded else 0
+        before = state + accumulated + saved + kept + root_kept
         return {
-            "forward": max(start, in_layer + root_kept, state + accumulated + saved + kept
-                           + root_kept + in_flight + c * tokens * vocab),
-            "loss": state + accumulated + saved + kept + root_kept
-            + max(logits, _grad_logits_bytes(c, tokens, vocab)),
+            "forward": max(start, in_layer + root_kept, before + in_flight + lb.at_head),
+            "loss": before + lb.peak,
             "layers": state + kept + root_kept + max(
-                saved + accumulated + c * tokens * (vocab + hidden), layer_bwd),
+                saved + accumulated + lb.head_backward, layer_bwd),
             "root": root + root_kept, "optimizer": state + grads + adapters}
-    head = (vocab * hidden + hidden) * c
+    head = (m.vocab_size * hidden + hidden) * c
     head_kept = head if resharded else 0
     after_head = kept - (0 if resharded else head)
+    before = state + accumulated + saved + kept + head_kept
     return {
-        "forward": max(start, in_layer, state + accumulated + saved + kept + head_kept + head
-                       + c * tokens * vocab),
-        "loss": state + accumulated + saved + kept + head_kept + logits,
-        "layers": state + max(kept + saved + accumulated + head_kept
-                              + c * tokens * (vocab + hidden),
-                              after_head + layer_bwd),
+        "forward": max(start, in_layer, before + head + lb.at_head),
+        "loss": before + (head if lb.in_head_forward else 0) + lb.peak,
+        "layers": state + max(before - state + lb.head_backward, after_head + layer_bwd),
         "root": root, "optimizer": state + grads + adapters}
 
 
-def _ddp_phase_peaks(spec: RunSpec, *, state: int, grads: int, adapters: int, acts: int,
-                     saved: int, logits: int, gloo: bool) -> dict[str, int]:
+def _lora_ddp_phase_peaks(spec: RunSpec, *, state: int, grads: int, adapters: int, acts: int,
+                          saved: int, loss: LossBytes, gloo: bool) -> dict[str, int]:
     """sharding=no_shard (DDP, ddp.py's model) with a frozen base: the adapters' gradients in
     DDP's buckets all along, their compute-dtype casts cached under autocast (mixed), one
     bucket all-reduced at a time (gloo copies it)."""
-    m, pol, t = spec.model, spec.policy, spec.train
+    m, pol = spec.model, spec.policy
     c = DTYPE_BYTES[pol.compute_dtype]
-    tokens, vocab, hidden = t.batch_size * t.seq_len, m.vocab_size, m.hidden_size
     a_layer = numel(adapter_shapes(m, spec.finetune))
     kept = a_layer * m.num_layers * c if pol.compute_dtype != pol.param_dtype else 0
     bucket = min(grads, DDP_BUCKET_MB * 2**20) if gloo else 0
     state += grads + kept
-    return {"forward": state + saved + c * tokens * vocab,
-            "loss": state + saved + max(logits, _grad_logits_bytes(c, tokens, vocab)),
-            "layers": state + max(saved + c * tokens * (vocab + hidden),
+    return {"forward": state + saved + loss.at_head,
+            "loss": state + saved + loss.peak,
+            "layers": state + max(saved + loss.head_backward,
                                   acts + _dequantized_bytes(spec) + a_layer * c + bucket),
             "root": state + bucket, "optimizer": state + adapters}
 
 
-def memory_breakdown(spec: RunSpec) -> Memory:
-    """memory.memory_breakdown with a frozen base: gradients and optimizer state of the
+def lora_memory_breakdown(spec: RunSpec) -> Memory:
+    """full.full_memory_breakdown with a frozen base: gradients and optimizer state of the
     adapters only, unsharded copies of layers in the compute dtype (NF4 in 4 bits), buffers of
     the adapters' reduce-scatter."""
-    from .memory import Memory
-
-    m, pol, t, mesh, ft = spec.model, spec.policy, spec.train, spec.mesh, spec.finetune
+    m, pol, mesh, ft = spec.model, spec.policy, spec.mesh, spec.finetune
     c, r = DTYPE_BYTES[pol.compute_dtype], DTYPE_BYTES[pol.reduce_dtype]
-    params, grads, optim = model_state_bytes(spec)
+    params, grads, optim = lora_state_bytes(spec)
     host = 0
     if spec.sharding.cpu_offload:
         host, params, grads, optim = params + grads + optim, 0, 0, 0
@@ -300,31 +293,11 @@ def memory_breakdown(spec: RunSpec) -> Memory:
         kept = 0 if resharded else layer_u * m.num_layers + numel(root_shapes(m)) * c
         comm = (2 * layer_u + largest if resharded else 0) + 2 * a_layer * c + a_layer * r
     return Memory(params=params, grads=grads, optimizer=optim, unsharded_params=kept,
-                  comm_buffers=comm, activations=activation_bytes(spec),
-                  logits_loss=logits_loss_bytes(m, micro_batch=t.batch_size,
-                                                seq_len=t.seq_len, c=c), host=host)
+                  comm_buffers=comm, activations=lora_activation_bytes(spec),
+                  logits_loss=loss_bytes(spec, head_trains=False).peak, host=host)
 
 
-# --- the plan's table ------------------------------------------------------------------------
-
-
-def adapter_lines(spec: RunSpec) -> list[str]:
-    """The table's line on what trains (nothing for full fine-tuning)."""
-    m, ft = spec.model, spec.finetune
-    if not ft.adapters:
-        return []
-    from .shapes import count_params
-
-    n = adapter_params(m, ft)
-    return [f"trainable    {n:,} adapters ({n / (count_params(m) + n):.2%}): {ft.method} rank "
-            f"{ft.rank} on {', '.join(ft.target_modules)}; the base is frozen"
-            + (" and NF4" if ft.nf4 else "")]
-
-
-def adapter_state_labels(spec: RunSpec, where: str) -> list[str]:
-    """The table's labels of params, grads and optimizer state with a frozen base."""
-    p, ft = spec.policy, spec.finetune
-    base = (f"NF4/{p.frozen_dtype}" if ft.nf4 else p.frozen_dtype)
-    return [f"base {base} + adapters {p.param_dtype} ({where})",
-            f"gradients (adapters only, {p.param_dtype})",
-            f"optimizer (AdamW 2 moments of the adapters, {p.param_dtype})"]
+def trainable_fraction(spec: RunSpec) -> float:
+    """The adapters' share of all parameters (the table's line on what trains)."""
+    n = adapter_params(spec.model, spec.finetune)
+    return n / (count_params(spec.model) + n)

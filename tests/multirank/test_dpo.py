@@ -1,0 +1,310 @@
+"""DPO (objective=dpo) on real gloo ranks, fp32 on the CPU, from an HF base (model.path).
+
+One module fixture trains every run the tests read (4 steps, a global batch of 8 rows of
+synthetic pairs, each row holding several pairs):
+
+- 2 ranks: ``lora`` (micro-batch 4, tracked in MLflow, a checkpoint at step 2, its adapter
+  exported), ``lora_2x2`` (micro-batch 2 x 2 accumulated), ``lora_1x4``, ``lora_r2`` (resumes
+  ``lora``'s step-2 checkpoint), ``full`` (full fine-tuning: the frozen copy as reference),
+  ``qlora``, ``full_ddp`` (sharding=no_shard), ``lora_zero2_ac`` (grad_op, full AC),
+  ``lora_cached`` and ``full_cached`` (objective.reference=cached, in a cache of their own, the
+  first computing it), ``lora_cached_again`` (finds it), ``full_cached_r2`` (resumes
+  ``full``'s step 2 in a cache of its own: nothing cached yet), ``full_loss`` (``full`` with
+  train.loss=full: every other run takes the default chunked head), ``lora_learns`` (the
+  default command's shape for 20 steps, the held-out pairs at the end);
+- 1 rank: ``lora_1`` (micro-batch 8) and ``lora_r1`` (resumes ``lora``'s step 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llama_fsdp.tracking import NullTracker
+from tests.conftest import make_spec
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+STEPS = 4
+BASE = ["objective=dpo", "objective.beta=0.5", "eval.every_steps=0", "train.warmup_steps=1",
+        f"train.max_steps={STEPS}", "precision=fp32", "data.num_records=240",
+        "data.eval_records=24", "train.seq_len=64", "finetune.rank=8", "finetune.alpha=16"]
+PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
+RTOL = 1e-4  # another world size or micro-batching: the same sums in another order
+
+
+class Recorder(NullTracker):
+    """Rank 0's metrics of an untracked run, kept in memory for the tests."""
+
+    def __init__(self):
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+
+def _logits(model):
+    from llama_fsdp.attention import model_inputs
+
+    with torch.no_grad():
+        return model(**model_inputs(model, {"input_ids": PROBE}, torch.device("cpu"))
+                     ).logits.numpy().copy()
+
+
+def _local(model) -> dict[str, np.ndarray]:
+    """This rank's shards, copied (numpy: they travel back to the test)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().numpy().copy()
+            for n, p in model.named_parameters()}
+
+
+def _session(rank, world, specs):
+    from llama_fsdp.worker import DistEnv, RankRun
+
+    env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
+    out = {}
+    for name, spec in specs.items():
+        run = RankRun.build(spec, env, cpu)
+        if isinstance(run.tracker, NullTracker):
+            run.tracker = Recorder()
+        ref = run.preference.reference
+        ref_model = ref.model if ref is not None and ref.model is not run.model else None
+        before = _local(ref_model) if ref_model is not None else None
+        trained = {id(p) for p in run.model.parameters() if p.requires_grad}
+        optimized = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+        result = run.train()
+        out[name] = {"result": result, "logits": _logits(run.model),
+                     "metrics": getattr(run.tracker, "metrics", None),
+                     "optimizer_holds_what_trains": optimized == trained}
+        if ref_model is not None:
+            after = _local(ref_model)
+            out[name]["reference"] = {
+                "unchanged": all((before[k] == after[k]).all() for k in before),
+                "frozen": not any(p.requires_grad or p.grad is not None
+                                  for p in ref_model.parameters()),
+                "outside_the_optimizer": not ({id(p) for p in ref_model.parameters()}
+                                              & optimized),
+                "sharded_per_layer": _units(ref_model), "before": before}
+    return out
+
+
+def _units(model) -> list[list[str]]:
+    from llama_fsdp.parallel import fsdp_units
+
+    return fsdp_units(model)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaForCausalLM
+
+    from llama_fsdp.data import build_tokenizer
+    from llama_fsdp.model import llama_config
+
+    spec = make_spec()
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    LlamaForCausalLM(llama_config(spec.model)).save_pretrained(path)
+    build_tokenizer(spec.data, tmp_path_factory.mktemp("tok-cache")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_dir):
+    from llama_fsdp.checkpoint import layout
+    from llama_fsdp.prepare import prepare
+
+    root = tmp_path_factory.mktemp("dpo")
+    store = tmp_path_factory.mktemp("mlflow")
+    ref_cache = tmp_path_factory.mktemp("ref-cache")
+
+    def spec(name, world, batch, *extra, tracked=False):
+        track = (f"tracking.uri=sqlite:///{store}/mlflow.db" if tracked
+                 else "tracking.enabled=false")
+        return make_spec([*BASE, f"model.path={hf_dir}", track, f"cluster.nproc_per_node={world}",
+                          f"train.batch_size={batch}", *extra], output_dir=root / name)
+
+    step2 = layout.step_dir(root / "lora", 2)
+    cached = [f"cache_dir={ref_cache}", "objective.reference=cached"]
+    two = {"lora": spec("lora", 2, 4, "finetune=lora", "save.every_steps=2",
+                        "eval.every_steps=2", "eval.task_prompts=4", tracked=True),
+           "lora_2x2": spec("lora_2x2", 2, 2, "finetune=lora", "train.grad_accum=2"),
+           "lora_1x4": spec("lora_1x4", 2, 1, "finetune=lora", "train.grad_accum=4"),
+           # (resumes a checkpoint the session writes before it gets there)
+           "lora_r2": dataclasses.replace(spec("lora_r2", 2, 4, "finetune=lora"),
+                                          resume=str(step2)),
+           "full": spec("full", 2, 4, "finetune=full", "save.every_steps=2"),
+           "full_loss": spec("full_loss", 2, 4, "finetune=full", "train.loss=full"),
+           "qlora": spec("qlora", 2, 4, "finetune=qlora"),
+           # the reference a whole replica (no_shard: DDP), and ZeRO-2 with every layer
+           # checkpointed
+           "full_ddp": spec("full_ddp", 2, 4, "finetune=full", "sharding=no_shard"),
+           "lora_zero2_ac": spec("lora_zero2_ac", 2, 4, "finetune=lora", "sharding=grad_op",
+                                 "checkpointing=full"),
+           "lora_cached": spec("lora_cached", 2, 4, "finetune=lora", *cached),
+           "lora_cached_again": spec("lora_cached_again", 2, 4, "finetune=lora", *cached),
+           "full_cached": spec("full_cached", 2, 4, "finetune=full", *cached),
+           # resumes full's step 2 with no cache yet: the reference's log-probs must come
+           # from the initial weights (a copy made for them), not from the policy
+           "full_cached_r2": dataclasses.replace(
+               spec("full_cached_r2", 2, 4, "finetune=full", "objective.reference=cached",
+                    f"cache_dir={tmp_path_factory.mktemp('ref-cache-2')}"),
+               resume=str(layout.step_dir(root / "full", 2)))}
+    # the default command's data and rows (4000 pairs, 8 x 128 tokens per rank), 20 steps, the
+    # held-out pairs at the end
+    two["lora_learns"] = make_spec(
+        ["objective=dpo", "finetune=lora", "tracking.enabled=false", "train.max_steps=20",
+         "eval.every_steps=20", "eval.task_prompts=0", f"model.path={hf_dir}"],
+        output_dir=root / "lora_learns")
+    prepare(two["lora"], command="pytest")  # its MLflow run, as the driver makes it
+    out = run_ranks(_session, 2, two)
+    one = {"lora_1": spec("lora_1", 1, 8, "finetune=lora"),
+           "lora_r1": spec("lora_r1", 1, 8, "finetune=lora", f"resume={step2}")}
+    out0 = {**out[0], **run_ranks(_session, 1, one)[0]}
+    return {"rank0": out0, "ranks": out, "hf": hf_dir, "specs": {**two, **one}, "root": root,
+            "ref_cache": ref_cache}
+
+
+def _losses(runs, name):
+    return runs["rank0"][name]["result"].losses
+
+
+def test_the_first_step_loses_exactly_ln2_with_zero_rewards(runs):
+    """Policy and reference are the same weights at the first step (B = 0, or the copy)."""
+    for name in ("lora", "lora_2x2", "full", "qlora", "full_ddp", "lora_1"):
+        # (a mean of fp32 ln 2 over the pairs: ln 2 to fp32's rounding)
+        assert _losses(runs, name)[0] == pytest.approx(math.log(2), rel=1e-6, abs=0), name
+    for name in ("lora_2x2", "full"):
+        first = runs["rank0"][name]["metrics"][1]
+        assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0, name
+        assert first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.0, name
+    later = runs["rank0"]["full"]["metrics"][STEPS]
+    assert later["rewards/margin"] != 0.0 and later["logps/chosen"] < 0
+
+
+def test_held_out_reward_accuracy_rises_well_above_chance(runs):
+    """The synthetic pairs' chosen answer is the right one: after 20 steps of the default
+    command's shape most held-out pairs prefer it (0 at step 0: every margin is 0)."""
+    final = runs["rank0"]["lora_learns"]["result"].final
+    assert final["eval_rewards/accuracy"] >= 0.7, final
+    assert final["eval_rewards/margin"] > 0 and final["eval_loss"] < 0.6
+
+
+def test_micro_batches_and_world_sizes_agree(runs):
+    """micro-batch 4 == 2 x 2 accumulated == 1 x 4; 1 rank == 2 ranks; every rank the same."""
+    want = _losses(runs, "lora")
+    assert len(want) == STEPS and want[-1] < want[0]
+    for name in ("lora_2x2", "lora_1x4", "lora_1", "lora_zero2_ac"):
+        torch.testing.assert_close(_losses(runs, name), want, rtol=RTOL, atol=0, msg=name)
+    torch.testing.assert_close(_losses(runs, "full_ddp"), _losses(runs, "full"), rtol=RTOL,
+                               atol=0)
+    assert _losses(runs, "qlora")[-1] < _losses(runs, "qlora")[0]
+    for name in ("lora", "full"):
+        per_rank = [r[name]["result"].losses for r in runs["ranks"]]
+        assert per_rank[0] == per_rank[1], name
+    m2, m1 = runs["rank0"]["lora_2x2"]["metrics"], runs["rank0"]["lora_1"]["metrics"]
+    for key in ("rewards/margin", "logps/chosen", "logps/rejected"):
+        assert m2[STEPS][key] == pytest.approx(m1[STEPS][key], rel=RTOL, abs=1e-6), key
+
+
+def test_the_chunked_head_trains_as_the_full_logits_do(runs):
+    """DPO's log-probs through train.loss=chunked's head (``full``: the policy's, with a
+    trainable head, and the frozen copy's) give the losses and log-probs of train.loss=full,
+    step after step."""
+    specs = runs["specs"]
+    assert (specs["full"].train.loss, specs["full_loss"].train.loss) == ("chunked", "full")
+    want = _losses(runs, "full_loss")
+    assert len(want) == STEPS and want[-1] < want[0]
+    torch.testing.assert_close(_losses(runs, "full"), want, rtol=RTOL, atol=0)
+    chunked, full = runs["rank0"]["full"]["metrics"], runs["rank0"]["full_loss"]["metrics"]
+    for key in ("rewards/margin", "logps/chosen", "logps/rejected"):
+        assert chunked[STEPS][key] == pytest.approx(full[STEPS][key], rel=RTOL, abs=1e-6), key
+
+
+def test_resume_is_exact_and_works_on_another_world_size(runs):
+    full = _losses(runs, "lora")
+    assert _losses(runs, "lora_r2") == full[2:]  # same world size: bit-exact
+    torch.testing.assert_close(_losses(runs, "lora_r1"), full[2:], rtol=RTOL, atol=0)
+
+
+def test_full_fine_tuning_keeps_its_reference_frozen_sharded_and_bit_identical(runs):
+    from safetensors.torch import load_file
+
+    ref = runs["rank0"]["full"]["reference"]
+    assert ref["unchanged"] and ref["frozen"] and ref["outside_the_optimizer"]
+    units = ref["sharded_per_layer"]  # the embedding, each layer, [norm, head], the root
+    assert len(units) == 4 + 3 and ["model.norm", "lm_head"] in units
+    # its shards are the HF weights it started from, on both ranks
+    hf = {}
+    for f in Path(runs["hf"]).glob("*.safetensors"):
+        hf.update(load_file(str(f)))
+    for rank_result in runs["ranks"]:
+        local = rank_result["full"]["reference"]["before"]
+        for name, shard in local.items():
+            rows = shard.shape[0]
+            whole = hf[name.replace("._checkpoint_wrapped_module", "")]
+            assert any(torch.equal(torch.from_numpy(shard), part)
+                       for part in torch.split(whole, rows)), name
+    assert runs["rank0"]["full"]["optimizer_holds_what_trains"]
+    # the checkpoint holds the policy only: as many model tensors as HF has
+    from llama_fsdp.checkpoint import dcp, layout
+
+    saved = dcp.read_model_state(layout.step_dir(runs["root"] / "full", STEPS))
+    assert len(saved) == len(hf) and not any("reference" in k for k in saved)
+
+
+def test_cached_reference_log_probs_are_computed_once_and_train_alike(runs):
+    root = Path(runs["ref_cache"]) / "reference"
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    # lora and full start from the same HF weights: one entry serves both
+    assert len(entries) == 1, entries
+    train = np.load(entries[0] / "train.npy")
+    assert train.dtype.name == "float32" and (train < 0).all() and len(train) == 2 * 240
+    for cached, live in (("lora_cached", "lora"), ("lora_cached_again", "lora"),
+                         ("full_cached", "full")):
+        torch.testing.assert_close(_losses(runs, cached), _losses(runs, live), rtol=1e-5,
+                                   atol=0, msg=cached)
+    assert _losses(runs, "lora_cached_again") == _losses(runs, "lora_cached")
+    assert "reference" not in runs["rank0"]["full_cached"]  # no model beside the policy
+    torch.testing.assert_close(_losses(runs, "full_cached_r2"), _losses(runs, "full")[2:],
+                               rtol=1e-5, atol=0)
+
+
+def test_peft_loads_the_exported_adapter_with_the_trained_logits(runs):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    r = runs["rank0"]["lora"]
+    base = LlamaForCausalLM.from_pretrained(str(runs["hf"]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(input_ids=PROBE).logits.numpy()
+        got = PeftModel.from_pretrained(base, r["result"].export_dir)(input_ids=PROBE).logits
+    torch.testing.assert_close(got, torch.from_numpy(r["logits"]), rtol=1e-5, atol=1e-5)
+    assert abs(plain - r["logits"]).max() > 1e-4  # DPO moved the model
+
+
+def test_mlflow_has_the_dpo_metrics_per_step_and_at_eval_and_the_adapter(runs):
+    from mlflow.tracking import MlflowClient
+
+    spec, result = runs["specs"]["lora"], runs["rank0"]["lora"]["result"]
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin",
+                "rewards/accuracy", "logps/chosen", "logps/rejected"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert steps == list(range(1, STEPS + 1)), key
+    for key in ("eval_loss", "eval_rewards/accuracy", "eval_rewards/margin",
+                "eval_logps/chosen", "eval_exact_match"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert steps == [0, 2, 4], key
+    baseline = client.get_metric_history(run.info.run_id, "eval_loss")[0].value
+    assert baseline == pytest.approx(math.log(2), rel=1e-6)
+    for key in ("summary/reward_accuracy", "summary/eval_reward_accuracy"):
+        assert 0 <= run.data.metrics[key] <= 1, key
+    assert run.data.params["objective.name"] == "dpo" and run.data.params["objective.beta"] == "0.5"
+    model = client.get_logged_model(run.outputs.model_outputs[0].model_id)
+    assert model.model_type == "peft-lora"
