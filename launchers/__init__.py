@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..lazy import lazy_names
+
 if TYPE_CHECKING:
     from .base import Launcher
 
@@ -31,9 +33,4 @@ def launcher_for(cluster: Any, entry: str = "") -> Launcher:
     return getattr(importlib.import_module(f".{module}", __name__), name)(cluster, entry)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE, globals())

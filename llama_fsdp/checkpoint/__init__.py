@@ -20,8 +20,9 @@ starts without importing torch or transformers.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from ..lazy import lazy_names
 
 _WHERE = {
     "export_adapter": "peft", "export_merged": "peft", "load_hf_base": "peft",
@@ -36,9 +37,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE, globals())

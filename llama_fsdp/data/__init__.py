@@ -23,8 +23,9 @@ The worker's interface:
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from ..lazy import lazy_names
 
 # The package's names are imported on first use (PEP 562): the driver's check of data the cache
 # already holds (warm.py) loads neither transformers nor datasets.
@@ -43,9 +44,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE, globals())
