@@ -20,8 +20,6 @@ starts without importing torch or transformers.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..lazy import lazy_names
 
 _WHERE = {

@@ -23,8 +23,6 @@ The worker's interface:
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..lazy import lazy_names
 
 # The package's names are imported on first use (PEP 562): the driver's check of data the cache
