@@ -135,6 +135,86 @@ def quantize_rows(local: Any, *, block_size: int, scaler_block_size: int,
                        mean.detach().clone(), codes, table)
 
 
+# Elements ``dequantize`` decodes at a time (whole scaler groups): its temporaries are one
+# chunk's, (8 + 2c) bytes an element at most (the codes as int64 indices beside their looked-up
+# values, then those beside their scaled values).
+DEQUANT_CHUNK = 1 << 20
+
+
+def dequantize(w: Any, dtype: Any) -> Any:
+    """NF4 weight ``w`` as a ``dtype`` tensor, bit-identical to torchao's
+    ``w.get_original_weight().to(dtype)``, decoded into one preallocated buffer a chunk of
+    whole scaler groups at a time: its peak is the result plus one chunk's temporaries, where
+    get_original_weight holds every code as int64 beside three copies of the weight."""
+    import torch
+
+    assert w.is_contiguous(), "NF4 weights are row-major"
+    data = w.quantized_data
+    out = torch.empty(w.shape, dtype=dtype, device=data.device)
+    flat, group = out.view(-1), w.block_size * w.scaler_block_size
+    step = max(group, DEQUANT_CHUNK // group * group)
+    for start in range(0, flat.numel(), step):
+        end = min(start + step, flat.numel())
+        flat[start:end].copy_(_decoded(w, start, end))
+    return out
+
+
+def _decoded(w: Any, start: int, end: int) -> Any:
+    """Elements [start, end) of ``w`` (whole scaler groups) in w's dtype: the steps of
+    torchao's get_original_weight and dequantize_scalers, element for element."""
+    import torch
+
+    bs, sbs = w.block_size, w.scaler_block_size
+    first, last = start // bs, end // bs
+    scaled = w.quantized_scalers[first:last].view(-1, sbs)
+    factor = w.quantization_factor[first // sbs:last // sbs].unsqueeze(-1)
+    scalers = (scaled / factor).flatten().to(w.dtype) + w.scaler_mean
+    packed = w.quantized_data[start // 2:end // 2]  # two codes a byte, the first one high
+    codes = torch.stack([packed >> 4, packed & 0b1111], dim=-1).view(-1).long()
+    return (w.nf4[codes].view(-1, bs) * scalers.unsqueeze(-1)).view(-1)
+
+
+def _linear_function() -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    class LinearNF4(torch.autograd.Function):
+        """torchao's LinearNF4 (y = x W^T, dx = dy W, no gradient of the frozen W) with the
+        lean ``dequantize``: only the NF4 weight is saved, and each W lives only in its
+        matmul."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any) -> Any:
+            ctx.save_for_backward(weight)
+            return F.linear(x, dequantize(weight, x.dtype))
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (weight,) = ctx.saved_tensors
+            if not ctx.needs_input_grad[0]:
+                return None, None
+            return grad @ dequantize(weight, grad.dtype), None
+
+    return LinearNF4
+
+
+_LINEAR: list[Any] = []
+
+
+def linear(x: Any, weight: Any) -> Any:
+    """x @ weight^T for an NF4 ``weight`` (whole: plain, or all-gathered by FSDP2), equal bit
+    for bit to torchao's ``linear_nf4`` in forward and in the input's gradient. Under
+    torch.compile it is torchao's linear_nf4: inductor fuses that decode into one kernel that
+    holds only its result (benchmarks/long_context.md), where this chunked copy holds more."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return nf4_module().linear_nf4(x, weight)
+    if not _LINEAR:
+        _LINEAR.append(_linear_function())
+    return _LINEAR[0].apply(x, weight)
+
+
 def tensor_bytes(t: Any) -> int:
     """Bytes an NF4Tensor holds (every inner tensor)."""
     return sum(getattr(t, a).numel() * getattr(t, a).element_size() for a in INNER)
