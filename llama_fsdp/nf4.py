@@ -29,6 +29,10 @@ INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_m
 LUT_SIZE = 16
 # torchao's nearest-code search runs in chunks of this many elements (nf4_tensor.CHUNK_SIZE)
 SEARCH_CHUNK = 1 << 20
+# Elements ``dequantize`` decodes at a time (whole scaler groups): its temporaries are one
+# chunk's, (8 + 2c) bytes an element at most (the codes as int64 indices beside their looked-up
+# values, then those beside their scaled values).
+DEQUANT_CHUNK = 1 << 20
 # torchao's NF4 code values (NF4Tensor.from_tensor's table)
 NF4_TABLE = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609,
              0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0)
@@ -77,6 +81,20 @@ def quantize_bytes(numel: int, *, dtype_bytes: int, block_size: int) -> int:
     c = dtype_bytes
     return (SEARCH_CHUNK * (32 * c + c + 9) + int(numel * (c + 1.5))
             + 3 * c * (numel // block_size))
+
+
+def dequantize_bytes(numel: int, *, dtype_bytes: int, block_size: int,
+                     scaler_block_size: int) -> int:
+    """Peak bytes of ``dequantize`` (one NF4 linear's forward, or its backward) of a weight of
+    ``numel`` elements into a ``dtype_bytes`` compute dtype: the result, and one chunk's
+    temporaries, (8 + 2c) bytes an element (benchmarks/long_context.md)."""
+    return numel * dtype_bytes + (min(numel, _chunk(block_size * scaler_block_size))
+                                  * (8 + 2 * dtype_bytes))
+
+
+def _chunk(group: int) -> int:
+    """Elements ``dequantize`` decodes at a time: whole scaler groups of ``group`` elements."""
+    return max(group, DEQUANT_CHUNK // group * group)
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -135,12 +153,6 @@ def quantize_rows(local: Any, *, block_size: int, scaler_block_size: int,
                        mean.detach().clone(), codes, table)
 
 
-# Elements ``dequantize`` decodes at a time (whole scaler groups): its temporaries are one
-# chunk's, (8 + 2c) bytes an element at most (the codes as int64 indices beside their looked-up
-# values, then those beside their scaled values).
-DEQUANT_CHUNK = 1 << 20
-
-
 def dequantize(w: Any, dtype: Any) -> Any:
     """NF4 weight ``w`` as a ``dtype`` tensor, bit-identical to torchao's
     ``w.get_original_weight().to(dtype)``, decoded into one preallocated buffer a chunk of
@@ -151,8 +163,7 @@ def dequantize(w: Any, dtype: Any) -> Any:
     assert w.is_contiguous(), "NF4 weights are row-major"
     data = w.quantized_data
     out = torch.empty(w.shape, dtype=dtype, device=data.device)
-    flat, group = out.view(-1), w.block_size * w.scaler_block_size
-    step = max(group, DEQUANT_CHUNK // group * group)
+    flat, step = out.view(-1), _chunk(w.block_size * w.scaler_block_size)
     for start in range(0, flat.numel(), step):
         end = min(start + step, flat.numel())
         flat[start:end].copy_(_decoded(w, start, end))
