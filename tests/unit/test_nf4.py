@@ -101,3 +101,23 @@ def test_one_call_holds_its_result_and_one_chunk(monkeypatch, dtype):
                 assert not [d for b, d, _ in seen.made if d == torch.int64 and b >= 8 * n]
             else:  # the instrument sees torchao's whole-weight int64 codes
                 assert seen.peak >= (8 + 3 * c) * n, seen.peak
+
+
+def test_a_compiled_qlora_projection_is_one_graph_with_the_eager_numbers():
+    """train.compile=true compiles each layer: its LoRALinear traces whole (no graph break;
+    under compile nf4.linear is torchao's linear_nf4) and, without inductor's fusion
+    (aot_eager), gives the eager numbers bit for bit."""
+    from llama_fsdp.adapters import LoRALinear
+
+    layer = LoRALinear(256, 128, rank=4, alpha=8, dropout=0.0)
+    torch.nn.init.normal_(layer.lora_A.weight)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    layer.weight = torch.nn.Parameter(_weight((128, 256), torch.float32), requires_grad=False)
+    layer.nf4 = True
+    explained = torch._dynamo.explain(layer)(torch.randn(2, 256))
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, \
+        explained.break_reasons
+    eager = _forward_backward(lambda x, _: layer(x), layer.weight, torch.float32)
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=False)
+    got = _forward_backward(lambda x, _: compiled(x), layer.weight, torch.float32)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
