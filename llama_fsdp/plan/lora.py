@@ -173,8 +173,8 @@ def _dequantized_bytes(spec: RunSpec) -> int:
     """qlora: the largest target weight dequantized inside its matmul (forward, and again for
     the input gradient in backward), one weight at a time: nf4.linear decodes it a chunk at a
     time into its compute-dtype result (nf4.dequantize_bytes: c bytes a weight plus one
-    chunk's (8 + 2c) bytes an element; measured 2.38 n in bf16 and 4.50 n in fp32 for a
-    8,192 x 4,096 weight, benchmarks/long_context.md)."""
+    chunk's (8 + 2c) bytes an element; measured as planned, benchmarks/long_context.md's
+    "The NF4 weight inside its matmul")."""
     ft = spec.finetune
     if not ft.nf4:
         return 0
