@@ -25,7 +25,8 @@ HOST_GB = 128  # RAM of the node for the offloaded runs (cluster.mem_gb, shared 
 SCENARIOS = [("8b", 1, 8192), ("8b", 1, 16384), ("8b", 1, 32768), ("8b", 1, 65536),
              ("70b", 4, 2048), ("70b", 4, 8192), ("70b", 4, 16384)]
 PATHS = {"full loss": ["train.loss=full"], "chunked": [],
-         "chunked + offload": ["checkpointing.offload=true"]}
+         "chunked + offload": ["checkpointing.offload=true"],
+         "chunks of 256 + offload": ["checkpointing.offload=true", "train.loss_chunk=256"]}
 
 
 def overrides(model: str, gpus: int, seq_len: int) -> list[str]:

@@ -61,7 +61,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.nf4:  # dequantizes to x's dtype; saves only the (all-gathered) NF4 weight
-            base = nf4.nf4_module().linear_nf4(x, self.weight)
+            base = nf4.linear(x, self.weight)
         else:
             base = F.linear(x, self.weight)
         if self.disabled:

@@ -31,6 +31,12 @@ INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_m
 LUT_SIZE = 16
 # torchao's nearest-code search runs in chunks of this many elements (nf4_tensor.CHUNK_SIZE)
 SEARCH_CHUNK = 1 << 20
+# Elements ``dequantize`` decodes at a time (whole scaler groups): its temporaries are one
+# chunk's, (8 + 2c) bytes an element at most (the codes as int64 indices beside their looked-up
+# values, then those beside their scaled values). Each chunk is ~15 small ops (~0.1 ms of host
+# time here): 2^24 keeps a GPU's kernels large enough to hide that (14 chunks for 70B's largest
+# projection) at 0.2 GB of temporaries in bf16.
+DEQUANT_CHUNK = 1 << 24
 # torchao's NF4 code values (NF4Tensor.from_tensor's table)
 NF4_TABLE = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609,
              0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0)
@@ -79,6 +85,20 @@ def quantize_bytes(numel: int, *, dtype_bytes: int, block_size: int) -> int:
     c = dtype_bytes
     return (SEARCH_CHUNK * (32 * c + c + 9) + int(numel * (c + 1.5))
             + 3 * c * (numel // block_size))
+
+
+def dequantize_bytes(numel: int, *, dtype_bytes: int, block_size: int,
+                     scaler_block_size: int) -> int:
+    """Peak bytes of ``dequantize`` (one NF4 linear's forward, or its backward) of a weight of
+    ``numel`` elements into a ``dtype_bytes`` compute dtype: the result, and one chunk's
+    temporaries, (8 + 2c) bytes an element (benchmarks/long_context.md)."""
+    return numel * dtype_bytes + (min(numel, _chunk(block_size * scaler_block_size))
+                                  * (8 + 2 * dtype_bytes))
+
+
+def _chunk(group: int) -> int:
+    """Elements ``dequantize`` decodes at a time: whole scaler groups of ``group`` elements."""
+    return max(group, DEQUANT_CHUNK // group * group)
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -135,6 +155,79 @@ def quantize_rows(local: Any, *, block_size: int, scaler_block_size: int,
                                 local.dtype, local.device, False)
     return m.NF4Tensor(meta, block_size, blocks, scaler_block_size, q_scalers, q_factor,
                        mean.detach().clone(), codes, table)
+
+
+def dequantize(w: Any, dtype: Any) -> Any:
+    """NF4 weight ``w`` as a ``dtype`` tensor, bit-identical to torchao's
+    ``w.get_original_weight().to(dtype)``, decoded into one preallocated buffer a chunk of
+    whole scaler groups at a time: its peak is the result plus one chunk's temporaries, where
+    get_original_weight holds every code as int64 beside three copies of the weight."""
+    import torch
+
+    assert w.is_contiguous(), "NF4 weights are row-major"
+    data = w.quantized_data
+    out = torch.empty(w.shape, dtype=dtype, device=data.device)
+    flat, step = out.view(-1), _chunk(w.block_size * w.scaler_block_size)
+    for start in range(0, flat.numel(), step):
+        end = min(start + step, flat.numel())
+        flat[start:end].copy_(_decoded(w, start, end))
+    return out
+
+
+def _decoded(w: Any, start: int, end: int) -> Any:
+    """Elements [start, end) of ``w`` (whole scaler groups) in w's dtype: the steps of
+    torchao's get_original_weight and dequantize_scalers, element for element."""
+    import torch
+
+    bs, sbs = w.block_size, w.scaler_block_size
+    first, last = start // bs, end // bs
+    scaled = w.quantized_scalers[first:last].view(-1, sbs)
+    factor = w.quantization_factor[first // sbs:last // sbs].unsqueeze(-1)
+    scalers = (scaled / factor).flatten().to(w.dtype) + w.scaler_mean
+    packed = w.quantized_data[start // 2:end // 2]  # two codes a byte, the first one high
+    codes = torch.stack([packed >> 4, packed & 0b1111], dim=-1).view(-1).long()
+    return (w.nf4[codes].view(-1, bs) * scalers.unsqueeze(-1)).view(-1)
+
+
+def _linear_function() -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    class LinearNF4(torch.autograd.Function):
+        """torchao's LinearNF4 (y = x W^T, dx = dy W, no gradient of the frozen W) with the
+        lean ``dequantize``: only the NF4 weight is saved, and each W lives only in its
+        matmul."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any) -> Any:
+            ctx.save_for_backward(weight)
+            return F.linear(x, dequantize(weight, x.dtype))
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (weight,) = ctx.saved_tensors
+            if not ctx.needs_input_grad[0]:
+                return None, None
+            return grad @ dequantize(weight, grad.dtype), None
+
+    return LinearNF4
+
+
+_LINEAR: list[Any] = []
+
+
+def linear(x: Any, weight: Any) -> Any:
+    """x @ weight^T for an NF4 ``weight`` (whole: plain, or all-gathered by FSDP2), equal bit
+    for bit to torchao's ``linear_nf4`` in forward and in the input's gradient. Under
+    torch.compile it is torchao's linear_nf4: inductor fuses that decode into one kernel that
+    holds only its result (benchmarks/long_context.md), where this chunked copy holds more."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return nf4_module().linear_nf4(x, weight)
+    if not _LINEAR:
+        _LINEAR.append(_linear_function())
+    return _LINEAR[0].apply(x, weight)
 
 
 def tensor_bytes(t: Any) -> int:

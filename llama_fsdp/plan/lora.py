@@ -172,16 +172,18 @@ def _unsharded_layer_bytes(spec: RunSpec) -> int:
 
 def _dequantized_bytes(spec: RunSpec) -> int:
     """qlora: the largest target weight dequantized inside its matmul (forward, and again for
-    the input gradient in backward), one weight at a time. torchao's get_original_weight
-    holds each weight's codes as int64 (8 bytes a weight) beside three compute-dtype copies
-    (the looked-up codes, their scaled values, the result): (8 + 3c) bytes a weight at its
-    peak (measured: 14.0 n in bf16, 20.0 n in fp32)."""
+    the input gradient in backward), one weight at a time: nf4.linear decodes it a chunk at a
+    time into its compute-dtype result (nf4.dequantize_bytes: c bytes a weight plus one
+    chunk's (8 + 2c) bytes an element; measured as planned, benchmarks/long_context.md's
+    "The NF4 weight inside its matmul")."""
     ft = spec.finetune
     if not ft.nf4:
         return 0
     shapes = projection_shapes(spec.model)
-    c = DTYPE_BYTES[spec.policy.compute_dtype]
-    return max(math.prod(shapes[t]) for t in ft.target_modules) * (8 + 3 * c)
+    return nf4.dequantize_bytes(max(math.prod(shapes[t]) for t in ft.target_modules),
+                                dtype_bytes=DTYPE_BYTES[spec.policy.compute_dtype],
+                                block_size=ft.nf4_block_size,
+                                scaler_block_size=ft.nf4_scaler_block_size)
 
 
 def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:

@@ -233,13 +233,13 @@ def test_qlora_70b_on_four_4090s_dry_run(work):
     assert printed(out, "world_size") == "4 = 1 node(s) x 4"
     assert printed(out, "finetune").startswith("qlora (rank 16, alpha 32")
     assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
-    peak = plan_gb(out, "predicted peak (max over phases: layers)")
+    peak = plan_gb(out, "predicted peak (max over phases: loss)")
     (readme_peak,) = doc_states("README.md", r"planned for 4 x RTX 4090: ([\d.]+) GB per GPU")
     assert same(readme_peak, peak), (readme_peak, peak)
     doc_peak, phase, capacity = doc_states(
         "docs/finetune.md", r"The plan: ([\d.]+) GB per GPU at its peak \(the (\w+) phase\), "
                             r"which fits a 4090's ([\d.]+) GB")
-    assert same(doc_peak, peak) and phase == "layers", (doc_peak, phase, peak)
+    assert same(doc_peak, peak) and phase == "loss", (doc_peak, phase, peak)
     assert same(capacity, plan_gb(out, "capacity (rtx4090 (cluster.gpu_type table))"))
     base, state, trainable, share, activations, logits = doc_states(
         "docs/finetune.md", r"Of it, ([\d.]+) GB is the sharded base .*? ([\d.]+) GB the "
