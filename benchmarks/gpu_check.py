@@ -197,10 +197,16 @@ def end_stage(proc: subprocess.Popen, token: str, grace_s: float) -> int:
         pass
     _kill(left, signal.SIGKILL)
     proc.wait()
-    # a killed process gives up its environment (token_pids no longer finds it) a moment before
-    # it has closed its files: wait until every one has exited
+    # a process the stage had not started yet at the first look (a launcher's rank starting)
+    # is killed too; a killed process gives up its environment (token_pids no longer finds it)
+    # a moment before it has closed its files: wait until every one has exited
     deadline = time.monotonic() + 10
-    while any(running(p) for p in seen | set(token_pids(token))) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        late = token_pids(token)
+        _kill(late, signal.SIGKILL)
+        seen.update(late)
+        if not late and not any(running(p) for p in seen):
+            break
         time.sleep(0.1)
     return len(left)
 

@@ -67,7 +67,10 @@ SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 10
                 Shown("MFU pct", _metric(m.SUMMARY_MFU, 100.0), 3, 80),
                 Shown("peak GB", _metric(m.SUMMARY_PEAK_MEMORY), 3, 74),
                 Shown("planned GB", _metric(m.SUMMARY_PREDICTED_PEAK_MEMORY), 3, 92))
-BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)  # after the first screen
+BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)
+# after the first screen (1600 px holds the columns of every run; a DPO run's reward accuracy
+# is the first column past it)
+LATER = (*BY_OBJECTIVE["dpo"], BASE)
 SHOWN: tuple[Shown, ...] = (*TRAINABLE, *(s for cols in BY_OBJECTIVE.values() for s in cols),
                             *SPEED_MEMORY, BASE)
 
@@ -97,8 +100,8 @@ RUN_NAME, CREATED, DURATION = "attributes.`Run Name`", "runDateAndNestInfo", "du
 COLUMNS: tuple[tuple[str, int], ...] = (
     (RUN_NAME, 156), (CREATED, 132), (_col("tags", STATUS_TAG), 88),
     (_col("params", "finetune.method"), 116),
-    *((_col("metrics", s.name), s.width) for s in SHOWN if s is not BASE),
-    (DURATION, 68), (_col("metrics", BASE.name), BASE.width),
+    *((_col("metrics", s.name), s.width) for s in SHOWN if s not in LATER),
+    (DURATION, 68), *((_col("metrics", s.name), s.width) for s in LATER),
     (_col("tags", BEST_POINT_TAG), 120),
     ("attributes.`Dataset`", 230), ("attributes.`Models`", 260),
     (_col("params", "model.name"), 96), (_col("tags", "precision"), 80),  # resolved, not "auto"

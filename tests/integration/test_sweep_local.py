@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.slow]
 
 METHODS = ["full", "lora", "qlora"]
 SWEEP = ["-m", "finetune=full,lora,qlora", "train.max_steps=3", "save.every_steps=1",
+         "save.export_hf=true",
          "tracking.system_metrics=true",
          "tracking.system_metrics_interval_s=1", "cluster.device=cpu", "eval.every_steps=3",
          "eval.max_batches=1", "eval.task_prompts=0", "train.warmup_steps=1",
@@ -159,8 +160,8 @@ def test_the_exported_point_is_its_trained_start(sweep):
     from tests.gpu.test_gpu_run import assert_export_is_the_trained_start
 
     _, kids = _family(sweep["after"])
-    point = kids[1]
-    assert point.info.run_name == "batch_size=4" and point.info.status == "FINISHED"
+    (point,) = [k for k in kids if k.info.run_name == "finetune=full"]  # crashed, then resumed
+    assert point.info.status == "FINISHED"
     assert_export_is_the_trained_start(Path(point.data.tags["output_dir"]),
                                        Path(point.data.tags["export_dir"]), 3)
 
@@ -282,7 +283,8 @@ def test_one_screen_shows_what_the_points_differ_in_rounded(sweep, page):
             "s.parentElement.getBoundingClientRect().right"), col
         right = max(right, box["x"] + box["width"])
     for col in ("attributes.`Dataset`", "attributes.`Models`"):  # after what runs differ in
-        box = page.locator(f'.ag-header-cell[col-id="{col}"]').bounding_box()
+        cell = page.locator(f'.ag-header-cell[col-id="{col}"]')  # (off screen: not rendered)
+        box = cell.bounding_box() if cell.count() else None
         assert box is None or box["x"] >= right - 1, (col, box)
     shown = {s.name for s in SHOWN}
     for method, k in zip(METHODS, kids):

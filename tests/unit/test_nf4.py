@@ -107,7 +107,7 @@ def test_a_compiled_qlora_projection_is_one_graph_with_the_eager_numbers():
     """train.compile=true compiles each layer: its LoRALinear traces whole (no graph break;
     under compile nf4.linear is torchao's linear_nf4) and, without inductor's fusion
     (aot_eager), gives the eager numbers bit for bit."""
-    from llama_fsdp.adapters import LoRALinear
+    from llama_fsdp.lora import LoRALinear
 
     layer = LoRALinear(256, 128, rank=4, alpha=8, dropout=0.0)
     torch.nn.init.normal_(layer.lora_A.weight)
