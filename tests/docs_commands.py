@@ -248,6 +248,13 @@ REGISTRY: dict[str, Entry] = {
         "the peak and its phase, the capacity, the NF4 base, the adapters' state, the trainable "
         "count, activations and logits equal what README.md and docs/finetune.md state; the "
         "4 local ranks it would start; leaves no run directory"),
+    "python -m llama_fsdp model=70b finetune=qlora cluster.nproc_per_node=4 cluster.device=cuda "
+    "cluster.gpu_type=rtx4090 train.seq_len=2048 train.batch_size=1 checkpointing=full "
+    "checkpointing.offload=true train.loss_chunk=256 dry_run=true": Entry(
+        "qlora_70b_16gb_dry", f"{LOCAL}::test_qlora_70b_under_16_gb_dry_run",
+        "the same 70b QLoRA plan with activation offload and loss chunks of 256 tokens: it fits "
+        "under 16 GB per GPU, the figure README.md states, with the pinned host RAM per rank "
+        "printed; leaves no run directory"),
     "python -m llama_fsdp -m train.batch_size=1,2,4 sharding=full,hybrid": Entry(
         "sweep", f"{LOCAL}::test_sweep",
         "six points, each finished; the hybrid points say they are full on one host; the "

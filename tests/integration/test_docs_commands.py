@@ -259,6 +259,20 @@ def test_qlora_70b_on_four_4090s_dry_run(work):
     assert same(logits, plan_gb(out, "loss, chunked (1024 tokens x vocab a chunk)"))
 
 
+def test_qlora_70b_under_16_gb_dry_run(work):
+    """Issue 40's goal for README's 70B QLoRA example: 16 GB per GPU or less, with activation
+    offload and the loss 256 tokens a chunk."""
+    before = docs.run_dirs(work)
+    r = run_doc("qlora_70b_16gb_dry", work, timeout=300)
+    _local_dry_run_checks(r, work, before, ranks=4)
+    out = r.output
+    assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out
+    peak = plan_gb(out, "predicted peak (max over phases: forward)")
+    (readme_peak,) = doc_states("README.md", r"the loss 256 tokens a chunk: ([\d.]+) GB per GPU")
+    assert same(readme_peak, peak) and float(peak) <= 16.0, (readme_peak, peak)
+    assert float(plan_gb(out, "host RAM per rank (activation offload, pinned)")) > 0
+
+
 def test_sweep(work):
     r = run_doc("sweep", work, timeout=900)
     assert r.returncode == 0, str(r)
