@@ -301,6 +301,8 @@ def check(s: Settings) -> int:
     s.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     deadline = time.monotonic() + s.total_s
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the stage in progress is ended, then we go
+        signal.signal(sig, _stop)
     try:
         worst = _stages(s, t0, deadline)
     except Stopped as e:

@@ -30,7 +30,6 @@ pytestmark = [pytest.mark.slow]
 
 METHODS = ["full", "lora", "qlora"]
 SWEEP = ["-m", "finetune=full,lora,qlora", "train.max_steps=3", "save.every_steps=1",
-         "save.export_hf=true",
          "tracking.system_metrics=true",
          "tracking.system_metrics_interval_s=1", "cluster.device=cpu", "eval.every_steps=3",
          "eval.max_batches=1", "eval.task_prompts=0", "train.warmup_steps=1",
@@ -153,17 +152,23 @@ def test_points_carry_summary_metrics_data_sets_models_and_their_own_command(swe
 # --- in the browser --------------------------------------------------------------------------
 
 
-def test_the_exported_point_is_its_trained_start(sweep):
+def test_the_exported_point_is_its_trained_start(sweep, tmp_path):
     """The GPU tests' checks of a run (tests/gpu/test_gpu_run.py), by the same helpers, on the
-    point that finished (3 steps, a checkpoint every step, exported): the export is its last
-    checkpoint's model and its step-0 weights moved by training."""
+    full point (crashed, then resumed; 3 steps, a checkpoint every step), its last checkpoint
+    exported by `python -m llama_fsdp.convert`: the export is that checkpoint's model and its
+    step-0 weights moved by training."""
+    from llama_fsdp.checkpoint import layout
     from tests.gpu.test_gpu_run import assert_export_is_the_trained_start
 
     _, kids = _family(sweep["after"])
-    (point,) = [k for k in kids if k.info.run_name == "finetune=full"]  # crashed, then resumed
+    (point,) = [k for k in kids if k.info.run_name == "finetune=full"]
     assert point.info.status == "FINISHED"
-    assert_export_is_the_trained_start(Path(point.data.tags["output_dir"]),
-                                       Path(point.data.tags["export_dir"]), 3)
+    run_dir, export = Path(point.data.tags["output_dir"]), tmp_path / "export"
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp.convert",
+                        str(layout.step_dir(run_dir, 3)), str(export)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_export_is_the_trained_start(run_dir, export, 3)
 
 
 def _ui_available() -> str | None:
