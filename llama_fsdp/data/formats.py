@@ -289,6 +289,10 @@ def _hints(cfg: DataConfig, features: dict[str, Any]) -> str:
 
 # --- records -> tokens ---------------------------------------------------------------------------
 
+# what an encoder gives per record (Encoder here, preference.PairEncoder per answer)
+ROW_COLUMNS = ("input_ids", "loss_mask", "prompt_len", "truncated", "full_len", "targets",
+               "chars", "keep", "task")
+
 @dataclass(frozen=True)
 class Encoder:
     """Turns a batch of records into token rows (picklable, for ``datasets.map(num_proc=...)``).
@@ -306,9 +310,7 @@ class Encoder:
     where: Any
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "prompt_len",
-                                                "truncated", "full_len", "targets", "chars",
-                                                "keep", "task")}
+        out: dict[str, list] = {k: [] for k in ROW_COLUMNS}
         tasks = batch.get("task")
         for j, index in enumerate(indices):
             try:

@@ -38,6 +38,7 @@ import torch
 
 from ..config import DataConfig
 from .formats import (
+    ROW_COLUMNS,
     SHAREGPT_ROLES,
     Encoded,
     _is_messages,
@@ -210,9 +211,7 @@ class PairEncoder:
     where: Any
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "prompt_len",
-                                                "truncated", "full_len", "targets", "chars",
-                                                "keep", "task")}
+        out: dict[str, list] = {k: [] for k in ROW_COLUMNS}
         tasks = batch.get("task")
         for j, index in enumerate(indices):
             rec = {k: v[j] for k, v in batch.items()}
