@@ -671,6 +671,12 @@ def markdown(rows: list[dict], rss: list[dict], command: str) -> str:
         "time, no head or embedding backward, and a step that ends at layer 0, whose "
         "reduce-scatter waits for FSDP2's final callback (its input needs no gradient). The "
         "peak is the loss phase's in every one of them.",
+        "- objective=dpo (measured by `benchmarks/dpo_cpu.py` with the same malloc shim and "
+        "method, on 2 ranks at the default shape, LoRA and full fine-tuning, the reference live "
+        "and cached): measured / predicted 0.989 for DPO with LoRA (SFT with LoRA on the same "
+        "pairs: 1.004), 0.906 for DPO with full fine-tuning and its frozen sharded reference "
+        "(SFT: 0.909), 1.004 / 0.902 with the reference's log-probs cached; the table is "
+        "benchmarks/dpo_cpu.md.",
         "- train.loss=chunked (the rows naming the chunked loss, in chunks of 256 tokens; "
         "every other row pins train.loss=full, the loss the sweep was first measured with): "
         "one chunk's logits in the compute dtype beside their fp32 copy, the hidden and its "
