@@ -120,6 +120,15 @@ def plan_gb(output: str, label: str) -> str:
     return m.group(1)
 
 
+def sweep_table(output: str) -> tuple[list[str], list[str], list[list[str]]]:
+    """The summary table a sweep prints: its lines, its header's columns, and its rows."""
+    table = output.split(" summary:\n", 1)[1].splitlines()
+    header = table[0].split()
+    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
+                                                        table[2:])]
+    return table, header, rows
+
+
 def doc_states(page: str, pattern: str) -> tuple[str, ...]:
     """What a docs page states: the groups of ``pattern`` (blanks in it match any run of
     blanks or a line break, . any character), so that the test breaks when the page's text
@@ -279,10 +288,7 @@ def test_sweep(work):
     assert r.output.count("status         finished") == 6, str(r)
     # on one host (2 ranks) hybrid is full, and each hybrid point says so
     assert r.output.count("sharding=hybrid with one shard group of all 2 ranks") == 3
-    table = r.output.split(" summary:\n", 1)[1].splitlines()
-    header = table[0].split()
-    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
-                                                        table[2:])]
+    table, header, rows = sweep_table(r.output)
     assert len(rows) == 6, table  # one row per point
     b, s = header.index("train.batch_size"), header.index("sharding.strategy")
     points = {(row[b], row[s]) for row in rows}
@@ -330,10 +336,7 @@ def test_finetune_sweep(work):
     r = run_doc("finetune_sweep", work, timeout=900)
     assert r.returncode == 0, str(r)
     assert r.output.count("status         finished") == 3, str(r)
-    table = r.output.split(" summary:\n", 1)[1].splitlines()
-    header = table[0].split()
-    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
-                                                        table[2:])]
+    table, header, rows = sweep_table(r.output)
     method, status = header.index("finetune.method"), header.index("status")
     assert sorted(row[method] for row in rows) == ["full", "lora", "qlora"], table
     assert all(row[status] == "FINISHED" for row in rows), table
@@ -388,10 +391,7 @@ def test_dpo_beta_sweep(work):
     r = run_doc("dpo_sweep", work, timeout=900)
     assert r.returncode == 0, str(r)
     assert r.output.count("status         finished") == 2, str(r)
-    table = r.output.split(" summary:\n", 1)[1].splitlines()
-    header = table[0].split()
-    rows = [row.split() for row in itertools.takewhile(lambda row: len(row.split()) == len(header),
-                                                        table[2:])]
+    table, header, rows = sweep_table(r.output)
     beta = header.index("objective.beta")
     assert sorted(row[beta] for row in rows) == ["0.05", "0.5"], table
     assert all(row[header.index("status")] == "FINISHED" for row in rows), table
