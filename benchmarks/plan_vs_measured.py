@@ -470,7 +470,12 @@ FULL_CASES += ADAPTER_CASES
 # precision and AC mode, micro-batch 1 to 4, tied with accumulation, lora / qlora, packed
 # records; and checkpointing.offload (on CPU a plain copy of each checkpointed input)
 LOSS_CASES = (
-    [(w, s, p, ac, b, False, 1, "", "", "full", "chunked") for w, s, p, ac, b in
+    # one rank: FSDP2 gathers nothing in a group of one (llama_fsdp.plan.phases.alone), and the
+    # chunked loss runs inside the head's forward, where more ranks hold its all-gather output
+    [(1, "full", "bf16", "full", 1, False, 1, "", "", m, "chunked") for m in ("lora", "qlora")]
+    + [(1, "full", "bf16", "none", 2, False, 1, "", "", "full", "chunked"),
+       (1, "full", "mixed", "none", 2, True, 1, "", "", "full", "chunked")]
+    + [(w, s, p, ac, b, False, 1, "", "", "full", "chunked") for w, s, p, ac, b in
      ((2, "full", "fp32", "none", 4), (2, "full", "bf16", "none", 2), (2, "full", "bf16", "full", 4),
       (2, "full", "mixed", "full", 1), (2, "grad_op", "bf16", "none", 4),
       (2, "no_shard", "fp32", "none", 4), (2, "no_shard", "mixed", "none", 4),

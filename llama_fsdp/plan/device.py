@@ -9,6 +9,19 @@ from ..spec import RunSpec
 
 GB = 10**9
 
+# What a CUDA process holds beside the step's tensors, through torch's caching allocator (so in
+# torch.cuda.max_memory_allocated): cuBLAS / cuBLASLt workspaces, made at the first matmul and
+# kept. Measured: 67,108,864 bytes (64 MiB) on one H200, torch 2.11 + CUDA 13.0, the process
+# overhead of tests/gpu/test_gpu_memory.py (benchmarks/gpu.md, 2026-11-26); the tiny runs of
+# the same check were 0.06-0.07 GB above the plan's tensors without it.
+CUDA_WORKSPACE_BYTES = 64 * 2**20
+
+
+def runtime_bytes(spec: RunSpec) -> int:
+    """Device memory the runtime holds beside the step's tensors: CUDA_WORKSPACE_BYTES on a GPU;
+    0 on CPU (the CPU measurements subtract the runtime's few MB as process overhead)."""
+    return CUDA_WORKSPACE_BYTES if spec.device == "cuda" else 0
+
 
 def _host_ram_bytes() -> int:
     try:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..spec import RunSpec
 from . import full, lora, preference
-from .device import GB, device_capacity_bytes, peak_flops
+from .device import GB, device_capacity_bytes, peak_flops, runtime_bytes
 from .host import activation_host_bytes, host_capacity_bytes, load_peak_bytes
 from .phases import Memory
 from .shapes import count_params, flops_per_token, n_matmul
@@ -45,10 +45,12 @@ def memory_breakdown(spec: RunSpec) -> Memory:
 def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     """Bytes per rank at the peak of each phase of a training step (``gloo``: with gloo's copy
     of a reduce-scatter's input, for CPU runs); full.full_phase_peaks says what each holds,
-    and preference.phase_peaks what objective=dpo's reference adds."""
+    preference.phase_peaks what objective=dpo's reference adds, and device.runtime_bytes the
+    CUDA workspaces every phase holds."""
     policy = (lora.lora_phase_peaks if spec.finetune.adapters
               else full.full_phase_peaks)(spec, gloo=gloo)
-    return preference.phase_peaks(spec, policy)
+    runtime = runtime_bytes(spec)
+    return {k: v + runtime for k, v in preference.phase_peaks(spec, policy).items()}
 
 
 def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:
@@ -181,7 +183,8 @@ def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAUL
     """Parameters, FLOPs per token and per-device memory of a run, against its device."""
     capacity, source = device_capacity_bytes(spec)
     memory = memory_breakdown(spec)
-    memory = dataclasses.replace(memory, host_activations=activation_host_bytes(spec))
+    memory = dataclasses.replace(memory, host_activations=activation_host_bytes(spec),
+                                 runtime=runtime_bytes(spec))
     host, host_source = host_capacity_bytes(spec)
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
                 flops_per_token=flops_per_token_of(spec),

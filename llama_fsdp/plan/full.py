@@ -12,7 +12,7 @@ from .activations import activation_bytes, saved_layer_bytes
 from .ddp import ddp_bucket_bytes, ddp_kept_bytes, ddp_phase_peaks
 from .loss import LossBytes, loss_bytes
 from .optimizer import optimizer_state_bytes, optimizer_step_bytes
-from .phases import Memory
+from .phases import Memory, alone
 from .shapes import count_params, layer_shapes, numel, param_shapes, root_shapes, sharded_numel
 
 
@@ -114,7 +114,8 @@ def _step(spec: RunSpec, *, gloo: bool) -> _Step:
     return _Step(state=params + optim, grads=grads, step=step, acts=acts,
                  saved=acts - (recomputed if wrapped else 0),
                  kept=layer * c if resharded else count_params(m) * c,
-                 in_flight=2 * layer * c if resharded else 0, rs_copies=2 if gloo else 1,
+                 in_flight=2 * layer * c if resharded else 0,
+                 rs_copies=2 if gloo and not alone(spec) else 1,
                  accumulated=grads if t.grad_accum > 1 else 0, loss=lb)
 
 
@@ -226,8 +227,9 @@ def _grouped_phase_peaks(spec: RunSpec, s: _Step) -> dict[str, int]:
     embed_shard = sharded_numel([(vocab, hidden)], mesh.shard) * r
     before = s.state + s.accumulated + s.saved + s.kept + head_kept + lb.head_grad
     # at the head: its all-gather output is held beside the copied-out params until the root's
-    # post-forward (through the chunked loss, which runs inside the head's forward)
-    gathered = head * c
+    # post-forward (through the chunked loss, which runs inside the head's forward); a shard
+    # group of one gathers nothing (``alone``)
+    gathered = 0 if alone(spec) else head * c
     return {
         "forward": before + gathered + lb.at_head,
         "loss": before + (gathered if lb.in_head_forward else 0) + lb.peak,

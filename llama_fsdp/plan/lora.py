@@ -24,7 +24,7 @@ from .activations import (
     varlen_mask_bytes,
 )
 from .loss import LossBytes, loss_bytes
-from .phases import Memory
+from .phases import Memory, alone
 from .shapes import count_params, n_matmul, numel, projection_shapes, root_shapes, sharded_numel
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -221,15 +221,17 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # a layer's backward: its adapters' unsharded grads and their reduce-scatter (gloo copies
     # the input), the dequantized weight of qlora
     layer_bwd = (acts + (accumulated or grads) + in_flight + a_layer * c
-                 + (2 if gloo else 1) * a_layer * r + _dequantized_bytes(spec))
+                 + (2 if gloo and not alone(spec) else 1) * a_layer * r
+                 + _dequantized_bytes(spec))
     # inside a layer's forward (the peak where the logits are small and qlora's dequantized
     # weight large): the layers before, this layer's activations, its dequantized weight
     in_layer = (state + accumulated + saved + (recomputed if wrapped else 0) + kept + in_flight
                 + _dequantized_bytes(spec))
     # the start of forward: the first unit (the tied root, or the embedding) all-gathered (its
-    # output buffer beside the copied-out parameters) while the first layers are prefetched
+    # output buffer beside the copied-out parameters, but one copy in a group of one) while the
+    # first layers are prefetched
     first = numel(root_shapes(m)) * c if m.tie_word_embeddings else m.vocab_size * hidden * c
-    start = state + accumulated + 2 * first + in_flight
+    start = state + accumulated + (1 if alone(spec) else 2) * first + in_flight
     # No embedding backward: the step ends with layer 0's, whose input needs no gradient, so
     # FSDP2 reduce-scatters its adapters' gradients and reshards it only in its final callback:
     # layer 0 still gathered, the gradients of q, k, v's outputs and their input
@@ -249,9 +251,10 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     head_kept = head if resharded else 0
     after_head = kept - (0 if resharded else head)
     before = state + accumulated + saved + kept + head_kept
+    gathered = 0 if alone(spec) else head  # the head's all-gather output, held (full.py)
     return {
-        "forward": max(start, in_layer, before + head + lb.at_head),
-        "loss": before + (head if lb.in_head_forward else 0) + lb.peak,
+        "forward": max(start, in_layer, before + gathered + lb.at_head),
+        "loss": before + (gathered if lb.in_head_forward else 0) + lb.peak,
         "layers": state + max(before - state + lb.head_backward, after_head + layer_bwd),
         "root": root, "optimizer": state + grads + adapters}
 

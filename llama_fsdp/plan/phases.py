@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec import RunSpec
+
 # The phases of a training step whose peaks the models give (full.full_phase_peaks says what is
 # live in each), from the second step on (with optimizer state).
 PHASES = ("forward", "loss", "layers", "root", "optimizer")
@@ -30,6 +32,7 @@ class Memory:
     logits_loss: int
     host: int = 0  # cpu_offload: sharded params, grads, optimizer state in host RAM
     host_activations: int = 0  # checkpointing.offload: the checkpointed inputs in host RAM
+    runtime: int = 0  # CUDA library workspaces, live in every phase (device.runtime_bytes)
 
     @property
     def model_state(self) -> int:
@@ -39,4 +42,16 @@ class Memory:
     def total(self) -> int:
         """The sum of the components: an upper bound, not the predicted peak."""
         return (self.model_state + self.unsharded_params + self.comm_buffers + self.activations
-                + self.logits_loss)
+                + self.logits_loss + self.runtime)
+
+
+def alone(spec: RunSpec) -> bool:
+    """Whether FSDP2 shards over a group of one rank (one device, or HSDP with shard size 1):
+    it then runs no collective, neither all-gather nor reduce-scatter. Its unshard copies each
+    shard into the unsharded parameter directly and keeps no all-gather output for the next
+    unit's copy-out, and its reduce-scatter is a copy (torch's FSDPParamGroup.unshard /
+    wait_for_unshard and foreach_reduce at world_size 1), so no gloo copy either. Measured: the
+    8B LoRA and QLoRA runs on one H200 (benchmarks/gpu.md) and the 1-rank chunked-loss rows of
+    benchmarks/plan_vs_measured_cpu.md, where the held head all-gather was over-planned by the
+    head's size."""
+    return spec.mesh.shard == 1 and not spec.mesh.ddp

@@ -49,6 +49,7 @@ def _rows(plan: Plan) -> list[tuple[str, int]]:
         ("all-gather / reduce-scatter buffers", mem.comm_buffers),
         (f"activations (b={t.batch_size}, s={t.seq_len}, AC {ac_text})", mem.activations),
         (loss, mem.logits_loss),
+        *([("CUDA workspaces (cuBLAS), every phase", mem.runtime)] if mem.runtime else []),
     ]
 
 
