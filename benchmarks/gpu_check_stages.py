@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import gpu_report as report
 from gpu_check import CAP_ENV, REPO, Settings
+from step_clock import PROFILE_ENV, PROFILE_STEPS_ENV
 
 
 @dataclass(frozen=True)
@@ -403,11 +404,21 @@ def throughput(s: Settings, sh: Shapes) -> int:
     shape = (f"{sh.big}, seq {sh.seq}, micro-batch {sh.batch}, {sh.precision}, one device, "
              f"{sh.bench_steps} steps ({THROUGHPUT_WARMUP} warm-up)")
     timeout = 0.6 * float(os.environ.get(CAP_ENV, 600))  # a hung run leaves time to the next
+    # where each runner's step goes: torch.profiler over a few steady steps (step_clock.py)
+    first = min(THROUGHPUT_WARMUP + 3, sh.bench_steps - 2)
+    os.environ[PROFILE_STEPS_ENV] = f"{first}:{min(first + 2, sh.bench_steps - 1)}"
     for runner in tp.build_runners(bench, list(THROUGHPUT_RUNNERS), clock=True):
         progress(runner.key)
+        profile = work / f"{runner.key}.profile.json"
+        os.environ[PROFILE_ENV] = str(profile)
         summary = summarize(runner, [execute(runner, work / runner.key, round_no=1,
                                              timeout_s=timeout)], THROUGHPUT_WARMUP)
         _show_logs(runner.logs(work / runner.key))
+        if profile.exists():
+            report.append_here({"kind": "profile", "runner": runner.key, "label": runner.label,
+                                "steps_profiled": os.environ[PROFILE_STEPS_ENV],
+                                "step_ms": summary.median * 1000 if summary.median else None,
+                                **json.loads(profile.read_text())})
         tps = bench.tokens_per_step / summary.median if summary.median else None
         mfu = (tps * plan.flops_per_token / plan.peak_flops
                if tps and plan.peak_flops else None)

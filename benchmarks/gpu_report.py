@@ -111,7 +111,8 @@ def render(records: list[dict[str, Any]], *, heading_level: int = 2) -> str:
     lines = [f"{h} GPU check: {machine.get('device', 'device not recorded')}, "
              f"{machine.get('date', '')}".rstrip(", "), ""]
     lines += _machine(machine) + _stages(records, h) + _runs(records, h)
-    lines += _throughput(records, h) + _peaks(records, h) + _tests(records, h)
+    lines += _throughput(records, h) + _profiles(records, h) + _peaks(records, h)
+    lines += _tests(records, h)
     lines += _not_run(records, h)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -189,6 +190,33 @@ def _throughput(records: list[dict], h: str) -> list[str]:
     out += ["Commands (`$RUN` is the run's directory):", ""]
     out += [f"- {r.get('label', r['runner'])}: {_code(r.get('command'))}" for r in rows]
     return out + [""]
+
+
+PROFILE_ROWS = 12  # the ops shown per runner
+
+
+def _profiles(records: list[dict], h: str) -> list[str]:
+    """Where each throughput runner's step goes (benchmarks/step_clock.py's profile): the busy
+    time of the device per step against the step's wall time, and the ops with the most self
+    time."""
+    rows = _of(records, "profile")
+    if not rows:
+        return []
+    out = [f"{h}# Where the step goes (torch.profiler, steady steps {rows[0].get('steps_profiled')})",
+           ""]
+    for r in rows:
+        steps = max(int(r.get("steps") or 1), 1)
+        busy = r.get("total_us", 0) / steps / 1e3
+        wall = r.get("step_ms")
+        share = f", {busy / wall:.0%} of the {wall:.1f} ms step" if wall else ""
+        out += [f"- **{r.get('label', r['runner'])}**: {r.get('device')} busy {busy:.1f} ms a "
+                f"step{share}", "",
+                "| op / kernel | ms a step | calls a step |", "|---|---:|---:|"]
+        for op in (r.get("ops") or [])[:PROFILE_ROWS]:
+            out.append(f"| {_cell(op['name'][:90])} | {op['self_us'] / steps / 1e3:.2f} "
+                       f"| {op['calls'] / steps:.0f} |")
+        out.append("")
+    return out
 
 
 def _goals(ours: Optional[dict], hf: Optional[dict]) -> list[str]:

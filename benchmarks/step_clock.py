@@ -21,6 +21,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 CLOCK_ENV = "BENCH_STEP_CLOCK"
+# Where the step's time goes: with $BENCH_PROFILE set (a JSON file), rank 0 runs torch.profiler
+# over the steps $BENCH_PROFILE_STEPS ("first:last", default 8:10, after the warm-up) and writes
+# the ops with the most self time on the device (the CPU on a CPU run), for every runner alike.
+PROFILE_ENV, PROFILE_STEPS_ENV = "BENCH_PROFILE", "BENCH_PROFILE_STEPS"
+PROFILE_STEPS = "8:10"
+PROFILE_TOP = 25
 
 
 class _CudaStamps:
@@ -88,6 +94,8 @@ class StepClock:
             open(path, "a", encoding="utf-8") if rank == 0 and path else None  # noqa: SIM115
         )
         self._cuda: _CudaStamps | None = None
+        profile = os.environ.get(PROFILE_ENV)
+        self._profile = _Profile(profile) if rank == 0 and profile else None
         if self._file is not None:
             atexit.register(self.close)
 
@@ -96,6 +104,8 @@ class StepClock:
 
     def stamp(self, step: int) -> None:
         """Append this step's end time (flushed at once, so a crashed run keeps its stamps)."""
+        if self._profile is not None:
+            self._profile.at_step_end(step)
         if self._file is None:
             return
         cpu = time.process_time()
@@ -113,6 +123,53 @@ class StepClock:
         for stamp in stamps:
             self._file.write(json.dumps(stamp) + "\n")
         self._file.flush()
+
+
+class _Profile:
+    """torch.profiler from the end of step ``first - 1`` to the end of step ``last``; then the
+    top ops by self device time (self CPU time on a CPU run) go to ``path`` as JSON:
+    ``{"steps": n, "device": "cuda", "ops": [{"name", "self_us", "calls"}, ...],
+    "total_us": ...}`` (per profiled step: ``self_us / steps``)."""
+
+    def __init__(self, path: str):
+        first, last = (int(x) for x in os.environ.get(PROFILE_STEPS_ENV, PROFILE_STEPS).split(":"))
+        self.path, self.first, self.last = Path(path), first, last
+        self._prof: Any = None
+
+    def at_step_end(self, step: int) -> None:
+        import torch
+
+        if step == self.first - 1 and self._prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if _cuda_in_use():
+                torch.cuda.synchronize()
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.start()
+        elif step == self.last and self._prof is not None:
+            cuda = _cuda_in_use()
+            if cuda:
+                torch.cuda.synchronize()
+            self._prof.stop()
+            self.path.write_text(json.dumps(profile_summary(
+                self._prof.key_averages(), steps=self.last - self.first + 1, cuda=cuda)))
+            self._prof = None
+
+
+def profile_summary(events: Any, *, steps: int, cuda: bool, top: int = PROFILE_TOP) -> dict:
+    """The ops of ``key_averages()`` with the most self time on the device (CUDA kernels'
+    time, or the CPU's on a CPU run)."""
+    def self_us(e: Any) -> float:
+        if not cuda:
+            return float(e.self_cpu_time_total)
+        return float(getattr(e, "self_device_time_total", None)
+                     or getattr(e, "self_cuda_time_total", 0.0))
+
+    rows = sorted(((self_us(e), e) for e in events), key=lambda r: r[0], reverse=True)
+    return {"steps": steps, "device": "cuda" if cuda else "cpu",
+            "total_us": sum(us for us, _ in rows),
+            "ops": [{"name": e.key, "self_us": us, "calls": int(e.count)}
+                    for us, e in rows[:top] if us > 0]}
 
 
 def read_stamps(path: Path, key: str = "t") -> dict[int, float]:

@@ -148,6 +148,22 @@ def test_throughput_reports_each_runner_with_mfu(rehearsal):
         assert "$RUN" in r["command"]
 
 
+def test_throughput_profiles_where_each_runners_step_goes(rehearsal):
+    """Each runner's steady steps under torch.profiler (benchmarks/step_clock.py): the ops with
+    the most self time, sorted, the matmuls among the first on the CPU, and the table in the
+    summary; the profiled steps still count as steady steps above."""
+    _, out, records = rehearsal
+    profiles = _of(records, "profile")
+    assert [r["runner"] for r in profiles] == list(stages.THROUGHPUT_RUNNERS)
+    for r in profiles:
+        assert r["device"] == "cpu" and r["steps"] == 2 and r["total_us"] > 0, r
+        times = [op["self_us"] for op in r["ops"]]
+        assert times == sorted(times, reverse=True) and len(times) >= 5, r
+        assert "aten::mm" in [op["name"] for op in r["ops"][:3]], r["ops"][:5]
+        assert 0 < r["total_us"] / r["steps"] / 1e3 < 2 * r["step_ms"], r
+    assert "Where the step goes (torch.profiler" in (out / gpu_report.SUMMARY).read_text()
+
+
 def test_a_stage_over_its_cap_is_cut_and_the_next_starts(rehearsal):
     _, _, records = rehearsal
     start = next(r for r in _of(records, "stage", stage=CUT) if r["status"] == "started")
