@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -103,7 +104,7 @@ def init_rows(name: str, shape: tuple[int, ...], start: int, rows: int, *, index
     s = std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         s = std / math.sqrt(2 * n_layers)
-    return _normal_rows(shape, start, rows, seed=seed, index=index) * s
+    return _normal_rows(shape, start, rows, seed=seed, index=index).mul_(s)
 
 
 def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -125,21 +126,34 @@ def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _normal_rows(shape: tuple[int, ...], start: int, rows: int, *, seed: int,
                  index: int) -> torch.Tensor:
     """Rows [start, start + rows) of a standard-normal tensor of ``shape`` defined block by
-    block (see init_weights); drawn on the CPU, so the values do not depend on the device."""
+    block (see init_weights); drawn on the CPU, so the values do not depend on the device.
+    The blocks are drawn on torch's intra-op threads at once (each has its own generator, so
+    the values are the same for any thread count): an 8B model's init took 55 s drawn one
+    block after another on the H200 host (benchmarks/gpu.md)."""
     row_numel = math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_NUMEL // max(row_numel, 1))
     total_rows = shape[0] if shape else 1
-    out = []
-    gen = torch.Generator(device="cpu")
-    for block in range(start // per_block, -(-(start + rows) // per_block) if rows else 0):
-        lo, hi = block * per_block, min((block + 1) * per_block, total_rows)
-        gen.manual_seed((seed * 1_000_003 + index) * 1_000_033 + block)
-        out.append(torch.randn((hi - lo, *shape[1:]), generator=gen))
-    if not out:
+    blocks = range(start // per_block, -(-(start + rows) // per_block) if rows else 0)
+    if not blocks:
         return torch.empty((0, *shape[1:]))
-    rows_drawn = torch.cat(out)
-    first = (start // per_block) * per_block
-    return rows_drawn[start - first:start - first + rows]
+    first = blocks[0] * per_block
+    drawn = torch.empty((min(blocks[-1] * per_block + per_block, total_rows) - first,
+                         *shape[1:]))
+
+    def draw(block: int) -> None:
+        lo, hi = block * per_block, min((block + 1) * per_block, total_rows)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed((seed * 1_000_003 + index) * 1_000_033 + block)
+        drawn[lo - first:hi - first].normal_(generator=gen)  # torch.randn's values, in place
+
+    threads = min(torch.get_num_threads(), len(blocks))
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(draw, blocks))
+    else:
+        for block in blocks:
+            draw(block)
+    return drawn[start - first:start - first + rows]
 
 
 def init_buffers(model: nn.Module) -> None:

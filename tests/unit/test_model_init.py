@@ -36,3 +36,25 @@ def test_init_is_deterministic_and_scaled():
     assert abs(float(q.detach().std()) - 0.02) < 0.002
     layers = spec.model.num_layers
     assert abs(float(o.detach().std()) - 0.02 / (2 * layers) ** 0.5) < 0.001  # residual scaling
+
+
+def test_the_values_are_torch_randn_per_block_for_any_thread_count():
+    """Blocks are drawn on several threads at once (8B's init took 55 s one block at a time on
+    the H200 host): each block is still torch.randn from its own seeded generator, so the
+    weights a seed gives do not change with the thread count, nor from before the threads."""
+    shape, seed, index = (1000, 3000), 7, 3
+    per_block = INIT_BLOCK_NUMEL // shape[1]
+    threads = torch.get_num_threads()
+    try:
+        draws = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            draws.append(_normal_rows(shape, 0, shape[0], seed=seed, index=index))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(d, draws[0]) for d in draws[1:])
+    for block in (0, 2):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + index) * 1_000_033 + block)
+        rows = min(per_block, shape[0] - block * per_block)
+        expected = torch.randn((rows, shape[1]), generator=gen)
+        assert torch.equal(draws[0][block * per_block:block * per_block + rows], expected)
