@@ -58,6 +58,9 @@ SHAPES = {
 _MEMORY = "tests/gpu/test_gpu_memory.py::test_cuda_peak_is_within_tolerance_of_the_plan"
 _OPTION = "tests/gpu/test_gpu_run.py::test_each_option_trains_on_gpus"
 GPU_TESTS = (
+    # a second: whether the batch's copy waits for the running step (transfer.py)
+    "tests/gpu/test_gpu_transfer.py::"
+    "test_a_pageable_batch_is_queued_behind_running_work_without_a_host_wait",
     f"{_MEMORY}[full-mixed-none-4]", f"{_MEMORY}[full-mixed-full-4]",
     f"{_MEMORY}[full-bf16-none-4]", f"{_MEMORY}[full-bf16-full-1]",
     f"{_OPTION}[full-bf16]", f"{_OPTION}[compile]", f"{_OPTION}[ac-full]",

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .attention_kernels import AUTO, SDPA, VARLEN
+from .transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
     """A host batch on ``device``; for a varlen model, the batch's records become the ones its
     attention runs (computed from the CPU position_ids before they move: no sync; a batch
     without position_ids is one record per row, and gets them)."""
-    out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out: dict[str, Any] = {k: to_device(v, device) for k, v in batch.items()}
     if uses_varlen(model):
         if batch.get("attention_mask") is not None:
             raise ValueError("model.attn_implementation=varlen takes records by position_ids, "
@@ -283,9 +284,9 @@ def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
         pos = batch.get("position_ids")
         if pos is None:
             pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-            out["position_ids"] = pos.to(device, non_blocking=True)
+            out["position_ids"] = to_device(pos, device)
         bounds = document_bounds(pos)
-        bounds.cu = bounds.cu.to(device, non_blocking=True)
+        bounds.cu = to_device(bounds.cu, device)
         if not _use_flash(device):  # the block-sparse SDPA will run
             bounds.chunks = _chunks(model.config, pos, device)
         bounds.positions = weakref.ref(out["position_ids"])

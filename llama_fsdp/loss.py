@@ -33,6 +33,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data.packing import IGNORE_INDEX
+from .transfer import to_device
 
 # The batch keys a model's forward takes: a preference batch carries more (where each sequence's
 # targets are, the reference's log-probs: data/preference.py), which the model must not get.
@@ -43,7 +44,7 @@ def target_rows(labels: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The flat indices of the target tokens (labels not IGNORE_INDEX) on ``device``. Made
     from the host's labels before they move, so finding them costs the device no sync."""
     rows = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)
-    return rows.to(device, non_blocking=True)
+    return to_device(rows, device)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

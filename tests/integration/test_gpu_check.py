@@ -151,7 +151,8 @@ def test_throughput_reports_each_runner_with_mfu(rehearsal):
 def test_throughput_profiles_where_each_runners_step_goes(rehearsal):
     """Each runner's steady steps under torch.profiler (benchmarks/step_clock.py): the ops with
     the most self time, sorted, the matmuls among the first on the CPU, and the table in the
-    summary; the profiled steps still count as steady steps above."""
+    summary; the profiled steps still count as steady steps above. (The busy time against the
+    step's wall time is the GPU's number: on the CPU the ops of every thread add up.)"""
     _, out, records = rehearsal
     profiles = _of(records, "profile")
     assert [r["runner"] for r in profiles] == list(stages.THROUGHPUT_RUNNERS)
@@ -160,7 +161,6 @@ def test_throughput_profiles_where_each_runners_step_goes(rehearsal):
         times = [op["self_us"] for op in r["ops"]]
         assert times == sorted(times, reverse=True) and len(times) >= 5, r
         assert "aten::mm" in [op["name"] for op in r["ops"][:3]], r["ops"][:5]
-        assert 0 < r["total_us"] / r["steps"] / 1e3 < 2 * r["step_ms"], r
     assert "Where the step goes (torch.profiler" in (out / gpu_report.SUMMARY).read_text()
 
 
@@ -209,7 +209,7 @@ def test_the_converter_appends_the_checks_section(rehearsal, work):
                   "bare FSDP2 loop (floor)"):
         assert re.search(rf"^\| {re.escape(label)} \| .+ \| [\d,]+ \| [\d.]+ \| [\d.]+% \|", text,
                          re.M), label
-    assert "GPU tests: 7 skipped" in text
+    assert f"GPU tests: {len(stages.GPU_TESTS)} skipped" in text
     for landed in ("chunked-loss", "dpo-lora", "8b-adamw8bit"):  # each a row of its own
         assert re.search(rf"^\| {landed} \| FINISHED \| ", text, re.M), landed
     again = docs.run(cmd, REPO, env, timeout=60)

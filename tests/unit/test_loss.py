@@ -212,3 +212,11 @@ def test_loss_head_gives_the_full_loss_and_gradients_of_a_real_model(tied, froze
     for name, g in grads.items():
         torch.testing.assert_close(c_grads[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(),
                                    msg=name)
+
+
+def test_a_host_tensor_for_the_cpu_stays_as_it_is():
+    """transfer.to_device pins only for a CUDA copy: a CPU run's batch is the same tensor."""
+    from llama_fsdp.transfer import to_device
+
+    t = torch.arange(6)
+    assert to_device(t, torch.device("cpu")) is t
