@@ -104,7 +104,7 @@ def init_rows(name: str, shape: tuple[int, ...], start: int, rows: int, *, index
     s = std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         s = std / math.sqrt(2 * n_layers)
-    return _normal_rows(shape, start, rows, seed=seed, index=index).mul_(s)
+    return _normal_rows(shape, start, rows, seed=seed, index=index) * s  # a tensor of its own
 
 
 def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:

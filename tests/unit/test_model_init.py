@@ -58,3 +58,16 @@ def test_the_values_are_torch_randn_per_block_for_any_thread_count():
         rows = min(per_block, shape[0] - block * per_block)
         expected = torch.randn((rows, shape[1]), generator=gen)
         assert torch.equal(draws[0][block * per_block:block * per_block + rows], expected)
+
+
+def test_a_later_shards_rows_are_a_tensor_of_their_own():
+    """init_rows for rank > 0 (rows starting inside a block) is a tensor of its own, not a view
+    into the drawn blocks: an NF4 base is quantized from it, and torchao's NF4Tensor refuses an
+    as_strided with another storage offset (a QLoRA run's rank 1 failed so in CI once)."""
+    from llama_fsdp.model import init_rows
+
+    shape = (1000, 3000)
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        t = init_rows(name, shape, 500, 250, index=9, std=0.02, seed=1, n_layers=4)
+        assert t.shape == (250, 3000) and t.storage_offset() == 0 and t.is_contiguous(), name
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
