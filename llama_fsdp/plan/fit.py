@@ -37,9 +37,11 @@ def model_state_bytes(spec: RunSpec) -> tuple[int, int, int]:
 
 
 def memory_breakdown(spec: RunSpec) -> Memory:
-    """The components of one training step's memory per device."""
-    return (lora.lora_memory_breakdown if spec.finetune.adapters
-            else full.full_memory_breakdown)(spec)
+    """The components of one training step's memory per device, the CUDA workspaces with them
+    (``runtime_bytes``, which phase_peaks adds to every phase)."""
+    memory = (lora.lora_memory_breakdown if spec.finetune.adapters
+              else full.full_memory_breakdown)(spec)
+    return dataclasses.replace(memory, runtime=runtime_bytes(spec))
 
 
 def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
@@ -183,8 +185,7 @@ def make_plan(spec: RunSpec, *, mfu: float = DEFAULT_MFU, margin: float = DEFAUL
     """Parameters, FLOPs per token and per-device memory of a run, against its device."""
     capacity, source = device_capacity_bytes(spec)
     memory = memory_breakdown(spec)
-    memory = dataclasses.replace(memory, host_activations=activation_host_bytes(spec),
-                                 runtime=runtime_bytes(spec))
+    memory = dataclasses.replace(memory, host_activations=activation_host_bytes(spec))
     host, host_source = host_capacity_bytes(spec)
     return Plan(spec=spec, num_params=count_params(spec.model), n_matmul=n_matmul(spec.model),
                 flops_per_token=flops_per_token_of(spec),

@@ -12,7 +12,7 @@ from .activations import activation_bytes, saved_layer_bytes
 from .ddp import ddp_bucket_bytes, ddp_kept_bytes, ddp_phase_peaks
 from .loss import LossBytes, loss_bytes
 from .optimizer import optimizer_state_bytes, optimizer_step_bytes
-from .phases import Memory, alone
+from .phases import Memory, alone, reduce_scatter_copies
 from .shapes import count_params, layer_shapes, numel, param_shapes, root_shapes, sharded_numel
 
 
@@ -115,7 +115,7 @@ def _step(spec: RunSpec, *, gloo: bool) -> _Step:
                  saved=acts - (recomputed if wrapped else 0),
                  kept=layer * c if resharded else count_params(m) * c,
                  in_flight=2 * layer * c if resharded else 0,
-                 rs_copies=2 if gloo and not alone(spec) else 1,
+                 rs_copies=reduce_scatter_copies(spec, gloo=gloo),
                  accumulated=grads if t.grad_accum > 1 else 0, loss=lb)
 
 

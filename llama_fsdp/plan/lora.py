@@ -24,7 +24,7 @@ from .activations import (
     varlen_mask_bytes,
 )
 from .loss import LossBytes, loss_bytes
-from .phases import Memory, alone
+from .phases import Memory, alone, reduce_scatter_copies
 from .shapes import count_params, n_matmul, numel, projection_shapes, root_shapes, sharded_numel
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -221,7 +221,7 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     # a layer's backward: its adapters' unsharded grads and their reduce-scatter (gloo copies
     # the input), the dequantized weight of qlora
     layer_bwd = (acts + (accumulated or grads) + in_flight + a_layer * c
-                 + (2 if gloo and not alone(spec) else 1) * a_layer * r
+                 + reduce_scatter_copies(spec, gloo=gloo) * a_layer * r
                  + _dequantized_bytes(spec))
     # inside a layer's forward (the peak where the logits are small and qlora's dequantized
     # weight large): the layers before, this layer's activations, its dequantized weight

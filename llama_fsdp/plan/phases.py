@@ -55,3 +55,9 @@ def alone(spec: RunSpec) -> bool:
     benchmarks/plan_vs_measured_cpu.md, where the held head all-gather was over-planned by the
     head's size."""
     return spec.mesh.shard == 1 and not spec.mesh.ddp
+
+
+def reduce_scatter_copies(spec: RunSpec, *, gloo: bool) -> int:
+    """Copies of a reduce-scatter's input live at once: the input, and gloo's own copy of it
+    where a collective runs (NCCL reduces in place; a group of one runs none: ``alone``)."""
+    return 2 if gloo and not alone(spec) else 1
