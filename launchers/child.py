@@ -12,7 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from llama_fsdp.launchers.common import load_entry, skip_final_collection
+from llama_fsdp.launchers.common import exit_now, load_entry
 
 
 def main(inp: str, out: str, tb_file: str) -> int:
@@ -32,6 +32,4 @@ def main(inp: str, out: str, tb_file: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main(*sys.argv[1:4])
-    skip_final_collection()
-    sys.exit(code)
+    exit_now(main(*sys.argv[1:4]))  # the result is on disk: nothing at exit may fail it

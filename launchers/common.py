@@ -6,6 +6,7 @@ training.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import logging
@@ -19,7 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, Optional, Union
 
 from ..rundir import RunDir, private_dir
 from .rank import RankEntry, format_report, read_reports
@@ -149,6 +150,32 @@ def skip_final_collection() -> None:
     finished (benchmarks/cpu_runtime.md). atexit handlers, buffered files and module teardown
     still run; only cyclic garbage left at exit goes to the OS uncollected."""
     gc.freeze()
+
+
+def exit_now(code: Union[int, str, None]) -> NoReturn:
+    """End a process whose work is done and reported without the interpreter's finalization.
+    What finalization does first still runs: thread pools are shut down and non-daemon threads
+    joined, then the atexit handlers (logging's flush among them); the standard streams are
+    flushed; then ``os._exit``. ``code`` is what ``sys.exit`` takes (a string is printed, exit 1).
+
+    Finalization can only lose here. A C++ thread that comes back into Python while the
+    interpreter finalizes (a gloo worker dropping a work's tensors, a store wait timing out) is
+    ended by CPython with a forced unwind that C++ turns into std::terminate: "terminate called
+    without an active exception", SIGABRT, and a rank that finished is reported killed. The
+    suite's 4-rank hybrid run lost its rank 1 so, after its last step (pytorch/pytorch#179291
+    names the gloo case; tests/unit/test_launchers.py makes it happen). Module teardown of what
+    torch, transformers and mlflow loaded goes with it."""
+    if isinstance(code, str):
+        sys.stderr.write(code + "\n")
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # finalization's first step
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader went away
+            pass
+    os._exit(code or 0)
 
 
 def free_port() -> int:
