@@ -55,7 +55,8 @@ class RecordKind(Protocol):
 
 @dataclass
 class Tokenized:
-    """Tokenized train / eval splits (datasets, memory-mapped) and what building them found."""
+    """Tokenized train / eval splits (Arrow tables, memory-mapped) and what building them
+    found."""
 
     train: Any
     eval: Any
@@ -293,10 +294,21 @@ def _empty_tokenized():
 
 
 def _load_tokenized(path: Path, *, from_cache: bool) -> Tokenized:
-    import datasets
-
     meta = json.loads((path / "meta.json").read_text())
-    train, ev = ((datasets.load_from_disk(str(path / s)) if (path / s).exists() else _empty_tokenized())
+    train, ev = ((read_split(path / s) if (path / s).exists() else _empty_tokenized().data.table)
                  for s in ("train", "eval"))
     return Tokenized(train=train, eval=ev, meta=meta, from_cache=from_cache, path=path)
+
+
+def read_split(path: Path):
+    """A split that datasets' ``save_to_disk`` wrote, as one memory-mapped Arrow table: the
+    files its state.json lists, in order, each an Arrow stream (what ``load_from_disk`` maps;
+    save_to_disk flattens any indices first). Without the datasets package, which costs every
+    rank 0.5 s of imports (pandas with it) for a table TokenStore reads as Arrow anyway."""
+    import pyarrow as pa
+
+    files = json.loads((path / "state.json").read_text())["_data_files"]
+    tables = [pa.ipc.open_stream(pa.memory_map(str(path / f["filename"]))).read_all()
+              for f in files]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 

@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llama_fsdp.config import DataConfig
@@ -130,6 +131,39 @@ def test_tokenize_splits_then_build_uses_it(tmp_path, cache):
     dm = build_data(cfg, seq_len=80, micro_batch=2, dp_rank=0, dp_world=1, seed=0, cache_dir=cache,
                     vocab_size=512)
     assert dm.stats["tokenized_from_cache"] == 1.0
+
+
+def test_a_rank_reads_the_cached_splits_as_datasets_does_without_importing_it(tmp_path, cache):
+    """Ranks read the tokenized cache as Arrow tables (data/cache.read_split): the same records,
+    lengths, masks and flags as datasets.load_from_disk gives, without importing datasets or
+    pandas (0.5 s of each rank's start)."""
+    import subprocess
+    import sys
+
+    import datasets
+
+    from llama_fsdp.data import TokenStore
+
+    f = _jsonl(tmp_path / "p.jsonl", RECS[:7] + [{**RECS[7], "output": "x " * 200}] + RECS[8:])
+    cfg = DataConfig(name="jsonl", path=str(f), eval_records=4)  # overlong: truncate
+    prep = tokenize_splits(cfg, seq_len=64, cache_dir=cache)
+    for split in ("train", "eval"):
+        ours = TokenStore(getattr(prep, split))
+        theirs = TokenStore(datasets.load_from_disk(str(prep.path / split)))
+        for name in ("offsets", "ids", "mask", "prompt_len", "truncated"):
+            np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name), name)
+            assert getattr(ours, name).dtype == getattr(theirs, name).dtype, name
+        assert [ours.task(i) for i in range(len(ours))] == \
+            [theirs.task(i) for i in range(len(theirs))]
+    assert TokenStore(prep.train).truncated.any()  # the flag is read, not all False
+    code = ("import sys\nfrom llama_fsdp.data import TokenStore\n"
+            "from llama_fsdp.data.cache import read_split\n"
+            f"store = TokenStore(read_split(__import__('pathlib').Path({str(prep.path)!r}) / 'train'))\n"
+            "store.task(0)\n"
+            "print(len(store), 'datasets' in sys.modules, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(len(TokenStore(prep.train))), "False", "False"]
 
 
 # --- bad data ------------------------------------------------------------------------------------
