@@ -39,15 +39,25 @@ class Shapes:
     extra: tuple[str, ...]  # on every command line
     default_extra: tuple[str, ...]  # on the default command (none on CUDA: as a user types it)
     eager_8bit: tuple[str, ...]  # the 8-bit optimizer step compiled on CUDA, eager on the CPU
+    runners: tuple[str, ...]  # the throughput stage's (benchmarks/throughput.py's keys), in order
 
 
 _CPU_EXTRA = ("cluster.device=cpu", "cluster.nproc_per_node=1", "data.num_records=400")
+# The throughput stage's runners, in order: llama_fsdp and the peers, then (CUDA) what
+# torchtitan runs there, the layers compiled and the fused AdamW step, so that one window says
+# what each is worth; the CPU rehearses the variant path with the fused step alone (a compile
+# of the tiny model would double the rehearsal's time).
+THROUGHPUT_RUNNERS = {
+    "cuda": ("llama_fsdp", "hf_trainer", "llama_fsdp_compile", "llama_fsdp_compile_fused",
+             "bare_fsdp2"),
+    "cpu": ("llama_fsdp", "hf_trainer", "bare_fsdp2", "llama_fsdp_fused"),
+}
 SHAPES = {
-    "cuda": Shapes("1b", "8b", 2048, 4, "mixed", 20, 10, 16384, ("cluster.nproc_per_node=1",),
-                   (), ()),
+    "cuda": Shapes("1b", "8b", 2048, 4, "mixed", 20, 6, 16384, ("cluster.nproc_per_node=1",),
+                   (), (), THROUGHPUT_RUNNERS["cuda"]),
     "cpu": Shapes("tiny", "tiny", 128, 2, "fp32", 8, 3, 256, _CPU_EXTRA,
                   (*_CPU_EXTRA, "train.max_steps=3", "train.warmup_steps=1", "eval.every_steps=0",
-                   "eval.task_prompts=0"), ("optim.eager=true",)),
+                   "eval.task_prompts=0"), ("optim.eager=true",), THROUGHPUT_RUNNERS["cpu"]),
 }
 
 # The GPU tests that settle the most in about 2.5 minutes, most valuable first: CUDA's peak
@@ -65,7 +75,6 @@ GPU_TESTS = (
     f"{_MEMORY}[full-bf16-none-4]", f"{_MEMORY}[full-bf16-full-1]",
     f"{_OPTION}[full-bf16]", f"{_OPTION}[compile]", f"{_OPTION}[ac-full]",
 )
-THROUGHPUT_RUNNERS = ("llama_fsdp", "hf_trainer", "bare_fsdp2")  # in this order
 THROUGHPUT_WARMUP = 5
 
 
@@ -410,7 +419,7 @@ def throughput(s: Settings, sh: Shapes) -> int:
     # where each runner's step goes: torch.profiler over a few steady steps (step_clock.py)
     first = min(THROUGHPUT_WARMUP + 3, sh.bench_steps - 2)
     os.environ[PROFILE_STEPS_ENV] = f"{first}:{min(first + 2, sh.bench_steps - 1)}"
-    for runner in tp.build_runners(bench, list(THROUGHPUT_RUNNERS), clock=True):
+    for runner in tp.build_runners(bench, list(sh.runners), clock=True):
         progress(runner.key)
         profile = work / f"{runner.key}.profile.json"
         os.environ[PROFILE_ENV] = str(profile)

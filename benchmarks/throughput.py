@@ -122,6 +122,14 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
                                        "hf_trainer", "--sharding", "no_shard"),
         "llama_fsdp_sdpa": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
                                                    attention="sdpa"),
+        # what torchtitan runs on CUDA: the layers compiled, the fused AdamW step
+        "llama_fsdp_compile": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
+                                                      options=("train.compile=true",)),
+        "llama_fsdp_fused": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
+                                                    options=("optim.fused=true",)),
+        "llama_fsdp_compile_fused": lambda: FrameworkRunner(
+            bench, sharding="full", clock=clock,
+            options=("train.compile=true", "optim.fused=true")),
     }
     return [factories[k]() for k in keys]
 

@@ -131,10 +131,11 @@ class FrameworkRunner(Runner):
     """
 
     def __init__(self, bench: Bench, *, sharding: str, clock: bool, packing: bool = True,
-                 attention: Optional[str] = None):
+                 attention: Optional[str] = None, options: tuple[str, ...] = ()):
         super().__init__(bench)
         self.sharding, self.clock, self.packing = sharding, clock, packing
         self.attention = attention  # None: model.attn_implementation=auto
+        self.options = options  # more overrides (e.g. train.compile=true): a variant
         self.key = "llama_fsdp" if sharding == "full" else f"llama_fsdp_{sharding}"
         self.label = f"llama_fsdp (sharding={sharding})"
         if not packing:
@@ -144,6 +145,10 @@ class FrameworkRunner(Runner):
         if attention is not None:
             self.key += f"_{attention}"
             self.label = f"llama_fsdp (sharding={sharding}, model.attn_implementation={attention})"
+            self.diagnostic = True
+        if options:  # train.compile=true -> _compile; optim.fused=true -> _fused
+            self.key += "".join("_" + o.split("=")[0].split(".")[-1] for o in options)
+            self.label = f"llama_fsdp (sharding={sharding}, {' '.join(options)})"
             self.diagnostic = True
         if not clock:
             self.timing = "FALLBACK: MLflow `step_time_s` history timestamps (no train.callbacks)"
@@ -160,6 +165,7 @@ class FrameworkRunner(Runner):
             out.append("data.packing=false")
         if self.attention is not None:
             out.append(f"model.attn_implementation={self.attention}")
+        out += list(self.options)
         if self.clock:
             out += ["tracking.enabled=false", f'train.callbacks=["{CLOCK_HOOK}"]']
         else:

@@ -519,6 +519,9 @@ class OptimConfig:
     bf16_stochastic_round: bool = False
     # Run the low-bit step without torch.compile (slower steps, no compile at the start).
     eager: bool = False
+    # adamw only: torch's fused AdamW (one kernel over every parameter, no param-sized
+    # temporary; torchtitan's default on CUDA) instead of foreach (same math).
+    fused: bool = False
 
     @property
     def lowbit(self) -> bool:
@@ -542,6 +545,11 @@ class OptimConfig:
             out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
                        "row of a Llama weight splits in whole blocks), e.g. the default "
                        f"{OPTIMIZERS[self.name].default_block}")
+        if self.fused and (self.lowbit or self.bf16_stochastic_round):
+            what = f"optim={self.name}" if self.lowbit else "optim.bf16_stochastic_round=true"
+            out.append(f"optim.fused=true is torch's fused AdamW, but {what} steps with "
+                       "torchao's AdamW: drop optim.fused, or use optim=adamw without "
+                       "bf16_stochastic_round")
         if self.bf16_stochastic_round and param_dtype != "bfloat16":
             out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
                        f"{param_dtype} here: use precision=bf16, or drop it")

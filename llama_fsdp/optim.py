@@ -1,5 +1,5 @@
-"""The optimizer (optim=adamw | adamw8bit | adamw4bit): torch's foreach AdamW, or torchao's
-AdamW with 8- or 4-bit moments, made to hold under FSDP2.
+"""The optimizer (optim=adamw | adamw8bit | adamw4bit): torch's foreach AdamW (fused with
+optim.fused=true), or torchao's AdamW with 8- or 4-bit moments, made to hold under FSDP2.
 
 torchao's low-bit AdamW (torchao/optim/adam.py) steps each parameter with a compiled fp32
 function and keeps its moments as OptimState8bit / OptimState4bit (codes + block scales). Two
@@ -120,6 +120,8 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig,
                    bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
     if o.bf16_stochastic_round:
         return AdamWStochasticRound(params, eager=o.eager, bf16_stochastic_round=True, **hyper)
+    if o.fused:
+        return torch.optim.AdamW(params, fused=True, **hyper)
     return torch.optim.AdamW(params, foreach=True, **hyper)
 
 

@@ -141,7 +141,8 @@ def test_each_chosen_gpu_test_is_collected_and_reported(rehearsal):
 def test_throughput_reports_each_runner_with_mfu(rehearsal):
     _, _, records = rehearsal
     rows = _of(records, "throughput")
-    assert [r["runner"] for r in rows] == list(stages.THROUGHPUT_RUNNERS)
+    assert [r["runner"] for r in rows] == list(stages.SHAPES["cpu"].runners)
+    assert rows[-1]["runner"] == "llama_fsdp_fused" and "optim.fused=true" in rows[-1]["command"]
     for r in rows:
         assert r["error"] is None and r["steady_steps"] == 3, r
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] > 0, r
@@ -155,7 +156,7 @@ def test_throughput_profiles_where_each_runners_step_goes(rehearsal):
     step's wall time is the GPU's number: on the CPU the ops of every thread add up.)"""
     _, out, records = rehearsal
     profiles = _of(records, "profile")
-    assert [r["runner"] for r in profiles] == list(stages.THROUGHPUT_RUNNERS)
+    assert [r["runner"] for r in profiles] == list(stages.SHAPES["cpu"].runners)
     for r in profiles:
         assert r["device"] == "cpu" and r["steps"] == 2 and r["total_us"] > 0, r
         times = [op["self_us"] for op in r["ops"]]

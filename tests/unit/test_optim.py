@@ -109,6 +109,38 @@ def test_step_temporary_foreach_adamw_vs_one_parameter_at_a_time():
     assert O.optimizer_step_bytes(eager) == 14 * largest * 4
 
 
+def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
+    """optim.fused=true is torch's fused AdamW: after a few steps the parameters and moments
+    match foreach's (the same math in one kernel), and the plan counts no param-sized
+    temporary for its step."""
+    import torch
+
+    from llama_fsdp.config import OptimConfig, TrainConfig
+    from llama_fsdp.optim import build_optimizer
+
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    out = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = build_optimizer(model, t, OptimConfig(fused=fused))
+        assert opt.defaults["fused"] is (True if fused else None)
+        assert opt.defaults["foreach"] is (None if fused else True)
+        for _ in range(4):
+            loss = model(torch.randn(16, 32, generator=torch.Generator().manual_seed(1))).square()
+            loss.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert all((p.detach() - s).abs().max() > 1e-3 for p, s in zip(model.parameters(), start))
+        out[fused] = ([p.detach().clone() for p in model.parameters()],
+                      [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()])
+    for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert O.optimizer_step_bytes(make_spec("precision=fp32", "optim.fused=true")) == 0
+    assert O.optimizer_step_bytes(make_spec("precision=fp32")) > 0
+
+
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
 def test_stochastic_rounding_moves_bf16_parameters_by_updates_below_half_an_ulp(name):
     """A bf16 parameter at 1.5 (one ulp: 2**-7) stepped STEPS times by AdamW updates of
@@ -145,6 +177,10 @@ def test_stochastic_rounding_moves_bf16_parameters_by_updates_below_half_an_ulp(
     (["optim=adamw8bit", "optim.block_size=100"], "must be a power of two"),
     (["optim.bf16_stochastic_round=true", "precision=fp32"], "use precision=bf16"),
     (["optim=adamw4bit", "save.full_state_dict=true"], "drop save.full_state_dict"),
+    (["optim=adamw8bit", "optim.fused=true"], "optim.fused=true is torch's fused AdamW, but "
+                                              "optim=adamw8bit steps with torchao's"),
+    (["optim.fused=true", "optim.bf16_stochastic_round=true", "precision=bf16"],
+     "but optim.bf16_stochastic_round=true steps with torchao's"),
     (["optim=adamw8bit", "sharding.cpu_offload=true", *RECIPE_70B[1:3], "cluster.device=auto"],
      "drop sharding.cpu_offload, or use optim=adamw"),
 ])
