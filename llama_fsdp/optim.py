@@ -120,7 +120,7 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig,
                    bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
     if o.bf16_stochastic_round:
         return AdamWStochasticRound(params, eager=o.eager, bf16_stochastic_round=True, **hyper)
-    if o.fused:
+    if o.fused_on(params[0].device.type if params else "cpu"):
         return torch.optim.AdamW(params, fused=True, **hyper)
     return torch.optim.AdamW(params, foreach=True, **hyper)
 

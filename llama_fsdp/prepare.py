@@ -102,11 +102,45 @@ def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     reachable = check_tracking(spec) if spec.tracking.enabled else False
     spec = resolve_model(spec)
     data = prepare_data(spec)
+    spec = replan_for_records(spec, data.stats)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     RunDir(spec.output_dir).config.write_text(spec.config_yaml)
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))
     return PreparedRun(spec, data.stats)
+
+
+def replan_for_records(spec: RunSpec, stats: dict[str, float]) -> RunSpec:
+    """CUDA's flash varlen backward allocates per record of a micro-batch
+    (plan/activations.py: varlen_backward_bytes), which the plan counts as one record per row
+    until the data is known. Now it is: the spec carries the fullest micro-batch's records
+    (``train.batch_size`` rows as full as the fullest row, each with a padding tail), the ranks'
+    plan counts them, the new peak is printed where the term moves it, and a run that no longer
+    fits is refused here, before any rank starts, with the plan's fixes."""
+    from .plan import PlanError, check_fits, make_plan, varlen_backward_bytes
+
+    per_row = stats.get("records_per_row_max")
+    if not per_row or varlen_backward_bytes(spec.model, micro_batch=1, seq_len=1,
+                                            device=spec.device) == 0:
+        return spec
+    records = spec.train.batch_size * (int(per_row) + 1)
+    grown = dataclasses.replace(spec, records_per_micro_batch=records)
+    before, plan = make_plan(spec), make_plan(grown)
+    if plan.predicted_peak_bytes >= 1.01 * before.predicted_peak_bytes:
+        log.info("plan with the data: up to %d records in a micro-batch (%d in the fullest row) "
+                 "grow flash varlen's backward workspace: predicted peak %.2f GB (was %.2f GB), "
+                 "in %s", records, int(per_row), plan.predicted_peak_gb,
+                 before.predicted_peak_gb, plan.peak_phase)
+    if not plan.fits:
+        try:
+            check_fits(grown, plan)  # the fixes (or force=true's warning)
+        except PlanError as e:
+            raise PlanError(
+                f"with the data, flash varlen's backward holds a workspace for up to {records} "
+                f"records a micro-batch ({int(per_row)} in the fullest row), and the run no "
+                f"longer fits (the plan printed above counted one record per row). Rows of "
+                f"fewer, longer records need less.\n{e}") from None
+    return grown
 
 
 def check_callbacks(spec: RunSpec) -> None:

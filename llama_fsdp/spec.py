@@ -97,6 +97,9 @@ class RunSpec:
     restart: int = 0  # set by the launcher: how many times this run was restarted or requeued
     launcher_ships: bool = False  # set by a launcher that delivers rank 0's spool while it waits
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # sft | dpo
+    # set once the data is prepared (prepare.replan_for_records): the records of the fullest
+    # micro-batch, which CUDA's flash varlen backward allocates for (plan/activations.py)
+    records_per_micro_batch: Optional[int] = None
 
     @property
     def dp_size(self) -> int:

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ..config import DataConfig
 from .cache import as_config, resolve_tokenizer, tokenize_splits
 from .module import DataModule
@@ -62,6 +64,9 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
         "eval_packing_efficiency": ev.efficiency,
         "train_records": float(len(train.store)),
         "train_rows": float(len(train)),
+        # the most records one row holds (a DPO row: two per pair): CUDA's flash varlen backward
+        # allocates per record of a micro-batch (plan/activations.py: varlen_backward_bytes)
+        "records_per_row_max": float(np.diff(train.row_ptr).max()) if len(train) else 0.0,
         "train_tokens": float(train.store.lengths.sum()),
         "train_target_tokens": float(train.store.mask.sum()),
         "eval_records": float(len(ev.store)),

@@ -23,6 +23,8 @@ from .activations import (
     layer_activation_bytes,
     packed_mask_bytes,
     saved_layer_bytes,
+    varlen_backward_bytes,
+    varlen_backward_extra,
     varlen_mask_bytes,
 )
 from .device import GB, device_capacity_bytes, peak_flops
@@ -53,5 +55,5 @@ __all__ = ["DEFAULT_MARGIN", "DEFAULT_MFU", "GB", "GIB", "Memory", "PHASES", "Pl
            "loss_bytes", "make_plan", "memory_breakdown", "model_state_bytes", "n_matmul",
            "nodes_needed", "numel", "packed_mask_bytes", "param_shapes", "peak_flops",
            "phase_peak_bytes", "phase_peaks", "reference_spec", "resolve_auto", "root_shapes",
-           "saved_layer_bytes", "sharded_numel", "varlen_mask_bytes", "with_nodes",
-           "with_seq_len", "with_strategy"]
+           "saved_layer_bytes", "sharded_numel", "varlen_backward_bytes",
+           "varlen_backward_extra", "varlen_mask_bytes", "with_nodes", "with_seq_len", "with_strategy"]

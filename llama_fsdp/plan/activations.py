@@ -106,6 +106,44 @@ def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
     return c * (seq_len // 2 + min(seq_len, 2048) // 2 + 1)
 
 
+# The flash varlen backward's fp32 dq accumulator (flash-attention 2's mha_varlen_bwd, which
+# torch's varlen_attn runs): (tokens + 128 x sequences) x heads x head_dim (rounded up to 32)
+# x 4 bytes, for the micro-batch's sequences (its records: every record is one), live through
+# one layer's attention backward. By then that layer's backward has freed what only its MLP
+# and output projection needed (backward runs the layer in reverse): the MLP's four
+# intermediates (4·c·i per token of layer_activation_bytes), the MLP's normed input, the
+# post-attention norm's saved input and the attention output o_proj read (3·c·h), so the
+# layers' backward peak grows by the workspace less those (``varlen_backward_extra``). Measured on an H200 (benchmarks/gpu.md):
+# 8B QLoRA at 16,384 tokens of 2,397 synthetic records (one row) allocated 5.2953 GB there in
+# one tensor, the formula's 5.2953 GB; the peak, 17.28 GB, was 24% over the plan without this
+# term. Data-dependent: the plan counts one record per row until the data is known
+# (prepare.replan_for_records gives the fullest micro-batch's count).
+VARLEN_BWD_PAD = 128
+
+
+def varlen_backward_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, device: str,
+                          records: Optional[int] = None) -> int:
+    """The flash varlen backward's workspace (above) for a micro-batch of ``records``
+    sequences (None: one per row); 0 where flash varlen does not run (off CUDA, other
+    kernels)."""
+    if m.attn_implementation != "varlen" or device != "cuda":
+        return 0
+    d = m.hidden_size // m.num_heads
+    rounded = -(-d // 32) * 32
+    seqs = micro_batch if records is None else max(records, micro_batch)
+    return (micro_batch * seq_len + VARLEN_BWD_PAD * seqs) * m.num_heads * rounded * 4
+
+
+def varlen_backward_extra(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int,
+                          device: str, records: Optional[int] = None) -> int:
+    """What the flash varlen workspace adds to the layers' backward peak: the workspace less
+    what its layer has freed by its attention backward (above)."""
+    workspace = varlen_backward_bytes(m, micro_batch=micro_batch, seq_len=seq_len,
+                                      device=device, records=records)
+    freed = (4 * m.intermediate_size + 3 * m.hidden_size) * c * micro_batch * seq_len
+    return max(0, workspace - freed)
+
+
 def layer_activation_bytes(m: ModelConfig, c: int) -> int:
     """Saved-for-backward bytes per token of one decoder layer (derivation above)."""
     h, g, i = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads), m.intermediate_size

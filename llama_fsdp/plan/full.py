@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..precision import DTYPE_BYTES
 from ..spec import RunSpec
-from .activations import activation_bytes, saved_layer_bytes
+from .activations import activation_bytes, saved_layer_bytes, varlen_backward_extra
 from .ddp import ddp_bucket_bytes, ddp_kept_bytes, ddp_phase_peaks
 from .loss import LossBytes, loss_bytes
 from .optimizer import optimizer_state_bytes, optimizer_step_bytes
@@ -111,7 +111,10 @@ def _step(spec: RunSpec, *, gloo: bool) -> _Step:
         m, seq_len=t.seq_len, c=c, packing=spec.data.packing, device=spec.device)
     wrapped = len(ac.wrapped_layers(m.num_layers))
     resharded = mesh.reshard_after_forward
-    return _Step(state=params + optim, grads=grads, step=step, acts=acts,
+    # a layer's backward also holds flash varlen's workspace (CUDA): ``acts`` is used there only
+    workspace = varlen_backward_extra(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c,
+                                      device=spec.device, records=spec.records_per_micro_batch)
+    return _Step(state=params + optim, grads=grads, step=step, acts=acts + workspace,
                  saved=acts - (recomputed if wrapped else 0),
                  kept=layer * c if resharded else count_params(m) * c,
                  in_flight=2 * layer * c if resharded else 0,

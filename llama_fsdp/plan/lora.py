@@ -21,6 +21,7 @@ from .activations import (
     checkpointed_inputs,
     layer_activation_bytes,
     packed_mask_bytes,
+    varlen_backward_extra,
     varlen_mask_bytes,
 )
 from .loss import LossBytes, loss_bytes
@@ -206,6 +207,9 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     recomputed = tokens * lora_saved_layer_bytes(m, ft, seq_len=t.seq_len, c=c,
                                                  packing=spec.data.packing, device=spec.device)
     saved = acts - (recomputed if wrapped else 0)
+    # a layer's backward also holds flash varlen's workspace (CUDA): ``acts`` is used there only
+    acts += varlen_backward_extra(m, micro_batch=t.batch_size, seq_len=t.seq_len, c=c,
+                                  device=spec.device, records=spec.records_per_micro_batch)
     accumulated = grads if t.grad_accum > 1 else 0
     state = params + optim
     lb = loss_bytes(spec, head_trains=False)

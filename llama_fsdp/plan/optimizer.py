@@ -85,10 +85,11 @@ def uses_torchao_step(o: OptimConfig, param_dtype: str) -> bool:
 
 def optimizer_step_bytes(spec: RunSpec) -> int:
     """Temporary memory of optimizer.step() beyond the state: foreach AdamW's one param-sized
-    temporary (all local parameters in their dtype; none for optim.fused), or torchao's fp32 copies of the largest
-    local parameter (its step runs parameter by parameter)."""
+    temporary (all local parameters in their dtype; none for optim.fused's),
+    or torchao's fp32 copies of the largest local parameter (its step runs parameter by
+    parameter)."""
     o, shapes = spec.optim, param_shapes(spec.model)
-    if o.fused:  # one in-place kernel per group of parameters: no param-sized temporary
+    if o.fused_on(spec.device):  # one in-place kernel per group of parameters: no temporary
         return 0
     if not uses_torchao_step(o, spec.policy.param_dtype):
         return sharded_numel(shapes, spec.mesh.shard) * DTYPE_BYTES[spec.policy.param_dtype]

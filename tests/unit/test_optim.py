@@ -124,7 +124,7 @@ def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
         start = [p.detach().clone() for p in model.parameters()]
-        opt = build_optimizer(model, t, OptimConfig(fused=fused))
+        opt = build_optimizer(model, t, OptimConfig(fused=fused))  # CPU: foreach unless True
         assert opt.defaults["fused"] is (True if fused else None)
         assert opt.defaults["foreach"] is (None if fused else True)
         for _ in range(4):
@@ -139,6 +139,9 @@ def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert O.optimizer_step_bytes(make_spec("precision=fp32", "optim.fused=true")) == 0
     assert O.optimizer_step_bytes(make_spec("precision=fp32")) > 0
+    # opt-in on any device; never for torchao's steps
+    assert not OptimConfig().fused_on("cuda") and OptimConfig(fused=True).fused_on("cpu")
+    assert not OptimConfig(name="adamw8bit", fused=True).fused_on("cuda")
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit"])

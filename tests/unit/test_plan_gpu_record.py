@@ -84,11 +84,36 @@ def test_the_gpu_records_are_there():
     assert "8b-qlora" in names and "8b-lora" in names and ":default" in names
 
 
+@pytest.fixture(scope="module")
+def project_tokenizer(tmp_path_factory):
+    """The synthetic task's tokenizer as a directory: what the GPU check names as data.tokenizer
+    (benchmarks/gpu_check_stages.py: tokenizer_overrides)."""
+    from llama_fsdp.config import DataConfig
+    from llama_fsdp.data import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer"
+    build_tokenizer(DataConfig(), conftest.REPO / "outputs" / "cache").save_pretrained(str(path))
+    return path
+
+
 @pytest.mark.parametrize("where,overrides,measured_gb,recorded_plan_gb,with_runtime", CASES,
                          ids=[c[0] for c in CASES])
 def test_plan_predicts_the_recorded_cuda_peak(where, overrides, measured_gb, recorded_plan_gb,
-                                              with_runtime):
-    spec = conftest.make_spec(overrides + HERE, output_dir="/tmp/llama_fsdp_test/gpu_record")
+                                              with_runtime, project_tokenizer):
+    """Each record against this commit's plan, with the data the run had: a flash varlen run's
+    plan counts its fullest micro-batch's records once the data is built, as a launch does
+    (prepare.replan_for_records)."""
+    from llama_fsdp.data import build_data
+    from llama_fsdp.plan import varlen_backward_bytes
+    from llama_fsdp.prepare import replan_for_records
+
+    tok = [f"data.tokenizer={project_tokenizer}"] if "model=tiny" not in overrides else []
+    spec = conftest.make_spec(overrides + HERE + tok,
+                              output_dir="/tmp/llama_fsdp_test/gpu_record")
+    if varlen_backward_bytes(spec.model, micro_batch=1, seq_len=1, device=spec.device):
+        data = build_data(spec.data, **spec.data_kwargs(dp_rank=0, announce=False))
+        spec = replan_for_records(spec, data.stats)
+        assert spec.records_per_micro_batch >= spec.train.batch_size
     plan = make_plan(spec)
     predicted = plan.predicted_peak_bytes - (0 if with_runtime else runtime_bytes(spec))
     ratio = measured_gb * 1e9 / predicted
