@@ -37,3 +37,25 @@ def test_the_replay_finds_the_peak_and_groups_what_is_live_there_by_our_frame():
     assert [a["bytes"] for a in out["largest"]] == [300, 100, 50]
     assert out["peak_stack"][0].endswith("llama_fsdp/loss.py:77:_chunk_grad")
     assert out["largest"][0]["stack"][0].startswith("torch/nn/functional.py:10")
+
+
+def test_the_attention_benchmark_rehearses_on_the_cpu(tmp_path):
+    """benchmarks/attention_gpu.py (the GPU session's kernel comparison) runs end to end on the
+    CPU with a small shape: a timed line per kernel that exists there, for each kind of row,
+    and the kernels that cannot run there (flex's backward) say why instead of failing."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "attention.jsonl"
+    subprocess.run([sys.executable, "benchmarks/attention_gpu.py", "--out", str(out),
+                    "--device", "cpu"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = {(r["kind"], r["kernel"]) for r in rows if r.get("ms", 0) > 0}
+    assert {("one", "sdpa_causal"), ("one", "sdpa_mask"), ("r256", "sdpa_mask"),
+            ("synthetic", "sdpa_mask")} <= timed, rows
+    synthetic = next(r for r in rows if r["kind"] == "synthetic" and "records" in r)
+    assert synthetic["records"] > 20  # rows of many 4-12-token records
+    assert all("error" in r for r in rows if r["kernel"] == "flex"), rows
