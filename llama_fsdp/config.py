@@ -520,15 +520,17 @@ class OptimConfig:
     # Run the low-bit step without torch.compile (slower steps, no compile at the start).
     eager: bool = False
     # adamw only: torch's fused AdamW (one kernel over every parameter, no param-sized
-    # temporary; torchtitan's default on CUDA) instead of foreach (same math; an H200 step at
-    # 1b, seq 2048: 19 ms faster, benchmarks/gpu.md).
-    fused: bool = False
+    # temporary; torchtitan's default on CUDA) instead of foreach (the same math). null: fused
+    # on CUDA (an H200 step of 1b at seq 2048 took 19 ms less: benchmarks/gpu.md), foreach on
+    # the CPU (what the CPU benchmarks measured).
+    fused: Optional[bool] = None
 
     def fused_on(self, device: str) -> bool:
-        """Whether the step is torch's fused AdamW on ``device`` ("cuda", "cpu"): optim.fused,
-        never for torchao's steps. (The device decides nothing yet: a CUDA default of fused
-        would move every CUDA plan's optimizer phase, and the numbers documented from them.)"""
-        return self.fused and not (self.lowbit or self.bf16_stochastic_round)
+        """Whether the step is torch's fused AdamW for parameters on ``device`` ("cuda",
+        "cpu"): optim.fused, by default on CUDA; never for torchao's steps."""
+        if self.lowbit or self.bf16_stochastic_round:
+            return False
+        return device == "cuda" if self.fused is None else self.fused
 
     @property
     def lowbit(self) -> bool:
@@ -552,7 +554,7 @@ class OptimConfig:
             out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
                        "row of a Llama weight splits in whole blocks), e.g. the default "
                        f"{OPTIMIZERS[self.name].default_block}")
-        if self.fused and (self.lowbit or self.bf16_stochastic_round):
+        if self.fused is True and (self.lowbit or self.bf16_stochastic_round):
             what = f"optim={self.name}" if self.lowbit else "optim.bf16_stochastic_round=true"
             out.append(f"optim.fused=true is torch's fused AdamW, but {what} steps with "
                        "torchao's AdamW: drop optim.fused, or use optim=adamw without "

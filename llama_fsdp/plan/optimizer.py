@@ -85,7 +85,7 @@ def uses_torchao_step(o: OptimConfig, param_dtype: str) -> bool:
 
 def optimizer_step_bytes(spec: RunSpec) -> int:
     """Temporary memory of optimizer.step() beyond the state: foreach AdamW's one param-sized
-    temporary (all local parameters in their dtype; none for optim.fused's),
+    temporary (all local parameters in their dtype; none for the fused AdamW, CUDA's default),
     or torchao's fp32 copies of the largest local parameter (its step runs parameter by
     parameter)."""
     o, shapes = spec.optim, param_shapes(spec.model)
