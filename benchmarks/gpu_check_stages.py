@@ -43,14 +43,18 @@ class Shapes:
 
 
 _CPU_EXTRA = ("cluster.device=cpu", "cluster.nproc_per_node=1", "data.num_records=400")
-# The throughput stage's runners, in order: llama_fsdp and the peers, then (CUDA) what
-# torchtitan runs there, the layers compiled and the fused AdamW step, so that one window says
-# what each is worth; the CPU rehearses the variant path with the fused step alone (a compile
-# of the tiny model would double the rehearsal's time).
+# The throughput stage's runners, in order: llama_fsdp and the peers, then llama_fsdp on rows
+# like the peers' (one record of the whole row each, ONE_RECORD: the issue's goals are judged
+# on those), packed (flash varlen) and unpacked (SDPA's causal kernel, cuDNN on an H100 / H200),
+# compiled; then, on the synthetic data's rows of hundreds of tiny records, flex_attention and
+# the compiled layers alone (benchmarks/gpu.md, the second session: flash varlen is slow on
+# those rows). The CPU rehearses the variant paths it can run (no compile: it would double the
+# rehearsal's time; no flex: no backward on the CPU).
+ONE_RECORD = "llama_fsdp_one_record"
 THROUGHPUT_RUNNERS = {
-    "cuda": ("llama_fsdp", "hf_trainer", "llama_fsdp_compile", "llama_fsdp_compile_fused",
-             "bare_fsdp2"),
-    "cpu": ("llama_fsdp", "hf_trainer", "bare_fsdp2", "llama_fsdp_fused"),
+    "cuda": ("llama_fsdp", "hf_trainer", ONE_RECORD, f"{ONE_RECORD}_unpacked", "llama_fsdp_flex",
+             "llama_fsdp_compile", "bare_fsdp2"),
+    "cpu": ("llama_fsdp", "hf_trainer", "bare_fsdp2", "llama_fsdp_fused", ONE_RECORD),
 }
 SHAPES = {
     "cuda": Shapes("1b", "8b", 2048, 4, "mixed", 20, 6, 16384, ("cluster.nproc_per_node=1",),
@@ -419,7 +423,8 @@ def throughput(s: Settings, sh: Shapes) -> int:
     # where each runner's step goes: torch.profiler over a few steady steps (step_clock.py)
     first = min(THROUGHPUT_WARMUP + 3, sh.bench_steps - 2)
     os.environ[PROFILE_STEPS_ENV] = f"{first}:{min(first + 2, sh.bench_steps - 1)}"
-    for runner in tp.build_runners(bench, list(sh.runners), clock=True):
+    for runner in tp.build_runners(bench, list(sh.runners), clock=True,
+                                   more=one_record_runners(bench, work, sh)):
         progress(runner.key)
         profile = work / f"{runner.key}.profile.json"
         os.environ[PROFILE_ENV] = str(profile)
@@ -441,6 +446,42 @@ def throughput(s: Settings, sh: Shapes) -> int:
             "steady_steps": len(summary.walls), "error": summary.error,
             "command": runner.shown_command().replace(str(s.work), "$WORK")})
     return 0
+
+
+def one_record_runners(bench: Any, work: Path, sh: Shapes) -> dict[str, Callable[[], Any]]:
+    """llama_fsdp on rows of one record each, as the peers' rows are: a JSON-lines file of
+    random-word texts longer than a row (the synthetic tokenizer spends ~0.85 tokens a
+    character on them; data.overlong=truncate cuts each to the row), trained compiled (on the
+    CPU, as it is), packed (one record a row: flash varlen over whole rows) and unpacked (SDPA's
+    causal kernel)."""
+    import random
+
+    from throughput_runners import FrameworkRunner
+
+    path = work / "one_record.jsonl"
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+             for _ in range(3000)]
+    rows = sh.batch * (sh.bench_steps + 2)
+    with path.open("w") as f:
+        for _ in range(rows):
+            text, chars = [], 0
+            while chars < 1.5 * sh.seq:
+                text.append(rng.choice(words))
+                chars += len(text[-1]) + 1
+            f.write(json.dumps({"text": " ".join(text)}) + "\n")
+    data = ("data=jsonl", f"data.path={path}", "data.eval_fraction=0")
+    compiled = ("train.compile=true",) if bench.device == "cuda" else ()
+    return {
+        ONE_RECORD: lambda: FrameworkRunner(
+            bench, sharding="full", clock=True, name="one_record", options=(*data, *compiled),
+            what="rows of one record each, as the peers'" + (", compiled" if compiled else "")),
+        f"{ONE_RECORD}_unpacked": lambda: FrameworkRunner(
+            bench, sharding="full", clock=True, name="one_record_unpacked",
+            options=(*data, "data.packing=false", *compiled),
+            what="rows of one record each, unpacked: SDPA causal"
+                 + (", compiled" if compiled else "")),
+    }
 
 
 def _show_logs(paths: list[Path], lines: int = 150) -> None:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import yaml
 from throughput_report import Meta, Round, Summary, render, summarize, table
@@ -101,7 +101,10 @@ def probe_framework(main_python: Path, model: str, extra: list[str]) -> tuple[di
     return yaml.safe_load(plain.stdout)["model"], False
 
 
-def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
+def build_runners(bench: Bench, keys: list[str], clock: bool,
+                  more: Optional[dict[str, Callable[[], Runner]]] = None) -> list[Runner]:
+    """The runners ``keys`` names, from this table and the caller's ``more`` (runners that need
+    what only the caller has, e.g. a data file it wrote)."""
     def peer(key: str, label: str, module: str, *extra: str, diagnostic: bool = False
              ) -> PeerRunner:
         return PeerRunner(bench, key=key, label=label, module=f"benchmarks.peers.{module}",
@@ -130,7 +133,14 @@ def build_runners(bench: Bench, keys: list[str], clock: bool) -> list[Runner]:
         "llama_fsdp_compile_fused": lambda: FrameworkRunner(
             bench, sharding="full", clock=clock,
             options=("train.compile=true", "optim.fused=true")),
+        # transformers' flex_attention over the packed rows (a document mask from the
+        # position_ids), compiled: on the H200 4.7x faster than flash varlen on rows of tiny
+        # records (benchmarks/gpu.md); CUDA only (no flex backward on the CPU)
+        "llama_fsdp_flex": lambda: FrameworkRunner(
+            bench, sharding="full", clock=clock, name="flex",
+            options=("model.attn_implementation=flex_attention", "train.compile=true")),
     }
+    factories.update(more or {})
     return [factories[k]() for k in keys]
 
 

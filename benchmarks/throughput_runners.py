@@ -131,11 +131,14 @@ class FrameworkRunner(Runner):
     """
 
     def __init__(self, bench: Bench, *, sharding: str, clock: bool, packing: bool = True,
-                 attention: Optional[str] = None, options: tuple[str, ...] = ()):
+                 attention: Optional[str] = None, options: tuple[str, ...] = (),
+                 name: Optional[str] = None, what: Optional[str] = None):
         super().__init__(bench)
         self.sharding, self.clock, self.packing = sharding, clock, packing
         self.attention = attention  # None: model.attn_implementation=auto
         self.options = options  # more overrides (e.g. train.compile=true): a variant
+        # ``name``: the variant's key suffix (else made from the options' keys); ``what``: its
+        # label (else the options themselves)
         self.key = "llama_fsdp" if sharding == "full" else f"llama_fsdp_{sharding}"
         self.label = f"llama_fsdp (sharding={sharding})"
         if not packing:
@@ -147,8 +150,9 @@ class FrameworkRunner(Runner):
             self.label = f"llama_fsdp (sharding={sharding}, model.attn_implementation={attention})"
             self.diagnostic = True
         if options:  # train.compile=true -> _compile; optim.fused=true -> _fused
-            self.key += "".join("_" + o.split("=")[0].split(".")[-1] for o in options)
-            self.label = f"llama_fsdp (sharding={sharding}, {' '.join(options)})"
+            self.key += ("_" + name if name else
+                         "".join("_" + o.split("=")[0].split(".")[-1] for o in options))
+            self.label = f"llama_fsdp (sharding={sharding}, {what or ' '.join(options)})"
             self.diagnostic = True
         if not clock:
             self.timing = "FALLBACK: MLflow `step_time_s` history timestamps (no train.callbacks)"

@@ -114,8 +114,8 @@ def replan_for_records(spec: RunSpec, stats: dict[str, float]) -> RunSpec:
     """CUDA's flash varlen backward allocates per record of a micro-batch
     (plan/activations.py: varlen_backward_bytes), which the plan counts as one record per row
     until the data is known. Now it is: the spec carries the fullest micro-batch's records
-    (``train.batch_size`` rows as full as the fullest row, each with a padding tail), the ranks'
-    plan counts them, the new peak is printed where the term moves it, and a run that no longer
+    (the ``train.batch_size`` fullest rows' records: a row's padding joins its last record), the
+    ranks' plan counts them, the new peak is printed where the term moves it, and a run that no longer
     fits is refused here, before any rank starts, with the plan's fixes."""
     from .plan import PlanError, check_fits, make_plan, varlen_backward_bytes
 
@@ -123,7 +123,8 @@ def replan_for_records(spec: RunSpec, stats: dict[str, float]) -> RunSpec:
     if not per_row or varlen_backward_bytes(spec.model, micro_batch=1, seq_len=1,
                                             device=spec.device) == 0:
         return spec
-    records = spec.train.batch_size * (int(per_row) + 1)
+    records = int(stats.get("records_per_micro_batch_max")
+                  or spec.train.batch_size * int(per_row))
     grown = dataclasses.replace(spec, records_per_micro_batch=records)
     before, plan = make_plan(spec), make_plan(grown)
     if plan.predicted_peak_bytes >= 1.01 * before.predicted_peak_bytes:

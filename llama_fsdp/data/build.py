@@ -59,14 +59,18 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
     chars = tr_meta["chars"] + ev_meta["chars"]
     tokens_per_char = (tr_meta["full_tokens"] + ev_meta["full_tokens"]) / max(1, chars)
     size = token_id_bound(tok)
+    per_row = np.diff(train.row_ptr)
     stats = {
         "packing_efficiency": train.efficiency,
         "eval_packing_efficiency": ev.efficiency,
         "train_records": float(len(train.store)),
         "train_rows": float(len(train)),
-        # the most records one row holds (a DPO row: two per pair): CUDA's flash varlen backward
-        # allocates per record of a micro-batch (plan/activations.py: varlen_backward_bytes)
-        "records_per_row_max": float(np.diff(train.row_ptr).max()) if len(train) else 0.0,
+        # the most records one row holds (a DPO row: two per pair), and a micro-batch of the
+        # fullest rows (padding joins its row's last record: attention.document_bounds): CUDA's
+        # flash varlen backward allocates per record of a micro-batch
+        # (plan/activations.py: varlen_backward_bytes)
+        "records_per_row_max": float(per_row.max()) if len(per_row) else 0.0,
+        "records_per_micro_batch_max": float(np.sort(per_row)[-micro_batch:].sum()),
         "train_tokens": float(train.store.lengths.sum()),
         "train_target_tokens": float(train.store.mask.sum()),
         "eval_records": float(len(ev.store)),

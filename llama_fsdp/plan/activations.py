@@ -111,8 +111,8 @@ def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
 # x 4 bytes, for the micro-batch's sequences (its records: every record is one), live through
 # one layer's attention backward. By then that layer's backward has freed what only its MLP
 # and output projection needed (backward runs the layer in reverse): the MLP's four
-# intermediates (4·c·i per token of layer_activation_bytes), the MLP's normed input, the
-# post-attention norm's saved input and the attention output o_proj read (3·c·h), so the
+# intermediates (4·c·i per token of layer_activation_bytes), the post-attention norm's fp32
+# input and normed output (4·h + c·h) and the attention output o_proj read (c·h), so the
 # layers' backward peak grows by the workspace less those (``varlen_backward_extra``). Measured on an H200 (benchmarks/gpu.md):
 # 8B QLoRA at 16,384 tokens of 2,397 synthetic records (one row) allocated 5.2953 GB there in
 # one tensor, the formula's 5.2953 GB; the peak, 17.28 GB, was 24% over the plan without this
@@ -140,7 +140,8 @@ def varlen_backward_extra(m: ModelConfig, *, micro_batch: int, seq_len: int, c: 
     what its layer has freed by its attention backward (above)."""
     workspace = varlen_backward_bytes(m, micro_batch=micro_batch, seq_len=seq_len,
                                       device=device, records=records)
-    freed = (4 * m.intermediate_size + 3 * m.hidden_size) * c * micro_batch * seq_len
+    freed = ((4 * m.intermediate_size + 2 * m.hidden_size) * c + 4 * m.hidden_size) \
+        * micro_batch * seq_len
     return max(0, workspace - freed)
 
 

@@ -142,7 +142,12 @@ def test_throughput_reports_each_runner_with_mfu(rehearsal):
     _, _, records = rehearsal
     rows = _of(records, "throughput")
     assert [r["runner"] for r in rows] == list(stages.SHAPES["cpu"].runners)
-    assert rows[-1]["runner"] == "llama_fsdp_fused" and "optim.fused=true" in rows[-1]["command"]
+    by = {r["runner"]: r for r in rows}
+    assert "optim.fused=true" in by["llama_fsdp_fused"]["command"]
+    # rows like the peers': a data file of long records, one a row (truncated to it)
+    one = by[stages.ONE_RECORD]
+    assert "data=jsonl" in one["command"] and "one_record.jsonl" in one["command"], one
+    assert "rows of one record each" in one["label"], one
     for r in rows:
         assert r["error"] is None and r["steady_steps"] == 3, r
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] > 0, r

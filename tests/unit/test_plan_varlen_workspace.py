@@ -35,7 +35,7 @@ def test_the_workspace_is_the_h200s_measured_allocation_and_grows_per_record():
     # what it adds to the layers' backward: less what the layer freed before its attention
     extra = varlen_backward_extra(m, micro_batch=1, seq_len=16384, c=2, device="cuda",
                                   records=2397)
-    assert extra == 5_295_308_800 - (4 * 14336 + 3 * 4096) * 2 * 16384
+    assert extra == 5_295_308_800 - ((4 * 14336 + 2 * 4096) * 2 + 4 * 4096) * 16384
 
 
 def test_a_cuda_varlen_plan_counts_the_fullest_micro_batch_once_the_data_is_known(caplog):
@@ -43,12 +43,12 @@ def test_a_cuda_varlen_plan_counts_the_fullest_micro_batch_once_the_data_is_know
     before = make_plan(spec)
     with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare"):
         grown = replan_for_records(spec, {"records_per_row_max": 2397.0})
-    assert grown.records_per_micro_batch == 2398  # the fullest row, and its padding tail
+    assert grown.records_per_micro_batch == 2397  # the fullest row (its padding joins a record)
     after = make_plan(grown)
     assert after.peak_phase == "layers"
     # the H200 measured 17.28 GB: the plan without the records said 13.8, with them 16.8
     assert before.predicted_peak_bytes < 14e9 and 16.5e9 < after.predicted_peak_bytes < 17.3e9
-    assert "2398 records in a micro-batch (2397 in the fullest row)" in caplog.text
+    assert "2397 records in a micro-batch (2397 in the fullest row)" in caplog.text
     # rows of long records: one per row is what the plan had, nothing moves, nothing printed
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare"):
@@ -71,7 +71,7 @@ def test_a_run_the_records_no_longer_fit_is_refused_with_the_fixes():
     with pytest.raises(PlanError) as err:
         replan_for_records(spec, {"records_per_row_max": 4000.0})
     text = str(err.value)
-    assert "workspace for up to 4001 records a micro-batch (4000 in the fullest row)" in text
+    assert "workspace for up to 4000 records a micro-batch (4000 in the fullest row)" in text
     assert "checkpointing.offload=true" in text and "force=true" in text, text
 
 
@@ -85,6 +85,11 @@ def test_the_data_reports_its_fullest_row():
     for packing in ("true", "false"):
         spec = conftest.make_spec(["tracking.enabled=false", f"data.packing={packing}"])
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=0, announce=False))
+        per_row = np.diff(data.train.row_ptr)
         fullest = data.stats["records_per_row_max"]
-        assert fullest == float(np.diff(data.train.row_ptr).max())
+        assert fullest == float(per_row.max())
         assert (fullest > 5) if packing == "true" else fullest == 1.0
+        # the micro-batch of the b fullest rows: at most b x the fullest
+        b = spec.train.batch_size
+        batch = data.stats["records_per_micro_batch_max"]
+        assert batch == float(np.sort(per_row)[-b:].sum()) <= b * fullest
