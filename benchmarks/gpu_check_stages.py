@@ -448,28 +448,34 @@ def throughput(s: Settings, sh: Shapes) -> int:
     return 0
 
 
+def write_long_texts(path: Path, n: int, *, chars: int, seed: int = 0) -> Path:
+    """``n`` JSON-lines records {"text": ...} of seeded random words, each ``chars`` characters
+    or a little more (benchmarks/gpu_probe.sh's long records too)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+             for _ in range(3000)]
+    with path.open("w") as f:
+        for _ in range(n):
+            text, size = [], 0
+            while size < chars:
+                text.append(rng.choice(words))
+                size += len(text[-1]) + 1
+            f.write(json.dumps({"text": " ".join(text)}) + "\n")
+    return path
+
+
 def one_record_runners(bench: Any, work: Path, sh: Shapes) -> dict[str, Callable[[], Any]]:
     """llama_fsdp on rows of one record each, as the peers' rows are: a JSON-lines file of
     random-word texts longer than a row (the synthetic tokenizer spends ~0.85 tokens a
     character on them; data.overlong=truncate cuts each to the row), trained compiled (on the
     CPU, as it is), packed (one record a row: flash varlen over whole rows) and unpacked (SDPA's
     causal kernel)."""
-    import random
-
     from throughput_runners import FrameworkRunner
 
-    path = work / "one_record.jsonl"
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-             for _ in range(3000)]
-    rows = sh.batch * (sh.bench_steps + 2)
-    with path.open("w") as f:
-        for _ in range(rows):
-            text, chars = [], 0
-            while chars < 1.5 * sh.seq:
-                text.append(rng.choice(words))
-                chars += len(text[-1]) + 1
-            f.write(json.dumps({"text": " ".join(text)}) + "\n")
+    path = write_long_texts(work / "one_record.jsonl", sh.batch * (sh.bench_steps + 2),
+                            chars=int(1.5 * sh.seq))
     data = ("data=jsonl", f"data.path={path}", "data.eval_fraction=0")
     compiled = ("train.compile=true",) if bench.device == "cuda" else ()
     return {

@@ -29,18 +29,7 @@ stamp() { echo "[probe $(date +%T)] $*" | tee -a "$OUT/probe.log"; }
 
 
 
-"$PY" - "$WORK/long.jsonl" "$RECORD_CHARS" <<'PYEOF'
-import json, random, sys
-rng = random.Random(0)
-words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-         for _ in range(3000)]
-with open(sys.argv[1], "w") as f:
-    for _ in range(400):
-        text, n = [], 0
-        while n < int(sys.argv[2]):
-            w = rng.choice(words); text.append(w); n += len(w) + 1
-        f.write(json.dumps({"text": " ".join(text)}) + "\n")
-PYEOF
+"$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_check_stages import write_long_texts; write_long_texts(__import__('pathlib').Path(sys.argv[1]), 400, chars=int(sys.argv[2]))" "$WORK/long.jsonl" "$RECORD_CHARS"
 one_record() {
   variant=$1
   stamp "one record per row: $variant"

@@ -10,8 +10,9 @@ which tensors the plan does not count.
         'train.callbacks=["benchmarks.memory_probe:MemoryProbe"]'
 
 The replay's bytes are those above what was allocated when the step began
-(``allocated_at_step_start``: weights, optimizer state). Rank 0 only; a CPU run is not probed. ``peak_sites`` is plain
-Python over the snapshot's trace, so it is tested without a GPU (tests/unit/test_memory_probe.py).
+(``allocated_at_step_start``: weights, optimizer state). Rank 0 only; a CPU run is not probed.
+``peak_sites`` is plain Python over the snapshot's trace, so it is tested without a GPU
+(tests/unit/test_memory_probe.py).
 """
 from __future__ import annotations
 

@@ -115,22 +115,21 @@ def replan_for_records(spec: RunSpec, stats: dict[str, float]) -> RunSpec:
     (plan/activations.py: varlen_backward_bytes), which the plan counts as one record per row
     until the data is known. Now it is: the spec carries the fullest micro-batch's records
     (the ``train.batch_size`` fullest rows' records: a row's padding joins its last record), the
-    ranks' plan counts them, the new peak is printed where the term moves it, and a run that no longer
-    fits is refused here, before any rank starts, with the plan's fixes."""
-    from .plan import PlanError, check_fits, make_plan, varlen_backward_bytes
+    ranks' plan counts them, the new peak is printed where the term moves it, and a run that no
+    longer fits is refused here, before any rank starts, with the plan's fixes."""
+    from .plan import PlanError, check_fits, flash_varlen_runs, make_plan
 
-    per_row = stats.get("records_per_row_max")
-    if not per_row or varlen_backward_bytes(spec.model, micro_batch=1, seq_len=1,
-                                            device=spec.device) == 0:
+    per_row = int(stats.get("records_per_row_max", 0))
+    records = int(stats.get("records_per_micro_batch_max",
+                            spec.train.batch_size * per_row))
+    if not records or not flash_varlen_runs(spec.model, spec.device):
         return spec
-    records = int(stats.get("records_per_micro_batch_max")
-                  or spec.train.batch_size * int(per_row))
     grown = dataclasses.replace(spec, records_per_micro_batch=records)
     before, plan = make_plan(spec), make_plan(grown)
     if plan.predicted_peak_bytes >= 1.01 * before.predicted_peak_bytes:
         log.info("plan with the data: up to %d records in a micro-batch (%d in the fullest row) "
                  "grow flash varlen's backward workspace: predicted peak %.2f GB (was %.2f GB), "
-                 "in %s", records, int(per_row), plan.predicted_peak_gb,
+                 "in %s", records, per_row, plan.predicted_peak_gb,
                  before.predicted_peak_gb, plan.peak_phase)
     if not plan.fits:
         try:
@@ -138,7 +137,7 @@ def replan_for_records(spec: RunSpec, stats: dict[str, float]) -> RunSpec:
         except PlanError as e:
             raise PlanError(
                 f"with the data, flash varlen's backward holds a workspace for up to {records} "
-                f"records a micro-batch ({int(per_row)} in the fullest row), and the run no "
+                f"records a micro-batch ({per_row} in the fullest row), and the run no "
                 f"longer fits (the plan printed above counted one record per row). Rows of "
                 f"fewer, longer records need less.\n{e}") from None
     return grown

@@ -20,6 +20,7 @@ Units: ``*_gb`` values are decimal GB (1e9 bytes), as the worker's ``peak_memory
 """
 from .activations import (
     activation_bytes,
+    flash_varlen_runs,
     layer_activation_bytes,
     packed_mask_bytes,
     saved_layer_bytes,
@@ -50,10 +51,11 @@ from .variants import reference_spec, with_nodes, with_seq_len, with_strategy
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_MFU", "GB", "GIB", "Memory", "PHASES", "Plan", "PlanError",
            "activation_bytes", "check_fits", "choose_strategy", "count_params",
-           "device_capacity_bytes", "fixes_text", "flops_per_token", "flops_per_token_of",
+           "device_capacity_bytes", "fixes_text", "flash_varlen_runs", "flops_per_token", "flops_per_token_of",
            "layer_activation_bytes", "layer_shapes", "logits_loss_bytes", "longest_seq_len",
            "loss_bytes", "make_plan", "memory_breakdown", "model_state_bytes", "n_matmul",
            "nodes_needed", "numel", "packed_mask_bytes", "param_shapes", "peak_flops",
            "phase_peak_bytes", "phase_peaks", "reference_spec", "resolve_auto", "root_shapes",
            "saved_layer_bytes", "sharded_numel", "varlen_backward_bytes",
-           "varlen_backward_extra", "varlen_mask_bytes", "with_nodes", "with_seq_len", "with_strategy"]
+           "varlen_backward_extra", "varlen_mask_bytes", "with_nodes", "with_seq_len",
+           "with_strategy"]

@@ -113,20 +113,25 @@ def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
 # and output projection needed (backward runs the layer in reverse): the MLP's four
 # intermediates (4·c·i per token of layer_activation_bytes), the post-attention norm's fp32
 # input and normed output (4·h + c·h) and the attention output o_proj read (c·h), so the
-# layers' backward peak grows by the workspace less those (``varlen_backward_extra``). Measured on an H200 (benchmarks/gpu.md):
-# 8B QLoRA at 16,384 tokens of 2,397 synthetic records (one row) allocated 5.2953 GB there in
+# layers' backward peak grows by the workspace less those (``varlen_backward_extra``).
+# Measured on an H200 (benchmarks/gpu.md): 8B QLoRA at 16,384 tokens of 2,397 synthetic records (one row) allocated 5.2953 GB there in
 # one tensor, the formula's 5.2953 GB; the peak, 17.28 GB, was 24% over the plan without this
 # term. Data-dependent: the plan counts one record per row until the data is known
 # (prepare.replan_for_records gives the fullest micro-batch's count).
 VARLEN_BWD_PAD = 128
 
 
+def flash_varlen_runs(m: ModelConfig, device: str) -> bool:
+    """Whether attention is torch's flash varlen_attn (model.attn_implementation=varlen on
+    CUDA; off CUDA varlen is the block-sparse SDPA)."""
+    return m.attn_implementation == "varlen" and device == "cuda"
+
+
 def varlen_backward_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, device: str,
                           records: Optional[int] = None) -> int:
     """The flash varlen backward's workspace (above) for a micro-batch of ``records``
-    sequences (None: one per row); 0 where flash varlen does not run (off CUDA, other
-    kernels)."""
-    if m.attn_implementation != "varlen" or device != "cuda":
+    sequences (None: one per row); 0 where flash varlen does not run."""
+    if not flash_varlen_runs(m, device):
         return 0
     d = m.hidden_size // m.num_heads
     rounded = -(-d // 32) * 32

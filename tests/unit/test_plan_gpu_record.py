@@ -104,13 +104,13 @@ def test_plan_predicts_the_recorded_cuda_peak(where, overrides, measured_gb, rec
     plan counts its fullest micro-batch's records once the data is built, as a launch does
     (prepare.replan_for_records)."""
     from llama_fsdp.data import build_data
-    from llama_fsdp.plan import varlen_backward_bytes
+    from llama_fsdp.plan import flash_varlen_runs
     from llama_fsdp.prepare import replan_for_records
 
     tok = [f"data.tokenizer={project_tokenizer}"] if "model=tiny" not in overrides else []
     spec = conftest.make_spec(overrides + HERE + tok,
                               output_dir="/tmp/llama_fsdp_test/gpu_record")
-    if varlen_backward_bytes(spec.model, micro_batch=1, seq_len=1, device=spec.device):
+    if flash_varlen_runs(spec.model, spec.device):
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=0, announce=False))
         spec = replan_for_records(spec, data.stats)
         assert spec.records_per_micro_batch >= spec.train.batch_size
