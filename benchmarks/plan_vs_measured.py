@@ -242,7 +242,7 @@ def _batches(spec, rank: int, steps: int) -> list[list[dict]]:
     return out
 
 
-def warm_up(spec, batches: list[list[dict]]) -> None:
+def warm_up(spec, batches: list[list[dict]], rank: int = 0) -> None:
     """One throw-away step with the case's shapes, so the math libraries' caches exist before
     the baseline is taken.
 
@@ -258,12 +258,13 @@ def warm_up(spec, batches: list[list[dict]]) -> None:
     """
     from llama_fsdp.optim import build_optimizer
     from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.worker import build_model, compile_cache
 
     import torch
 
-    model = build_model(spec, torch.device("cpu"))
-    optimizer = build_optimizer(model, spec.train, spec.optim)
+    model = build_model(spec, torch.device("cpu"))  # a compiled step compiles here, once
+    optimizer = build_optimizer(model, spec.train, spec.optim,
+                                compile_dir=compile_cache(spec, model, rank))
     scheduler = build_scheduler(optimizer, spec.train)
     train_step(model, optimizer, scheduler, batches[0], device=torch.device("cpu"),
                max_grad_norm=spec.train.max_grad_norm)
@@ -287,14 +288,15 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
 
     heap = Heap()
     device = torch.device("cpu")
-    compile_cache(spec, rank)  # a compiled optimizer step's cache, as the worker sets it
     batches = _batches(spec, rank, steps)
     if warm:
-        warm_up(spec, batches)
+        warm_up(spec, batches, rank)
     gc.collect()
     base, rss0, t0 = heap.current(), _rss_bytes(), time.perf_counter()
     model = build_model(spec, device)
-    optimizer = build_optimizer(model, spec.train, spec.optim)
+    # a compiled optimizer step's cache, as the worker sets it
+    optimizer = build_optimizer(model, spec.train, spec.optim,
+                                compile_dir=compile_cache(spec, model, rank))
     scheduler = build_scheduler(optimizer, spec.train)
     init = heap.current() - base
     phase: dict[str, int] = {}

@@ -17,15 +17,25 @@ things break under FSDP2 as shipped, and the subclasses here mend them:
   bytes are the same); full-precision fallback state keeps the parameter's dtype.
 
 ``eager=True`` runs the step without torch.compile (same numbers, no compile at the start,
-slower steps). The compiled step's artifacts are cached per optimizer, block size and rank
-(``compile_cache_dir``, set by the worker): torch's AOTAutograd cache keys a DTensor input by
-its global spec, not its local shard, so ranks with different shards, or an 8-bit and a 4-bit
-run of one model, must not share a cache directory (pytorch/pytorch#188390).
+slower steps). The compiled step's artifacts are cached per optimizer, block size and shard
+layout (``compile_cache_dir``, set by the worker): torch's AOTAutograd cache keys a DTensor
+input by its global spec, not its local shard, so ranks with different shards, or an 8-bit and
+a 4-bit run of one model, must not share a cache directory (pytorch/pytorch#188390). Ranks
+whose shards look alike do share one, and the first of them to step compiles while the others
+wait, then load what it wrote (``compiled_once``): a node compiles the step once, not once per
+rank.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import logging
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -39,6 +49,8 @@ from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
 
 LOWBIT_STATES = (OptimState8bit, OptimState4bit)
+
+log = logging.getLogger(__name__)
 
 
 def local_numels(p: torch.Tensor) -> list[int]:
@@ -75,61 +87,123 @@ class _FSDPState:
         return out.to(p.device)
 
 
-class _EagerOption:
-    """``eager=True``: the step runs under torch.compiler's force_eager stance."""
+class _StepOptions:
+    """``eager=True``: the step runs under torch.compiler's force_eager stance.
+    ``compile_dir``: the first compiled step runs under ``compiled_once`` there."""
 
-    def __init__(self, *args, eager: bool = False, **kwargs):
+    def __init__(self, *args, eager: bool = False, compile_dir: Optional[Path] = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.eager = eager
+        self._first_in = None if eager else compile_dir
 
     @torch.no_grad()
     def step(self, closure=None):
         if self.eager:
             with torch.compiler.set_stance("force_eager"):
                 return super().step(closure)  # type: ignore[misc]
+        if self._first_in is not None:
+            where, self._first_in = self._first_in, None
+            with compiled_once(where):
+                return super().step(closure)  # type: ignore[misc]
         return super().step(closure)  # type: ignore[misc]
 
 
-class AdamW8bitFSDP(_EagerOption, _FSDPState, AdamW8bit):
+class AdamW8bitFSDP(_StepOptions, _FSDPState, AdamW8bit):
     _state_cls = OptimState8bit
 
 
-class AdamW4bitFSDP(_EagerOption, _FSDPState, AdamW4bit):
+class AdamW4bitFSDP(_StepOptions, _FSDPState, AdamW4bit):
     _state_cls = OptimState4bit
 
 
 LOWBIT_OPTIMIZERS = {8: AdamW8bitFSDP, 4: AdamW4bitFSDP}  # by optimizers.Optimizer.moment_bits
 
 
-class AdamWStochasticRound(_EagerOption, _AdamW):
+class AdamWStochasticRound(_StepOptions, _AdamW):
     """AdamW in fp32 math whose bf16 parameters are written by stochastic rounding (its
     moments stay in the parameters' dtype, as torch's AdamW keeps them)."""
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig,
-                    o: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, t: TrainConfig, o: OptimConfig, *,
+                    compile_dir: Optional[Path] = None) -> torch.optim.Optimizer:
     """The optimizer ``o`` names, with train's hyperparameters, over what trains: a LoRA model's
-    frozen base has no gradients and no optimizer state."""
+    frozen base has no gradients and no optimizer state. ``compile_dir``: the compiled step's
+    cache (``compile_cache_dir``), where its first step compiles once for all who share it."""
     params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
     if o.name not in OPTIMIZERS:
         raise ValueError(f"optim.name={o.name!r}: valid: {', '.join(OPTIMIZERS)}")
     if OPTIMIZERS[o.name].lowbit:
         cls = LOWBIT_OPTIMIZERS[OPTIMIZERS[o.name].moment_bits]
-        return cls(params, eager=o.eager, block_size=o.block,
+        return cls(params, eager=o.eager, compile_dir=compile_dir, block_size=o.block,
                    bf16_stochastic_round=o.bf16_stochastic_round, **hyper)
     if o.bf16_stochastic_round:
-        return AdamWStochasticRound(params, eager=o.eager, bf16_stochastic_round=True, **hyper)
+        return AdamWStochasticRound(params, eager=o.eager, compile_dir=compile_dir,
+                                    bf16_stochastic_round=True, **hyper)
     if o.fused_on(params[0].device.type if params else "cpu"):
         return torch.optim.AdamW(params, fused=True, **hyper)
     return torch.optim.AdamW(params, foreach=True, **hyper)
 
 
-def compile_cache_dir(cache_dir: str | Path, o: OptimConfig, rank: int) -> Path:
-    """<cache_dir>/inductor/<name>[-sr]-b<block>/rank<r>: one inductor cache per optimizer,
-    block size and rank (see the module docstring for why it may not be shared)."""
+def shard_layout(model: torch.nn.Module) -> str:
+    """A digest of what a compiled step's inputs look like on this rank: each trained
+    parameter's global shape, local shard shape, dtype, placements and mesh shape. Ranks with
+    the same digest compile the same graphs."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
+        h.update(repr((tuple(p.shape), tuple(local.shape), str(p.dtype),
+                       tuple(getattr(p, "placements", ())), mesh)).encode())
+    return h.hexdigest()[:16]
+
+
+def compile_cache_dir(cache_dir: str | Path, o: OptimConfig, model: torch.nn.Module) -> Path:
+    """<cache_dir>/inductor/<name>[-sr]-b<block>/shards-<digest>: one inductor cache per
+    optimizer, block size and shard layout (see the module docstring for why ranks with other
+    shards may not share it)."""
     tag = f"{o.name}{'-sr' if o.bf16_stochastic_round else ''}-b{o.block}"
-    return Path(cache_dir) / "inductor" / tag / f"rank{rank}"
+    return Path(cache_dir) / "inductor" / tag / f"shards-{shard_layout(model)}"
+
+
+COMPILED = "compiled"  # a compile_dir's marker: a first step finished there
+LOCK = "compile.lock"
+LOCK_WAIT_S = 600.0  # a waiter that has waited this long compiles on its own
+
+
+@contextmanager
+def compiled_once(directory: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Around a compiled step's first run: of the processes that share ``directory`` (the
+    ranks of a node with one shard layout), the first compiles alone while the others wait,
+    then they run at once and load its graphs from the cache instead of compiling them again.
+
+    An flock on ``directory/compile.lock``, held until the first step has finished and
+    ``compiled`` is written; a process that finds ``compiled`` runs at once. The lock is only
+    an order: a miss still compiles, a holder that dies releases it, and a waiter gives up after
+    ``wait_s`` (the step holds no collective, so no rank waits on a waiter)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK, "a") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("waited %.0f s for another process's first compiled step in "
+                                "%s: compiling here too", wait_s, directory)
+                    yield
+                    return
+                time.sleep(0.2)
+        if (directory / COMPILED).exists():
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            yield
+            return
+        yield
+        (directory / COMPILED).touch()
 
 
 def use_compile_cache(path: Path) -> None:

@@ -114,17 +114,19 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
     return model
 
 
-def compile_cache(spec: RunSpec, rank: int) -> None:
+def compile_cache(spec: RunSpec, model: nn.Module, rank: int) -> Optional[Path]:
     """A compiled optimizer step (torchao's) gets an inductor cache of its own per optimizer,
-    block size and rank, under cache_dir, so a later run's first step loads it instead of
-    compiling again (llama_fsdp/optim.py says why it is not shared). AdamW changes nothing."""
+    block size and shard layout, under cache_dir, so that the ranks of a node compile it once
+    and a later run's first step loads it instead of compiling again (llama_fsdp/optim.py).
+    AdamW, or an eager step, compiles nothing: None."""
     if spec.optim.eager or not uses_torchao_step(spec.optim, spec.policy.param_dtype):
-        return
-    path = compile_cache_dir(spec.cache_dir, spec.optim, rank)
+        return None
+    path = compile_cache_dir(spec.cache_dir, spec.optim, model)
     use_compile_cache(path)
     if rank == 0:
         log.info("optim=%s: its step is compiled at the first step (cached in %s)",
                  spec.optim.name, path.parent)
+    return path
 
 
 def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
@@ -183,8 +185,8 @@ class RankRun:
 
             preference = build_preference(spec, model, data, device, rank=env.rank,
                                           world=env.world_size, resuming=bool(resume))
-        compile_cache(spec, env.rank)
-        optimizer = build_optimizer(model, spec.train, spec.optim)
+        optimizer = build_optimizer(model, spec.train, spec.optim,
+                                    compile_dir=compile_cache(spec, model, env.rank))
         scheduler = build_scheduler(optimizer, spec.train)
         tracker = open_tracker(spec) if env.rank == 0 else NullTracker()
         console = Console(total=spec.train.max_steps) if env.rank == 0 else NullConsole()

@@ -50,7 +50,7 @@ def _measure(spec) -> tuple[int, int]:
     """(peak bytes of step 2 above the pre-build allocation, bytes left after teardown)."""
     from llama_fsdp.optim import build_optimizer
     from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.worker import build_model, compile_cache
 
     device = torch.device("cuda", 0)
     t = spec.train
@@ -63,7 +63,8 @@ def _measure(spec) -> tuple[int, int]:
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     model = build_model(spec, device)
-    optimizer = build_optimizer(model, t, spec.optim)
+    optimizer = build_optimizer(model, t, spec.optim,  # a compiled step's cache as the worker's
+                                compile_dir=compile_cache(spec, model, 0))
     scheduler = build_scheduler(optimizer, t)
     train_step(model, optimizer, scheduler, steps[0], device=device,
                max_grad_norm=t.max_grad_norm)

@@ -84,6 +84,9 @@ def _train_all(rank, world, specs):
         # function, which dynamo's frame counters do not count on torch 2.13)
         compiled = {"graphs": counters["stats"]["unique_graphs"],
                     "captured": counters["stats"]["calls_captured"]}
+        if counters["stats"]["unique_graphs"]:  # inductor's cache: compiled here, or loaded
+            compiled.update(cache_miss=counters["inductor"]["fxgraph_cache_miss"],
+                            cache_hit=counters["inductor"]["fxgraph_cache_hit"])
         mine = state_bytes(run.optimizer)
         every = [None] * world
         dist.all_gather_object(every, mine)
@@ -111,8 +114,10 @@ def runs(tmp_path_factory):
     fresh = {"8bit_resumed": _spec(root, "8bit_resumed", 2, "adamw8bit", f"resume={step['8bit']}",
                                    f"train.stop_after={SAVE + SHORT}"),
              "4bit_compiled": _spec(root, "4bit_compiled", 2, "adamw4bit", "optim.eager=false",
-                                    "train.stop_after=3")}
-    out.update(run_ranks(_train_all, 2, fresh, timeout=900)[0])
+                                    "train.stop_after=3", f"cache_dir={root / 'cache'}")}
+    by_rank = run_ranks(_train_all, 2, fresh, timeout=900)
+    out.update(by_rank[0])
+    out["4bit_compiled"]["compiled_by_rank"] = [r["4bit_compiled"]["compiled"] for r in by_rank]
     resumed = [f"train.stop_after={SAVE + 2}"]
     one = {"8bit_1": _spec(root, "8bit_1", 1, "adamw8bit", f"train.stop_after={ONE}"),
            "4bit_1": _spec(root, "4bit_1", 1, "adamw4bit", f"train.stop_after={ONE}"),
@@ -209,15 +214,25 @@ def test_compiled_step_equals_the_eager_step(runs):
     """optim.eager=false compiled the step (dynamo made graphs of it), every other run
     compiled nothing (optim.eager=true is honoured; AdamW never compiles), and the numbers are
     the eager run's."""
-    print(f"4bit_compiled on rank 0: {runs['4bit_compiled']['compiled']}")
-    assert runs["4bit_compiled"]["compiled"]["graphs"] > 0
-    assert runs["4bit_compiled"]["compiled"]["captured"] > 0
+    by_rank = runs["4bit_compiled"]["compiled_by_rank"]
+    print(f"4bit_compiled by rank: {by_rank}")
+    assert all(c["graphs"] > 0 and c["captured"] > 0 for c in by_rank), by_rank
     for name, run in runs.items():
         if name != "4bit_compiled":
             assert run["compiled"] == {"graphs": 0, "captured": 0}, (name, run["compiled"])
     compiled, eager = runs["4bit_compiled"]["losses"], runs["4bit"]["losses"][:3]
     assert len(compiled) == 3
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+
+
+def test_the_ranks_of_a_node_compile_the_step_once(runs):
+    """The 2 ranks' shards look alike, so they share one compile cache (a fresh one here): one
+    rank compiled every graph of the first step (inductor's cache missed), and the other waited
+    for it and loaded them all (only hits)."""
+    by_rank = runs["4bit_compiled"]["compiled_by_rank"]
+    first, second = sorted(by_rank, key=lambda c: -c["cache_miss"])
+    assert first["cache_miss"] > 0, by_rank
+    assert second["cache_miss"] == 0 and second["cache_hit"] >= first["cache_miss"], by_rank
 
 
 def _uneven_shards(rank, world, path):

@@ -317,3 +317,71 @@ def test_resume_auto_checks_the_run_directory_the_launch_writes_to(tmp_path):
     (ckpt / "optimizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"optimizer.json is unreadable \(JSONDecodeError"):
         make_spec(f"resume={ckpt}")
+
+
+def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=False):
+    """A thread's 'first compiled step': compiled_once around hold_s of work; its span (start,
+    end) and whether it finished."""
+    import time
+
+    from llama_fsdp.optim import compiled_once
+
+    start = None
+    try:
+        with compiled_once(directory, wait_s=wait_s):
+            start = time.monotonic()
+            time.sleep(hold_s)
+            if fail:
+                raise RuntimeError("the compile failed")
+    except RuntimeError:
+        pass
+    spans[name] = (start, time.monotonic(), not fail)
+
+
+def _threads(*targets):
+    import threading
+
+    threads = [threading.Thread(target=_in_compiled_once, args=a, kwargs=k) for a, k in targets]
+    for t in threads:
+        t.start()
+        threading.Event().wait(0.1)  # in this order
+    for t in threads:
+        t.join(30)
+
+
+def test_the_first_compiled_step_runs_alone_then_the_rest_at_once(tmp_path):
+    """compiled_once: the first to come holds the others until its step is done (they then
+    load what it compiled); once a first step has finished there, everyone runs at once. The
+    flock is per open file, so threads stand in for the ranks of a node."""
+    from llama_fsdp.optim import COMPILED
+
+    spans: dict = {}
+    _threads(((tmp_path, spans, "first", 1.0), {}), ((tmp_path, spans, "second", 0.0), {}))
+    assert spans["second"][0] >= spans["first"][1], spans  # waited for the whole first step
+    assert (tmp_path / COMPILED).exists()
+    spans.clear()
+    _threads(((tmp_path, spans, "a", 1.0), {}), ((tmp_path, spans, "b", 1.0), {}))
+    assert spans["b"][0] < spans["a"][1], spans  # a finished first step: nobody waits
+
+
+def test_a_failed_first_step_lets_the_next_process_compile_and_a_waiter_gives_up(tmp_path,
+                                                                                 caplog):
+    from llama_fsdp.optim import COMPILED
+
+    spans: dict = {}
+    _threads(((tmp_path, spans, "fails", 0.5), {"fail": True}))
+    assert not spans["fails"][2] and not (tmp_path / COMPILED).exists()
+    _threads(((tmp_path, spans, "fails", 1.0), {"fail": True}),
+             ((tmp_path, spans, "b", 0.5), {}), ((tmp_path, spans, "c", 0.5), {}))
+    first, then = sorted((spans["b"], spans["c"]))
+    assert first[0] >= spans["fails"][1], spans  # the lock passed on when the holder failed
+    assert then[0] >= first[1], spans  # to one of the others, alone: it compiles
+    assert (tmp_path / COMPILED).exists()
+
+    other = tmp_path / "other"
+    spans.clear()
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.optim"):
+        _threads(((other, spans, "slow", 3.0), {}),
+                 ((other, spans, "impatient", 0.0), {"wait_s": 0.5}))
+    assert spans["impatient"][0] < spans["slow"][1], spans  # ran beside the holder
+    assert "compiling here too" in caplog.text
