@@ -7,6 +7,8 @@ restarts from the newest checkpoint as it does for a dead training process.
 
 Started by launchers/submitit_compat.start_controller (which also ties its life to the
 launcher's); the run directory and attempt come from the environment the local launcher sets.
+When that names the ranks' module ($LLAMA_FSDP_PRELOAD), the controller imports it once and
+forks the supervisors instead of starting new interpreters (launchers/forked.py).
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from submitit.core.submission import process_job
+from submitit.core.utils import JobPaths
 from submitit.local.local import Controller
 
+from . import forked
 from .rank import ATTEMPT_ENV, RUN_DIR_ENV, attempt_dir, report_path
 
 
@@ -35,6 +40,31 @@ class ReportingController(Controller):
             attempt_dir(run_dir, self.pid, 0, int(os.environ.get(ATTEMPT_ENV, "0")))
             if run_dir else None)
         self.reported: set[int] = set()
+
+    def start_tasks(self) -> None:
+        """submitit's, with each task forked from this process when the ranks' module is
+        preloaded: the same environment, log files and exit codes as `python -u -m
+        submitit.core._submit <folder>`, without the new interpreter's imports."""
+        if not forked.preload():
+            super().start_tasks()
+            return
+        self.folder.mkdir(exist_ok=True)
+        paths = [JobPaths(self.folder, self.pid, k) for k in range(self.ntasks)]
+        self.stdouts = [p.stdout.open("a") for p in paths]
+        self.stderrs = (self.stdouts if self.stderr_to_stdout
+                        else [p.stderr.open("a") for p in paths])
+        for k in range(self.ntasks):
+            env = {"SUBMITIT_LOCAL_LOCALID": str(k), "SUBMITIT_LOCAL_GLOBALID": str(k),
+                   "SUBMITIT_LOCAL_JOB_ID": self.pid}
+            self.tasks.append(forked.fork(  # type: ignore[arg-type]
+                lambda: process_job(self.folder), stdout=self.stdouts[k].fileno(),
+                stderr=self.stderrs[k].fileno(), env=env, before=self._close_logs_after_fork))
+
+    def _close_logs_after_fork(self) -> None:
+        """In a forked task, once its own log files are its 1 and 2: the controller's open
+        log files are not its to hold (as Popen's close_fds)."""
+        for f in {id(f): f for f in self.stdouts + self.stderrs}.values():
+            f.close()
 
     def wait(self, freq: int = 24) -> Sequence[Optional[int]]:
         timeout = freq * self.timeout_s

@@ -18,6 +18,7 @@ from .common import (
     worker_env,
 )
 from ..rundir import RunDir
+from .forked import PRELOAD_ENV
 from .rank import ATTEMPT_ENV, RUN_DIR_ENV
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ class LocalLauncher(Launcher):
         executor = _executor(spec)
         restarts = spec.cluster.max_restarts
         # the controller passes its environment to the ranks; this process's is restored after
-        env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir}
+        env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir,
+               # the controller imports the ranks' module once and forks them (forked.py)
+               PRELOAD_ENV: self.entry.split(":")[0]}
         with scoped_environ({**env, ATTEMPT_ENV: "0"}), self.shipping(spec) as ranks_spec, \
                 SignalGuard(saving=spec.save.every_steps > 0) as guard:
             for attempt in range(restarts + 1):

@@ -4,8 +4,10 @@ submitit starts one task per rank, locally or through srun. The task does not tr
 starts the worker in a child process and waits for it, so that however the worker ends -- an
 exception, an exit code, a signal such as the OOM killer's SIGKILL -- a report naming the rank,
 host, exit code or signal and the last lines of its log is left where the launcher looks
-(``<run>/launch/<job>.<requeue>.<attempt>/rank<r>.json``). The supervisor never imports torch:
-it starts in a fraction of a second and stays small next to the worker.
+(``<run>/launch/<job>.<requeue>.<attempt>/rank<r>.json``). A supervisor that srun or torchrun
+starts never imports torch: it starts in a fraction of a second and stays small next to the
+worker, which it starts as a new interpreter. A local one is forked from the controller, which
+imported the worker's modules once, and forks its worker in turn (launchers/forked.py).
 
 Signals: SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGINT (the
 launcher's forward of a user's Ctrl-C) go on to the worker, which saves and stops at its next log
@@ -26,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from . import forked
 from ..result import FAILED, PREEMPTED, mlflow_status
 from ..rundir import RunDir, exchange_files, report_path
 
@@ -135,7 +138,7 @@ class Supervisor:
         self.payload, self.job_id, self.rank, self.logs = payload, job_id, rank, logs
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        self.child: Optional[subprocess.Popen] = None
+        self.child: Optional[subprocess.Popen | forked.Forked] = None
         self._submitit_usr2: Any = None
 
     def run(self) -> Any:
@@ -149,8 +152,12 @@ class Supervisor:
             f.unlink(missing_ok=True)
         files["in"].write_bytes(pickle.dumps((entry, spec)))
         self._install_signals()
-        self.child = subprocess.Popen([sys.executable, "-u", "-m", CHILD_MODULE, *map(str, (
-            files["in"], files["out"], files["traceback"]))], preexec_fn=_dies_with_parent)
+        args = [str(files[k]) for k in ("in", "out", "traceback")]
+        if forked.preloaded():  # the local controller imported the worker's modules once
+            self.child = forked.fork(lambda: _child_main(*args), before=_dies_with_parent)
+        else:
+            self.child = subprocess.Popen([sys.executable, "-u", "-m", CHILD_MODULE, *args],
+                                          preexec_fn=_dies_with_parent)
         code = self._wait()
         files["in"].unlink(missing_ok=True)
         from . import launcher_for  # (the package imports this module first)
@@ -202,6 +209,13 @@ class Supervisor:
                 "time": tb.get("time", time.time()), "traceback": text,
                 "echo": any(e in text for e in ECHO_ERRORS), "attempt": self.attempt,
                 "log_tail": _tail(self.logs, 12)}
+
+
+def _child_main(inp: str, out: str, tb_file: str) -> int:
+    """The worker, forked: what `python -m llama_fsdp.launchers.child` runs."""
+    from .child import main
+
+    return main(inp, out, tb_file)
 
 
 def _dies_with_parent() -> None:

@@ -32,12 +32,16 @@ def _start_slow(tmp_path, *extra, sleep="0.3"):
 
 
 def _supervisor(tmp_path, rank: int) -> psutil.Process:
-    """The submitit task (rank supervisor) of ``rank`` under this test's directory."""
+    """The submitit task (rank supervisor) of ``rank`` under this test's directory: a child of
+    the local controller (forked from it: launchers/forked.py) whose standard output is
+    submitit's log of that task, <job>_<rank>_log.out."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "submitit.core._submit" in cmd and str(tmp_path) in cmd:
-            if p.environ().get("SUBMITIT_LOCAL_GLOBALID") == str(rank):
-                return p
+        if "llama_fsdp.launchers.controller" in cmd and str(tmp_path) in cmd:
+            for child in p.children():
+                if any(f.path.endswith(f"_{rank}_log.out") and f.fd == 1
+                       for f in child.open_files()):
+                    return child
     raise AssertionError(f"no supervisor of rank {rank}: {leftovers(str(tmp_path))}")
 
 

@@ -514,3 +514,50 @@ def test_a_finished_process_ends_with_its_code_however_late_a_cpp_thread_returns
     for kept in ("pool", "thread", "atexit"):
         assert (tmp_path / f"x.{kept}").read_text() == "done", kept
     assert "logged" in (tmp_path / "x.log").read_text()
+
+
+RANK_PROBE = '''
+import os, signal, sys
+
+IMPORTED_IN = os.getpid()  # the process that imported this module
+
+
+def entry(spec):
+    import psutil
+
+    supervisor = psutil.Process(os.getppid())
+    print(f"rank {os.environ['RANK']} writes to its own log")
+    return {"imported_in": IMPORTED_IN, "pid": os.getpid(), "supervisor": supervisor.pid,
+            "controller": supervisor.ppid(), "rank": int(os.environ["RANK"]),
+            "task": int(os.environ["SUBMITIT_LOCAL_GLOBALID"]),
+            "handlers": [signal.getsignal(s) is signal.SIG_DFL
+                         for s in (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1)],
+            "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+'''
+
+
+def test_local_ranks_are_forked_from_a_controller_that_imported_their_module_once(
+        tmp_path, monkeypatch):
+    """cluster=local: the controller imports the entry point's module, then forks each rank's
+    supervisor, which forks its worker (launchers/forked.py): the tree is controller ->
+    supervisor -> worker, the module was imported in the controller alone, and each worker
+    starts as a new interpreter would: its own rank's environment, the default signal
+    handlers, its standard output in its own task's log."""
+    from llama_fsdp.launchers import launcher_for
+
+    (tmp_path / "rank_probe.py").write_text(RANK_PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get(
+        "PYTHONPATH", "")]))
+    spec = make_spec(["tracking.enabled=false", "cluster.nproc_per_node=2"],
+                     output_dir=tmp_path / "run")
+    results = launcher_for(spec.cluster, "rank_probe:entry").start(spec, stream=False)
+    assert [r["rank"] for r in results] == [0, 1] == [r["task"] for r in results]
+    controller = {r["controller"] for r in results}
+    assert len(controller) == 1 and len({r["supervisor"] for r in results}) == 2, results
+    assert all(r["imported_in"] == r["controller"] != r["pid"] for r in results), results
+    assert all(r["handlers"] == [True, True, True] and r["sigint"] for r in results), results
+    logs = sorted((tmp_path / "run").rglob("*_log.out"))
+    assert len(logs) == 2
+    for rank, log in enumerate(logs):
+        assert f"rank {rank} writes to its own log" in log.read_text()
+        assert f"rank {1 - rank} writes" not in log.read_text()
