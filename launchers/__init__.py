@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 LAUNCHERS = {"local": ("local", "LocalLauncher"), "slurm": ("slurm", "SlurmLauncher"),
              "torchrun": ("torchrun", "TorchrunLauncher")}
 
-_WHERE = {"Launcher": "base", "Entry": "common", "Interrupted": "common",
+_WHERE = {"Launcher": "base", "Entry": "program", "Interrupted": "common",
           "LaunchError": "common", "RankFailure": "common"}
 __all__ = sorted([*_WHERE, "LAUNCHERS", "launcher_for"])
 

@@ -12,7 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from llama_fsdp.launchers.common import exit_now, load_entry
+from llama_fsdp.launchers.program import exit_now, load_entry
 
 
 def main(inp: str, out: str, tb_file: str) -> int:

@@ -6,9 +6,7 @@ training.
 """
 from __future__ import annotations
 
-import atexit
 import gc
-import importlib
 import logging
 import os
 import pickle
@@ -20,9 +18,10 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from ..rundir import RunDir, private_dir
+from .program import Entry
 from .rank import RankEntry, format_report, read_reports
 from .submitit_compat import local_controller, slurm_job_done
 
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Entry = Union[Callable[[Any], Any], str]  # a module-level function, or "module:attr"
 REPORT_GRACE_S = 1.5  # after the first report, how long the other ranks' reports may take
 
 
@@ -58,14 +56,6 @@ class Interrupted(LaunchError):
 def entry_ref(entry: Entry) -> str:
     """A module-level function as "module:qualname": the rank supervisor passes it on unread."""
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
-
-
-def load_entry(entry: Entry) -> Callable[[Any], Any]:
-    """The function a "module:attr" entry point names (a function passes through)."""
-    if not isinstance(entry, str):
-        return entry
-    module, _, attr = entry.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def rank_entry(spec: RunSpec, entry: Entry, **kw: Any) -> RankEntry:
@@ -150,32 +140,6 @@ def skip_final_collection() -> None:
     finished (benchmarks/cpu_runtime.md). atexit handlers, buffered files and module teardown
     still run; only cyclic garbage left at exit goes to the OS uncollected."""
     gc.freeze()
-
-
-def exit_now(code: Union[int, str, None]) -> NoReturn:
-    """End a process whose work is done and reported without the interpreter's finalization.
-    What finalization does first still runs: thread pools are shut down and non-daemon threads
-    joined, then the atexit handlers (logging's flush among them); the standard streams are
-    flushed; then ``os._exit``. ``code`` is what ``sys.exit`` takes (a string is printed, exit 1).
-
-    Finalization can only lose here. A C++ thread that comes back into Python while the
-    interpreter finalizes (a gloo worker dropping a work's tensors, a store wait timing out) is
-    ended by CPython with a forced unwind that C++ turns into std::terminate: "terminate called
-    without an active exception", SIGABRT, and a rank that finished is reported killed. The
-    suite's 4-rank hybrid run lost its rank 1 so, after its last step (pytorch/pytorch#179291
-    names the gloo case; tests/unit/test_launchers.py makes it happen). Module teardown of what
-    torch, transformers and mlflow loaded goes with it."""
-    if isinstance(code, str):
-        sys.stderr.write(code + "\n")
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # finalization's first step
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or its reader went away
-            pass
-    os._exit(code or 0)
 
 
 def free_port() -> int:

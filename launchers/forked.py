@@ -14,7 +14,13 @@ installed go back to their defaults, the standard streams are the task's log fil
 through (``python -u``), the task's environment is set, and the process ends with
 ``os._exit`` after its atexit handlers, never returning into the code that forked it.
 Forking is safe here because the forking processes have only imported modules: no parallel
-region ran, no CUDA context and no process group exists before the fork.
+region ran and no process group exists before the fork. The imports leave a few idle native
+threads (three with torch 2.13 and transformers 5.24, one of them pyarrow's jemalloc background
+thread); glibc's and jemalloc's fork handlers keep the allocators usable in the child, and
+Python 3.12's warning about forking a process with threads is silenced for these forks alone. The local launcher asks for it on the CPU
+only: a CUDA rank starts as a new interpreter, since CUDA cannot be used in a child forked from
+a process that initialized its driver, which an import may do, and a GPU run's start-up is
+small next to its work.
 
 SLURM's supervisors are started by srun on each node, and torchrun's by torchrun, so they start
 their workers as new interpreters, as before (``preloaded`` is false there).
@@ -27,7 +33,10 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from typing import Any, Callable, Mapping, Optional
+
+from .program import exit_now
 
 PRELOAD_ENV = "LLAMA_FSDP_PRELOAD"  # the entry point's module, set by the local launcher
 _preloaded: list[str] = []
@@ -91,7 +100,10 @@ def fork(run: Callable[[], Any], *, stdout: Optional[int] = None, stderr: Option
     once they are, before ``run`` (as Popen's preexec_fn)."""
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         _flush(stream)
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python >= 3.12 on the imports' threads (module docstring)
+        warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        pid = os.fork()
     if pid:
         return Forked(pid)
     code: Any = 1
@@ -133,8 +145,6 @@ def _unbuffered(fd: int, old: Any) -> io.TextIOWrapper:
 def _end(code: Any) -> None:
     """As a program ends here: exit_now (threads, atexit handlers, streams, os._exit)."""
     try:
-        from .common import exit_now
-
         exit_now(code if isinstance(code, (int, str)) or code is None else 1)
     finally:
         os._exit(1)  # exit_now itself failed

@@ -85,8 +85,8 @@ class LocalLauncher(Launcher):
         restarts = spec.cluster.max_restarts
         # the controller passes its environment to the ranks; this process's is restored after
         env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir,
-               # the controller imports the ranks' module once and forks them (forked.py)
-               PRELOAD_ENV: self.entry.split(":")[0]}
+               # on the CPU the controller imports the ranks' module once and forks them
+               PRELOAD_ENV: self.entry.split(":")[0] if spec.device == "cpu" else ""}
         with scoped_environ({**env, ATTEMPT_ENV: "0"}), self.shipping(spec) as ranks_spec, \
                 SignalGuard(saving=spec.save.every_steps > 0) as guard:
             for attempt in range(restarts + 1):

@@ -33,7 +33,8 @@ from ..result import FINISHED
 from ..rundir import RUNS, name_problem
 from ..spec import ConfigError
 from .base import Launcher
-from .common import load_entry, scoped_environ, worker_env
+from .common import scoped_environ, worker_env
+from .program import load_entry
 
 if TYPE_CHECKING:
     from ..spec import RunSpec

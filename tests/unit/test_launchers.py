@@ -262,7 +262,7 @@ def test_requeue_budget_and_restart_loop_reach_the_executors(tmp_path):
 
 
 def test_a_rank_process_hands_its_result_over_and_still_runs_its_exit_work(tmp_path):
-    """A rank's process hands its result over, then ends through launchers.common.exit_now
+    """A rank's process hands its result over, then ends through launchers.program.exit_now
     (no finalization: test_a_finished_process_ends_with_its_code_however_late_a_cpp_thread_
     returns), its atexit handlers run."""
     (tmp_path / "rank_entry.py").write_text(
@@ -463,7 +463,7 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_set_the_allocator():
 ENDING = r'''
 import atexit, concurrent.futures, datetime, logging, sys, threading, time
 import torch.distributed as dist
-from llama_fsdp.launchers.common import exit_now
+from llama_fsdp.launchers.program import exit_now
 
 # a C++ call with the GIL released that returns while the interpreter finalizes: a store wait
 # that times out after 2 s, in a daemon thread (as a gloo worker drops a work's tensors)
