@@ -17,10 +17,10 @@ Forking is safe here because the forking processes have only imported modules: n
 region ran and no process group exists before the fork. The imports leave a few idle native
 threads (three with torch 2.13 and transformers 5.24, one of them pyarrow's jemalloc background
 thread); glibc's and jemalloc's fork handlers keep the allocators usable in the child, and
-Python 3.12's warning about forking a process with threads is silenced for these forks alone. The local launcher asks for it on the CPU
-only: a CUDA rank starts as a new interpreter, since CUDA cannot be used in a child forked from
-a process that initialized its driver, which an import may do, and a GPU run's start-up is
-small next to its work.
+Python 3.12's warning about forking a process with threads is silenced for these forks alone.
+The local launcher asks for it on the CPU only: a CUDA rank starts as a new interpreter, since
+CUDA cannot be used in a child forked from a process that initialized its driver, which an
+import may do, and a GPU run's start-up is small next to its work.
 
 SLURM's supervisors are started by srun on each node, and torchrun's by torchrun, so they start
 their workers as new interpreters, as before (``preloaded`` is false there).
@@ -39,25 +39,24 @@ from typing import Any, Callable, Mapping, Optional
 from .program import exit_now
 
 PRELOAD_ENV = "LLAMA_FSDP_PRELOAD"  # the entry point's module, set by the local launcher
-_preloaded: list[str] = []
+_preloaded = False
 
 
 def preload() -> bool:
-    """Import the module $LLAMA_FSDP_PRELOAD names (the local controller, once); whether
-    there was one."""
+    """Import the module $LLAMA_FSDP_PRELOAD names (the local controller); whether there was
+    one."""
+    global _preloaded
     module = os.environ.get(PRELOAD_ENV)
-    if not module:
-        return False
-    if module not in _preloaded:
+    if module:
         importlib.import_module(module)
-        _preloaded.append(module)
-    return True
+        _preloaded = True
+    return bool(module)
 
 
 def preloaded() -> bool:
     """Whether this process was forked from one that preloaded the ranks' modules (its own
     children are then forked too)."""
-    return bool(_preloaded)
+    return _preloaded
 
 
 class Forked:
@@ -83,12 +82,6 @@ class Forked:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # never a pid that was reaped (and may be reused)
             os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def fork(run: Callable[[], Any], *, stdout: Optional[int] = None, stderr: Optional[int] = None,

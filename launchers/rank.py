@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import forked
+from .child import main as child_main  # the worker, forked
 from ..result import FAILED, PREEMPTED, mlflow_status
 from ..rundir import RunDir, exchange_files, report_path
 
@@ -154,7 +155,7 @@ class Supervisor:
         self._install_signals()
         args = [str(files[k]) for k in ("in", "out", "traceback")]
         if forked.preloaded():  # the local controller imported the worker's modules once
-            self.child = forked.fork(lambda: _child_main(*args), before=_dies_with_parent)
+            self.child = forked.fork(lambda: child_main(*args), before=_dies_with_parent)
         else:
             self.child = subprocess.Popen([sys.executable, "-u", "-m", CHILD_MODULE, *args],
                                           preexec_fn=_dies_with_parent)
@@ -209,13 +210,6 @@ class Supervisor:
                 "time": tb.get("time", time.time()), "traceback": text,
                 "echo": any(e in text for e in ECHO_ERRORS), "attempt": self.attempt,
                 "log_tail": _tail(self.logs, 12)}
-
-
-def _child_main(inp: str, out: str, tb_file: str) -> int:
-    """The worker, forked: what `python -m llama_fsdp.launchers.child` runs."""
-    from .child import main
-
-    return main(inp, out, tb_file)
 
 
 def _dies_with_parent() -> None:

@@ -186,24 +186,29 @@ def compiled_once(directory: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None
     ``wait_s`` (the step holds no collective, so no rank waits on a waiter)."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / LOCK, "a") as lock:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("waited %.0f s for another process's first compiled step in "
-                                "%s: compiling here too", wait_s, directory)
-                    yield
-                    return
-                time.sleep(0.2)
-        if (directory / COMPILED).exists():
+        first = _flock(lock, wait_s)
+        if not first:
+            log.warning("waited %.0f s for another process's first compiled step in %s: "
+                        "compiling here too", wait_s, directory)
+        elif (directory / COMPILED).exists():  # a first step finished here: run at once
             fcntl.flock(lock, fcntl.LOCK_UN)
-            yield
-            return
+            first = False
         yield
-        (directory / COMPILED).touch()
+        if first:
+            (directory / COMPILED).touch()
+
+
+def _flock(f, wait_s: float) -> bool:
+    """An exclusive flock on ``f`` within ``wait_s``: whether it was taken."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
 
 def use_compile_cache(path: Path) -> None:

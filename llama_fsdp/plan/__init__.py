@@ -51,8 +51,9 @@ from .variants import reference_spec, with_nodes, with_seq_len, with_strategy
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_MFU", "GB", "GIB", "Memory", "PHASES", "Plan", "PlanError",
            "activation_bytes", "check_fits", "choose_strategy", "count_params",
-           "device_capacity_bytes", "fixes_text", "flash_varlen_runs", "flops_per_token", "flops_per_token_of",
-           "layer_activation_bytes", "layer_shapes", "logits_loss_bytes", "longest_seq_len",
+           "device_capacity_bytes", "fixes_text", "flash_varlen_runs", "flops_per_token",
+           "flops_per_token_of", "layer_activation_bytes", "layer_shapes", "logits_loss_bytes",
+           "longest_seq_len",
            "loss_bytes", "make_plan", "memory_breakdown", "model_state_bytes", "n_matmul",
            "nodes_needed", "numel", "packed_mask_bytes", "param_shapes", "peak_flops",
            "phase_peak_bytes", "phase_peaks", "reference_spec", "resolve_auto", "root_shapes",

@@ -114,10 +114,11 @@ def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
 # intermediates (4·c·i per token of layer_activation_bytes), the post-attention norm's fp32
 # input and normed output (4·h + c·h) and the attention output o_proj read (c·h), so the
 # layers' backward peak grows by the workspace less those (``varlen_backward_extra``).
-# Measured on an H200 (benchmarks/gpu.md): 8B QLoRA at 16,384 tokens of 2,397 synthetic records (one row) allocated 5.2953 GB there in
-# one tensor, the formula's 5.2953 GB; the peak, 17.28 GB, was 24% over the plan without this
-# term. Data-dependent: the plan counts one record per row until the data is known
-# (prepare.replan_for_records gives the fullest micro-batch's count).
+# Measured on an H200 (benchmarks/gpu.md): 8B QLoRA at 16,384 tokens of 2,397 synthetic
+# records (one row) allocated 5.2953 GB there in one tensor, the formula's 5.2953 GB; the peak,
+# 17.28 GB, was 24% over the plan without this term. Data-dependent: the plan counts one
+# record per row until the data is known (prepare.replan_for_records gives the fullest
+# micro-batch's count).
 VARLEN_BWD_PAD = 128
 
 

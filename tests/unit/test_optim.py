@@ -340,11 +340,12 @@ def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=Fals
 
 def _threads(*targets):
     import threading
+    import time
 
     threads = [threading.Thread(target=_in_compiled_once, args=a, kwargs=k) for a, k in targets]
     for t in threads:
         t.start()
-        threading.Event().wait(0.1)  # in this order
+        time.sleep(0.1)  # in this order
     for t in threads:
         t.join(30)
 
