@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llama_fsdp.attention import CHUNK_SIZES, block_sparse_attention, chunk_plan  # noqa: E402
+from llama_fsdp.model.attention import CHUNK_SIZES, block_sparse_attention, chunk_plan  # noqa: E402
 
 # (label, batch, heads, kv heads, seq, head dim, record lengths)
 SHAPES = [

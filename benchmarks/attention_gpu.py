@@ -9,7 +9,7 @@ record: what the peers' random rows are), ``r256`` (256-token records), ``synthe
 tokens: the embedded synthetic data with the project tokenizer, which the GPU check's throughput
 stage trains on). Kernels:
 
-- ``varlen``: this project's (llama_fsdp.attention._flash_varlen: torch's varlen_attn, flash);
+- ``varlen``: this project's (llama_fsdp.model.attention._flash_varlen: torch's varlen_attn, flash);
 - ``sdpa_causal`` / ``sdpa_causal_cudnn`` / ``sdpa_causal_flash``: SDPA with is_causal over whole
   rows (right only for ``one``), torch's choice of backend, then cuDNN and flash forced;
 - ``sdpa_mask``: SDPA with the dense block-causal boolean mask (what ``sdpa`` runs for packed rows);
@@ -72,7 +72,7 @@ def main() -> None:
     b, s, hq, hkv, d = (2, 256, 4, 2, 16) if cpu else (4, 2048, 32, 8, 64)
     dtype = torch.float32 if cpu else torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    from llama_fsdp import attention as A
+    from llama_fsdp.model import attention as A
 
     def emit(rec: dict) -> None:
         rec.update(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",

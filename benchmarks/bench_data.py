@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import Packed, TokenStore, build_tokenizer, tokenize_splits
 
 WORDS = ("the of and to in is was for that with as on by at from his an were are which this be "

@@ -91,10 +91,10 @@ def _build(specs: dict, rank: int, world: int) -> dict:
     import torch
 
     from llama_fsdp.data import build_data
-    from llama_fsdp.dpo import build_preference
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import TOKEN_LOSS, build_scheduler
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.objective.dpo import build_preference
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import TOKEN_LOSS, build_scheduler
+    from llama_fsdp.train.worker import build_model
 
     cpu, out = torch.device("cpu"), {}
     mb = specs["dpo"].train.batch_size
@@ -121,7 +121,7 @@ def _build(specs: dict, rank: int, world: int) -> dict:
 def _step(model, opt, sched, batches, loss_fn, accum) -> tuple[float, int]:
     import torch
 
-    from llama_fsdp.train import train_step
+    from llama_fsdp.train.loop import train_step
 
     t0 = time.perf_counter()
     micro = [next(batches) for _ in range(accum)]
@@ -153,9 +153,9 @@ def peak_on_rank(rank: int, world: int, spec) -> dict:
 
     from benchmarks.plan_vs_measured import Heap, small_state_bytes
     from llama_fsdp.data import build_data
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import TOKEN_LOSS, build_scheduler
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import TOKEN_LOSS, build_scheduler
+    from llama_fsdp.train.worker import build_model
 
     torch.set_num_threads(1)
     cpu, heap = torch.device("cpu"), Heap()
@@ -165,7 +165,7 @@ def peak_on_rank(rank: int, world: int, spec) -> dict:
     model = build_model(spec, cpu)
     loss_fn, batches = TOKEN_LOSS, data.train_batches()
     if spec.objective.name == "dpo":
-        from llama_fsdp.dpo import build_preference
+        from llama_fsdp.objective.dpo import build_preference
 
         pref = build_preference(spec, model, data, cpu, rank=rank, world=world, resuming=False)
         loss_fn, batches = pref.loss, pref.batches(batches)

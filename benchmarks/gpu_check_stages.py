@@ -153,7 +153,7 @@ def compose(overrides: list[str]) -> Any:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from llama_fsdp.config import register_configs
+    from llama_fsdp.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -179,7 +179,7 @@ def compose_error(overrides: list[str]) -> Optional[str]:
 def plan_of(overrides: list[str], work: Path) -> tuple[Any, Any]:
     """The composed config and llama_fsdp's plan of it (FLOPs per token, peak FLOP/s, peak)."""
     from llama_fsdp.plan import make_plan, resolve_auto
-    from llama_fsdp.spec import build_spec
+    from llama_fsdp.run.spec import build_spec
 
     cfg = compose([f"output_dir={work / 'plan'}", *overrides])
     return cfg, make_plan(resolve_auto(build_spec(cfg, launch_dir=work)))
@@ -193,7 +193,7 @@ def tokenizer_overrides(s: Settings) -> list[str]:
     it is, so that the CPU rehearsal takes this path.)"""
     path = s.work / "tokenizer"
     if not (path / "tokenizer_config.json").exists():
-        from llama_fsdp.config import DataConfig
+        from llama_fsdp.config.schema import DataConfig
         from llama_fsdp.data import build_tokenizer
 
         build_tokenizer(DataConfig(), s.work / "cache").save_pretrained(str(path))
@@ -306,8 +306,8 @@ for dist, module in json.loads(sys.argv[2]):
     out["versions"][dist] = version
     out["origin"][dist] = "carried" if site and (mod.__file__ or "").startswith(site) else "image"
 try:
-    import llama_fsdp.cli, llama_fsdp.worker
-    from llama_fsdp.compat import version_problems
+    import llama_fsdp.cli.command, llama_fsdp.train.worker
+    from llama_fsdp.versions import version_problems
     out["missing"].update({"llama_fsdp floors": p for p in version_problems()})
 except Exception as e:
     out["missing"]["llama_fsdp"] = f"{type(e).__name__}: {e}"

@@ -23,7 +23,7 @@ else
   BIG="model=tiny train.seq_len=256"; ONE="model=tiny train.seq_len=128 train.batch_size=2"
   DEV="cluster.device=cpu cluster.nproc_per_node=1 optim.fused=false"; STEPS=4; RECORD_CHARS=900
 fi
-"$PY" -c "import sys; from llama_fsdp.config import DataConfig; from llama_fsdp.data import build_tokenizer; build_tokenizer(DataConfig(), sys.argv[1] + '/cache').save_pretrained(sys.argv[1] + '/tokenizer')" "$WORK"
+"$PY" -c "import sys; from llama_fsdp.config.schema import DataConfig; from llama_fsdp.data import build_tokenizer; build_tokenizer(DataConfig(), sys.argv[1] + '/cache').save_pretrained(sys.argv[1] + '/tokenizer')" "$WORK"
 COMMON="data.tokenizer=$WORK/tokenizer eval.every_steps=0 eval.task_prompts=0 save.every_steps=0 tracking.enabled=false resume=none"
 stamp() { echo "[probe $(date +%T)] $*" | tee -a "$OUT/probe.log"; }
 

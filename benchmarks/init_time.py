@@ -1,4 +1,4 @@
-"""Random-init cost per rank: the shard-by-shard draw (llama_fsdp.model.init_weights) against
+"""Random-init cost per rank: the shard-by-shard draw (llama_fsdp.model.llama.init_weights) against
 drawing each full tensor on every rank and scattering it (what init did before; kept here as
 the reference). Same FSDP2 model on N gloo ranks (CPU), same values either way for any N.
 
@@ -41,8 +41,8 @@ def _full_draw_init(model, *, std: float, seed: int) -> None:
 def _rank(rank: int, world: int, model_name: str, how: str) -> dict:
     import torch.distributed as dist
 
-    from llama_fsdp.model import build_meta_model, decoder_layers, init_weights
-    from llama_fsdp.parallel import build_mesh, parallelize
+    from llama_fsdp.model.llama import build_meta_model, decoder_layers, init_weights
+    from llama_fsdp.model.parallelize import build_mesh, parallelize
     from tests.conftest import make_spec
 
     spec = make_spec([f"model={model_name}", "cluster.device=cpu",

@@ -45,9 +45,9 @@ def time_on_rank(rank: int, world: int, specs: dict, rounds: int, per_round: int
     """Per path: rank 0's wall and CPU seconds of every timed step."""
     import torch
 
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

@@ -57,7 +57,7 @@ def _spec(model: str, optim: str, steps: int, root: Path, cache: Path, stop_afte
 def _rank(rank: int, world: int, spec) -> dict:
     import torch
 
-    from llama_fsdp.worker import DistEnv, RankRun
+    from llama_fsdp.train.worker import DistEnv, RankRun
 
     from benchmarks import lowbit_curves  # the module train.callbacks imports (not __main__)
 

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llama_fsdp.config import model_preset
-from llama_fsdp.plan import GB, count_params, make_plan, model_state_bytes, nodes_needed, reference_spec
+from llama_fsdp.config.schema import model_preset
+from llama_fsdp.plan import (
+    GB,
+    count_params,
+    make_plan,
+    model_state_bytes,
+    nodes_needed,
+    reference_spec,
+)
 
 
 # (model, nominal billions, Adam moment bytes, the case as usually stated)

@@ -256,9 +256,9 @@ def warm_up(spec, batches: list[list[dict]], rank: int = 0) -> None:
     left 23 MB. Warmed up, a case's own step leaves nothing behind on any CPU, so what remains
     after it ("end") is a real leak, and the peaks are the tensors alone.
     """
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model, compile_cache
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model, compile_cache
 
     import torch
 
@@ -281,10 +281,10 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
     """
     import torch
 
-    from llama_fsdp.model import decoder_layers
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model, compile_cache
+    from llama_fsdp.model.llama import decoder_layers
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model, compile_cache
 
     heap = Heap()
     device = torch.device("cpu")
@@ -304,7 +304,7 @@ def measure_case(spec, rank: int, steps: int = 2, *, warm: bool = True) -> dict[
     def mark(name: str) -> None:  # the highest over a step's micro-batches
         phase[name] = max(phase.get(name, 0), heap.take_peak() - base)
 
-    # train.loss=chunked computes the loss inside the head's forward (llama_fsdp/loss.py): the
+    # train.loss=chunked computes the loss inside the head's forward (llama_fsdp/objective/loss.py): the
     # forward phase ends where the head starts, the loss phase where it returns
     chunked = spec.train.loss == "chunked"
 
@@ -468,7 +468,7 @@ ADAPTER_CASES = (
        (4, "full", "fp32", "full", 1, False, 1, "", "", "lora")]
 )
 FULL_CASES += ADAPTER_CASES
-# train.loss=chunked (llama_fsdp/loss.py, chunks of LOSS_CHUNK tokens): every strategy,
+# train.loss=chunked (llama_fsdp/objective/loss.py, chunks of LOSS_CHUNK tokens): every strategy,
 # precision and AC mode, micro-batch 1 to 4, tied with accumulation, lora / qlora, packed
 # records; and checkpointing.offload (on CPU a plain copy of each checkpointed input)
 LOSS_CASES = (

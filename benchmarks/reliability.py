@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
-from llama_fsdp.rundir import RunDir  # noqa: E402
+from llama_fsdp.config.rundir import RunDir  # noqa: E402
 from tests.faults import hooks  # noqa: E402
 from tests.faults.conftest import (  # noqa: E402
     MlflowServer,
@@ -289,7 +289,7 @@ def _scenarios() -> list[tuple]:
         return [f"resume={_crafted(cwd, cwd / 'marker')}"]
 
     def crafted_convert(cwd, mine):
-        return ["-m", "llama_fsdp.convert", str(_crafted(cwd, cwd / "marker")), str(cwd / "hf")]
+        return ["-m", "llama_fsdp.checkpoint.convert", str(_crafted(cwd, cwd / "marker")), str(cwd / "hf")]
 
     def truncated(cwd, mine):
         hf = _tiny_model(mine / "model")

@@ -35,14 +35,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional
 
-from ..prepare import prepare_job
-from ..result import mlflow_status
-from ..rundir import RunDir
+from ..prepare.job import prepare_job
+from ..config.status import mlflow_status
+from ..config.rundir import RunDir
 from ..tracking import close_run, deliver_pending, read_run_file, shipping
 from .submitit_compat import check_version
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

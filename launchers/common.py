@@ -20,13 +20,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
-from ..rundir import RunDir, private_dir
-from .program import Entry
+from ..config.rundir import RunDir, private_dir
+from .process import Entry
 from .rank import RankEntry, format_report, read_reports
 from .submitit_compat import local_controller, slurm_job_done
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

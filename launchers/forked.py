@@ -36,7 +36,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
-from .program import exit_now
+from .process import exit_now
 
 PRELOAD_ENV = "LLAMA_FSDP_PRELOAD"  # the entry point's module, set by the local launcher
 _preloaded = False

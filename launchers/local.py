@@ -17,12 +17,12 @@ from .common import (
     watch,
     worker_env,
 )
-from ..rundir import RunDir
+from ..config.rundir import RunDir
 from .forked import PRELOAD_ENV
 from .rank import ATTEMPT_ENV, RUN_DIR_ENV
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ imported the worker's modules once, and forks its worker in turn (launchers/fork
 
 Signals: SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGINT (the
 launcher's forward of a user's Ctrl-C) go on to the worker, which saves and stops at its next log
-step (llama_fsdp/stopping.py). After a preemption, rank 0's supervisor hands over to submitit,
+step (llama_fsdp/train/stopping.py). After a preemption, rank 0's supervisor hands over to submitit,
 which requeues the job; the new job resumes from the checkpoint just written.
 """
 from __future__ import annotations
@@ -29,16 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import forked
-from .child import main as child_main  # the worker, forked
-from ..result import FAILED, PREEMPTED, mlflow_status
-from ..rundir import RunDir, exchange_files, report_path
+from .worker_process import main as child_main  # the worker, forked
+from ..config.status import FAILED, PREEMPTED, mlflow_status
+from ..config.rundir import RunDir, exchange_files, report_path
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 ATTEMPT_ENV = "LLAMA_FSDP_ATTEMPT"  # restart number, set by the launcher (local) or sbatch loop
 RUN_DIR_ENV = "LLAMA_FSDP_RUN_DIR"  # the run directory, for the local controller's reports
-CHILD_MODULE = "llama_fsdp.launchers.child"  # what the supervisor runs as the worker process
+CHILD_MODULE = "llama_fsdp.launchers.worker_process"  # what the supervisor runs as the worker process
 # Errors a rank raises because another rank went away first: reported after the cause.
 ECHO_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
           "communicator was aborted", "NCCL operations have failed or timed out",
@@ -242,12 +242,12 @@ def _point_ended(spec: RunSpec) -> None:
     if spec.sweep_id is None:
         return
     try:
-        from llama_fsdp.sweep import point_ended
+        from llama_fsdp.tracking.sweep import point_ended
 
         point_ended(spec)
     except Exception as e:  # noqa: BLE001 - the run itself is done and recorded
         print(f"could not update the summary of sweep {spec.sweep_id} ({e}): run `python -m "
-              f"llama_fsdp.sweep {spec.sweep_id} --uri <tracking uri>`", file=sys.stderr)
+              f"llama_fsdp.tracking.sweep {spec.sweep_id} --uri <tracking uri>`", file=sys.stderr)
 
 
 def _tail(paths: list[Path], n: int) -> list[str]:

@@ -9,20 +9,13 @@ import shlex
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .base import Launcher
-from .common import (
-    LaunchError,
-    SignalGuard,
-    rank_entry,
-    streaming,
-    watch,
-    worker_env,
-)
-from ..rundir import RunDir
+from .common import LaunchError, SignalGuard, rank_entry, streaming, watch, worker_env
+from ..config.rundir import RunDir
 from .rank import ATTEMPT_ENV
 from .submitit_compat import restarting_slurm_executor, sbatch_text
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -28,16 +28,16 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..prepare import prepare_data, prepare_job, resolve_model
-from ..result import FINISHED
-from ..rundir import RUNS, name_problem
-from ..spec import ConfigError
+from ..prepare.job import prepare_data, prepare_job, resolve_model
+from ..config.status import FINISHED
+from ..config.rundir import RUNS, name_problem
+from ..run.spec import ConfigError
 from .base import Launcher
 from .common import scoped_environ, worker_env
-from .program import load_entry
+from .process import load_entry
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
+    from ..run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class TorchrunLauncher(Launcher):
         """The process group first; then every node's first rank prepares its node and global
         rank 0 the job (``once_per_job``); then this rank trains. This rank's result, or None
         when the job has nothing to train."""
-        from ..distributed import process_group  # torch: this process is a rank
+        from ..train.distributed import process_group  # torch: this process is a rank
 
         if restart := restart_count():  # torchrun restarted the job: go on from the checkpoint
             spec = dataclasses.replace(spec, resume="auto", restart=restart)

@@ -40,6 +40,6 @@ def _in_checkout() -> bool:
 if _in_checkout() and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
     sys.meta_path.append(_CheckoutFinder())
 
-from . import quiet as _quiet  # noqa: E402
+from . import import_noise as _quiet  # noqa: E402
 
 _quiet.install()

@@ -1,6 +1,6 @@
 """`python -m llama_fsdp [overrides]`: the command line lives in cli.py."""
 from .cli import main
-from .launchers.program import exit_now
+from .launchers.process import exit_now
 
 if __name__ == "__main__":
     try:

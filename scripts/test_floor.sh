@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machines' stack on this CPU: the oldest torch and transformers llama_fsdp supports
-# (llama_fsdp/compat.py FLOORS: torch 2.11 and transformers 5.17, the GPU image's releases), and
+# (llama_fsdp/versions.py FLOORS: torch 2.11 and transformers 5.17, the GPU image's releases), and
 # the torchao the project carries to that image as a wheel (the image has none:
 # scripts/offline_wheels.sh pins it), overlaid on .venv, through the unit tests, the multi-rank
 # tests (FSDP2 sharding and DDP, DCP checkpoints and HF loading, NF4 under fully_shard, torchao's
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-read -r TORCH TRANSFORMERS < <($PY -c 'from llama_fsdp.compat import FLOORS
+read -r TORCH TRANSFORMERS < <($PY -c 'from llama_fsdp.versions import FLOORS
 print(*(".".join(map(str, FLOORS[n])) + ".0" for n in ("torch", "transformers")))')
 # the one torchao release the offline wheelhouse ships (it loads its kernels on torch >= 2.11)
 TORCHAO=$(sed -n 's/^ *torchao==\([0-9.]*\)$/\1/p' scripts/offline_wheels.sh)

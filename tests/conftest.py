@@ -41,7 +41,7 @@ def compose(overrides: list[str] | None = None):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from llama_fsdp.config import register_configs
+    from llama_fsdp.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -51,7 +51,7 @@ def compose(overrides: list[str] | None = None):
 
 def make_spec(overrides: list[str] | None = None, *, output_dir: str | Path = "/tmp/llama_fsdp_test"):
     """A RunSpec of the real composed config; on the CPU unless an override says otherwise."""
-    from llama_fsdp.spec import build_spec
+    from llama_fsdp.run.spec import build_spec
 
     cfg = compose([f"output_dir={output_dir}", *CPU, *(overrides or [])])
     return build_spec(cfg, launch_dir=REPO)
@@ -61,10 +61,10 @@ def launch_prepared(spec, *, command: str = "pytest"):
     """What `python -m llama_fsdp` does after planning: prepare in this process, then launch
     the real rank processes; returns the ranks' results."""
     from llama_fsdp.launchers import launcher_for
-    from llama_fsdp.prepare import prepare
+    from llama_fsdp.prepare.job import prepare
 
     prepared = prepare(spec, command=command)
-    launcher = launcher_for(spec.cluster, "llama_fsdp.worker:run_worker")
+    launcher = launcher_for(spec.cluster, "llama_fsdp.train.worker:run_worker")
     return launcher.start(prepared.spec, stream=False)
 
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from llama_fsdp.launchers.common import free_port, skip_final_collection
 
 # what every rank imports anyway; the forkserver imports them once
-PRELOAD = ["torch", "torch.distributed", "transformers", "llama_fsdp.worker", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "llama_fsdp.train.worker", "tests.distributed"]
 
 
 def _entry(fn, rank, world_size, port, args, queue, environ) -> None:
@@ -83,9 +83,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 @contextlib.contextmanager
 def recorded_grad_norms() -> Iterator[list[float]]:
     """In a rank process: the gradient norm this rank computes itself at every optimizer step
-    (llama_fsdp.train's clip_grad_norm, before any reduction of logged metrics), appended to
+    (llama_fsdp.train.loop's clip_grad_norm, before any reduction of logged metrics), appended to
     the list this yields. What a rank logs is rank 0's norm; this is each rank's own."""
-    from llama_fsdp import train
+    from llama_fsdp.train import loop as train
 
     original, seen = train.clip_grad_norm, []
 

@@ -775,9 +775,9 @@ def tiny_llama_dir(out: Path, tokenizer_cache: Path, *, chat: bool, seed: int = 
     import torch
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.config import DataConfig
+    from llama_fsdp.config.schema import DataConfig
     from llama_fsdp.data import build_tokenizer
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
     from tests.conftest import make_spec
 
     spec = make_spec()

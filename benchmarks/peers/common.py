@@ -60,7 +60,7 @@ def llama_config(shape: dict[str, Any]) -> LlamaConfig:
         rope_parameters=rope, initializer_range=shape.get("init_std", 0.02), use_cache=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     # the peers run transformers' own kernels: llama_fsdp's "auto" and "varlen" (its flash
-    # over packed records, llama_fsdp/attention.py) are not theirs; they get SDPA
+    # over packed records, llama_fsdp/model/attention.py) are not theirs; they get SDPA
     attn = shape.get("attn_implementation", "sdpa")
     cfg._attn_implementation = "sdpa" if attn in ("auto", "varlen") else attn
     return cfg

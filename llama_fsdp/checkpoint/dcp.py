@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import FinetuneConfig, OptimConfig, SaveConfig
-from ..manifest import write_manifest
-from ..rundir import HF_META, RunDir
-from ..train_state import TrainState
+from ..config.schema import FinetuneConfig, OptimConfig, SaveConfig
+from ..config.manifest import write_manifest
+from ..config.rundir import HF_META, RunDir
+from .state import TrainState
 from .hf import write_hf_meta
 from .optim_meta import optim_mismatch, write_optim_meta
 from .pickles import check_file, load_metadata
@@ -182,7 +182,7 @@ class AppState(Stateful):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         keys = set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                               optim_state_dict=sd["optim"], options=self._options())
-        from ..lora import clean_name
+        from ..model.lora import clean_name
 
         trained = {clean_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
         missing = [k for k in getattr(keys, "missing_keys", []) if k in trained]

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from ..config import ModelConfig
-from ..hf_dir import resolve_hf_dir
+from ..config.schema import ModelConfig
+from ..config.hf_dir import resolve_hf_dir
 from .layout import dir_bytes, publish_dir, scratch_dir
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def hf_config(m: ModelConfig, *, dtype: str, tokenizer: Any = None) -> Any:
     group's shape; with the dtype saved and the tokenizer's special token ids."""
     from transformers import LlamaConfig
 
-    from ..model import llama_config, read_hf_config
+    from ..model.llama import llama_config, read_hf_config
 
     cfg = LlamaConfig.from_dict(read_hf_config(m.path)) if m.path else llama_config(m)
     cfg.architectures = ["LlamaForCausalLM"]

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .. import manifest
-from ..manifest import MANIFEST  # noqa: F401 - a checkpoint's file list, written last
-from ..rundir import CHECKPOINTS, RunDir
+from ..config import manifest
+from ..config.manifest import MANIFEST  # noqa: F401 - a checkpoint's file list, written last
+from ..config.rundir import CHECKPOINTS, RunDir
 
 METADATA = ".metadata"  # DCP writes it last, on rank 0: its presence marks a complete write
 TMP_SUFFIX = ".tmp"

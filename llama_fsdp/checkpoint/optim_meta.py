@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..config import FinetuneConfig, OptimConfig
-from ..rundir import OPTIM_META
+from ..config.schema import FinetuneConfig, OptimConfig
+from ..config.rundir import OPTIM_META
 
 
 def state_format(o: OptimConfig) -> str:

@@ -1,4 +1,4 @@
-"""A LoRA / QLoRA model's weights in and out (llama_fsdp/lora.py has the modules).
+"""A LoRA / QLoRA model's weights in and out (llama_fsdp/model/lora.py has the modules).
 
 In: the frozen base from an HF directory, each rank reading only its rows. Plain weights go
 straight into their shards (DCP's HuggingFaceStorageReader, as hf.load_hf_weights); NF4
@@ -27,11 +27,11 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
-from .. import nf4
-from ..lora import LoRALinear, clean_name, is_adapter, lora_modules, set_nf4_rows
-from ..config import FinetuneConfig
-from ..model import init_buffers
-from ..hf_dir import resolve_hf_dir
+from ..model import nf4
+from ..model.lora import LoRALinear, clean_name, is_adapter, lora_modules, set_nf4_rows
+from ..config.schema import FinetuneConfig
+from ..model.llama import init_buffers
+from ..config.hf_dir import resolve_hf_dir
 from .hf import _unique_state, save_safetensors, write_hf_dir
 from .layout import dir_bytes, publish_dir, scratch_dir
 
@@ -82,7 +82,7 @@ def load_hf_base(model: nn.Module, path: str, ft: FinetuneConfig, *,
 def _staging(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An empty 16-bit tensor shaped and sharded as the NF4 parameter ``p``, for DCP to read
     this rank's rows into."""
-    from ..lora import local_rows
+    from ..model.lora import local_rows
 
     _, rows = local_rows(p)
     buf = torch.empty(rows, p.shape[1], dtype=p.dtype, device=device)

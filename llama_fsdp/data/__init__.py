@@ -4,7 +4,7 @@ The worker's interface:
 
 - ``build_data(cfg, *, seq_len, micro_batch, dp_rank, dp_world, seed, cache_dir, vocab_size,
   model_path=None, announce=None)`` returns a ``DataModule``; the driver calls it once
-  (llama_fsdp/prepare.py, which reads, checks and tokenizes everything before any rank starts)
+  (llama_fsdp/prepare/job.py, which reads, checks and tokenizes everything before any rank starts)
   and every rank calls it again, finding the tokenized data in the cache. Tokenized data is
   cached under ``cache_dir/data`` (keyed by source, tokenizer, seq_len and format options) and
   built by one process under a file lock with an atomic rename, so concurrent ranks are safe.
@@ -14,12 +14,12 @@ The worker's interface:
   ``labels`` (already shifted: ``labels[:, t]`` is the target of position t, ``IGNORE_INDEX``
   where no loss is taken) and ``position_ids`` (restarting at every packed record). Every key
   except ``labels`` goes to the model. Packed records do not attend to each other: the varlen
-  kernel (llama_fsdp/attention.py) reads each record's bounds from the restarting position ids;
+  kernel (llama_fsdp/model/attention.py) reads each record's bounds from the restarting position ids;
   with ``sdpa``, transformers derives a dense block-causal mask from them instead.
 - ``DataModule.eval_batches(max_batches)``, ``state_dict()`` / ``load_state_dict()``,
   ``stats`` (numbers, for metrics), ``info`` (a ``DataInfo``: the tokenizer used and why, the
   split, the notes printed; ``info.params()`` for MLflow params) and ``tokenizer``; the task
-  metric on held-out prompts is llama_fsdp/eval.py's ``exact_match``.
+  metric on held-out prompts is llama_fsdp/objective/sft.py's ``exact_match``.
 """
 from __future__ import annotations
 

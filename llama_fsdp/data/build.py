@@ -9,17 +9,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import DataConfig
+from ..config.schema import DataConfig
 from .cache import as_config, resolve_tokenizer, tokenize_splits
 from .module import DataModule
 from .packing import Packed, TokenStore
-from .report import (
-    DataInfo,
-    data_notes,
-    describe_source,
-    ready_line,
-    tokenizer_override_note,
-)
+from .report import DataInfo, data_notes, describe_source, ready_line, tokenizer_override_note
 from .tokenizer import token_id_bound, vocab_problem
 
 log = logging.getLogger("llama_fsdp.data")

@@ -14,8 +14,8 @@ from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
 
-from ..config import DataConfig
-from ..manifest import cached_entry_ok, write_manifest
+from ..config.schema import DataConfig
+from ..config.manifest import cached_entry_ok, write_manifest
 from .formats import Encoder, detect_format
 from .packing import record_lengths
 from .sources import Split, hook_fingerprint, load_sources, source_stamp

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from ..config import DataConfig
+from ..config.schema import DataConfig
 
 
 class Encoded(NamedTuple):

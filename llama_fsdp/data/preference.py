@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config.schema import DataConfig
 from .formats import (
     ROW_COLUMNS,
     SHAREGPT_ROLES,

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import DataConfig
+from ..config.schema import DataConfig
 from .tokenizer import PROJECT_VOCAB_SIZE, TokenizerChoice
 
 # Truncating more than this share of a split's records is worth a length report.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from ..config import DataConfig
+from ..config.schema import DataConfig
 
 #
 # Short instruction → answer records ("<s> Opposite hot = | cold </s>": 6-10 tokens with the

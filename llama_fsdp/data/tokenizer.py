@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from filelock import FileLock
 
-from ..manifest import cached_entry_ok, write_manifest
+from ..config.manifest import cached_entry_ok, write_manifest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -42,11 +42,20 @@ from .fit import (
     phase_peak_bytes,
     phase_peaks,
 )
-from .fixes import PlanError, check_fits, fixes_text
+from .remedies import PlanError, check_fits, fixes_text
 from .loss import logits_loss_bytes, loss_bytes
 from .phases import PHASES, Memory
 from .search import choose_strategy, nodes_needed, resolve_auto
-from .shapes import count_params, flops_per_token, layer_shapes, n_matmul, numel, param_shapes, root_shapes, sharded_numel
+from .shapes import (
+    count_params,
+    flops_per_token,
+    layer_shapes,
+    n_matmul,
+    numel,
+    param_shapes,
+    root_shapes,
+    sharded_numel,
+)
 from .variants import reference_spec, with_nodes, with_seq_len, with_strategy
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_MFU", "GB", "GIB", "Memory", "PHASES", "Plan", "PlanError",

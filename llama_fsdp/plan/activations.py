@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import CheckpointingConfig, ModelConfig
+from ..config.schema import CheckpointingConfig, ModelConfig
 
 
 # Activations
@@ -34,7 +34,7 @@ from ..config import CheckpointingConfig, ModelConfig
 # Full activation checkpointing keeps only each layer's input (c·h); layer-selective wraps
 # every k-th layer (floor(L/k) layers, as parallel.py). Backward recomputes one wrapped layer
 # at a time, so one layer's full activations are added back while any layer is wrapped.
-# checkpointing.offload (llama_fsdp/offload.py) keeps those inputs in pinned host memory on
+# checkpointing.offload (llama_fsdp/model/offload.py) keeps those inputs in pinned host memory on
 # CUDA: on the device stay the input being recomputed and the next one, brought back ahead.
 
 
@@ -51,7 +51,7 @@ from ..config import CheckpointingConfig, ModelConfig
 # sequence: at s=8192 it is GBs over a layer stack.
 
 
-# model.attn_implementation=varlen (llama_fsdp/attention.py) takes packed rows with no b x s x s
+# model.attn_implementation=varlen (llama_fsdp/model/attention.py) takes packed rows with no b x s x s
 # mask: no c·s term. On CUDA, where torch's varlen_attn has no enable_gqa (before 2.12), k and v
 # are repeated to every head before the kernel, which saves them: the 2c(h - g) term stays. On
 # CPU (block-sparse SDPA) nothing is repeated (SDPA takes grouped-query heads and saves views of
@@ -82,7 +82,7 @@ def checkpointed_inputs(ac: CheckpointingConfig, num_layers: int, device: str) -
 
 
 def _varlen_repeats_kv() -> bool:
-    from ..attention import VARLEN_GQA
+    from ..model.attention import VARLEN_GQA
 
     return not VARLEN_GQA
 

@@ -2,9 +2,9 @@
 in DDP's buckets, one bucket all-reduced at a time."""
 from __future__ import annotations
 
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
-from ..strategies import DDP_BUCKET_MB
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
+from ..config.strategies import DDP_BUCKET_MB
 from .activations import checkpointed_inputs
 from .loss import LossBytes
 from .shapes import count_params, layer_shapes, numel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..spec import RunSpec
+from ..run.spec import RunSpec
 
 GB = 10**9
 
@@ -34,7 +34,7 @@ def _host_ram_bytes() -> int:
 
 def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
     """(bytes one rank may use, where that number came from)."""
-    from ..devices import BY_KEY, DEFAULT_GPU, local_gpu
+    from ..config.devices import BY_KEY, DEFAULT_GPU, local_gpu
 
     c = spec.cluster
     if c.device_memory_gb is not None:
@@ -53,7 +53,7 @@ def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
 def peak_flops(spec: RunSpec) -> Optional[float]:
     """Dense peak FLOP/s of one device for the run's compute dtype: cluster.peak_tflops, else
     the accelerator table (bf16, or TF32 for fp32); None on CPU or for an unknown GPU."""
-    from ..devices import BY_KEY
+    from ..config.devices import BY_KEY
 
     if spec.cluster.peak_tflops is not None:
         return spec.cluster.peak_tflops * 1e12

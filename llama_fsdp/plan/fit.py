@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from ..spec import RunSpec
+from ..run.spec import RunSpec
 from . import full, lora, preference
 from .device import GB, device_capacity_bytes, peak_flops, runtime_bytes
 from .host import activation_host_bytes, host_capacity_bytes, load_peak_bytes

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 from .activations import activation_bytes, saved_layer_bytes, varlen_backward_extra
 from .ddp import ddp_bucket_bytes, ddp_kept_bytes, ddp_phase_peaks
 from .loss import LossBytes, loss_bytes

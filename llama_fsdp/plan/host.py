@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .. import nf4
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..model import nf4
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 from .activations import checkpointed_inputs
 from .device import GB, _host_ram_bytes
 from .shapes import param_shapes, projection_shapes

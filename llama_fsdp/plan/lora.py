@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-from .. import nf4
-from ..config import FinetuneConfig, ModelConfig
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
-from ..strategies import DDP_BUCKET_MB
+from ..model import nf4
+from ..config.schema import FinetuneConfig, ModelConfig
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
+from ..config.strategies import DDP_BUCKET_MB
 from .activations import (
     checkpointed_inputs,
     layer_activation_bytes,

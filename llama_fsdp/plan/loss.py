@@ -1,5 +1,5 @@
 """What the loss adds to a step's memory (``loss_bytes``), for each train.loss path
-(llama_fsdp/loss.py):
+(llama_fsdp/objective/loss.py):
 
 - ``full``: the head's output, b·s·vocab logits in the compute dtype, then
   ``F.cross_entropy(logits.float())``'s fp32 copies; in backward the fp32 grad of the logits.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ModelConfig, TrainConfig
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..config.schema import ModelConfig, TrainConfig
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the parameters' dtype, or torchao's low-bit moments (optim=adamw8bit | adamw4bit).
 
 torchao (0.18, torchao/optim/adam.py) keeps a parameter's moments in low bits when its local
-shard has at least ``MIN_NUMEL`` elements and a whole number of blocks; llama_fsdp.optim makes
+shard has at least ``MIN_NUMEL`` elements and a whole number of blocks; llama_fsdp.train.optimizer makes
 that decision once for every rank's shard (``lowbit_everywhere``), so a parameter is low-bit on
 all ranks or on none. A low-bit moment of n elements holds n codes (1 byte in 8 bits, half a
 byte in 4), an fp32 scale per block and a lookup table of its code values; a parameter kept in
@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from ..config import OptimConfig
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..config.schema import OptimConfig
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 from .shapes import param_shapes, sharded_numel
 
 # torchao/optim/adam.py: "follow bitsandbytes, only quantize tensors >= 4096 values"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import RunSpec
+from ..run.spec import RunSpec
 
 # The phases of a training step whose peaks the models give (full.full_phase_peaks says what is
 # live in each), from the second step on (with optimizer state).

@@ -1,5 +1,5 @@
 """What objective=dpo adds to the plan: the reference beside the policy, its forward, and the
-cached log-probs' size on disk (llama_fsdp/reference.py has the three references).
+cached log-probs' size on disk (llama_fsdp/objective/dpo_reference.py has the three references).
 
 The pair itself costs nothing apart: a row of train.seq_len tokens holds whole pairs (chosen and
 rejected, each a document of its own), so the policy's forward and backward are the SFT phases
@@ -23,8 +23,8 @@ logits). The bound is the "reference" phase; every other phase gains the copy's 
 """
 from __future__ import annotations
 
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 from .loss import reference_logprob_bytes
 from .shapes import count_params, layer_shapes, n_matmul, numel, param_shapes, sharded_numel
 

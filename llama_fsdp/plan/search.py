@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..spec import ConfigError, RunSpec
-from ..strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES
+from ..run.spec import ConfigError, RunSpec
+from ..config.strategies import AUTO, AUTO_ORDER, LEAST_MEMORY, STRATEGIES
 from .device import GB
 from .fit import make_plan
 from .variants import or_none, with_nodes, with_strategy

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 
-from ..config import ModelConfig
-from ..projections import projection_shapes
+from ..config.schema import ModelConfig
+from ..config.projections import projection_shapes
 
 
 def layer_shapes(m: ModelConfig) -> list[tuple[int, ...]]:

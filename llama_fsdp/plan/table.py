@@ -3,9 +3,9 @@ a step's memory, the peak by phase against the device, host RAM, the longest seq
 and the throughput at the plan's MFU."""
 from __future__ import annotations
 
-from ..config import TrainConfig
-from ..precision import DTYPE_BYTES
-from ..spec import RunSpec
+from ..config.schema import TrainConfig
+from ..config.precision import DTYPE_BYTES
+from ..run.spec import RunSpec
 from .activations import checkpointed_inputs, saved_layer_bytes
 from .device import GB
 from .lora import adapter_params, lora_saved_layer_bytes, trainable_fraction

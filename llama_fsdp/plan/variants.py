@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from ..config import (
+from ..config.schema import (
     CheckpointingConfig,
     ClusterConfig,
     Config,
@@ -17,8 +17,8 @@ from ..config import (
     TrainConfig,
     model_preset,
 )
-from ..spec import ConfigError, RunSpec, build_spec, variant_problems
-from ..strategies import STRATEGIES, mesh_for
+from ..run.spec import ConfigError, RunSpec, build_spec, variant_problems
+from ..config.strategies import STRATEGIES, mesh_for
 
 
 def checked(spec: RunSpec) -> RunSpec:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..secrets import export_credentials
+from ..config.credentials import export_credentials
 from .delivery import deliver_pending
-from ..rundir import RunDir
+from ..config.rundir import RunDir
 from .spool import Spool, read_run_file
 
 log = logging.getLogger("llama_fsdp.tracking")

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..rundir import RunDir, replace_text
+from ..config.rundir import RunDir, replace_text
 from .events import Event, decode
 
 

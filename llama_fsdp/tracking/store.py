@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..rundir import name_problem
+from ..config.rundir import name_problem
 
 # MLflow's own HTTP retries would hold a call for minutes; the shipper retries instead.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -21,7 +21,7 @@ def open_client(uri: str) -> Any:
     jobs on a fresh store would: the first open is serialized by a lock file beside it."""
     from mlflow.tracking import MlflowClient
 
-    from ..secrets import client_uri
+    from ..config.credentials import client_uri
 
     os.environ.update(QUIET_ENV)
     if not uri.startswith("sqlite:///"):

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from .. import metric_names as m
+from ..config import metrics as m
 
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
 VIEW = "llama_fsdp"

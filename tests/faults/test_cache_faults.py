@@ -54,7 +54,7 @@ def test_a_damaged_project_tokenizer_is_named_and_trained_again(tmp_path):
 def _partial_build(data) -> list:
     """The files of a build in progress (a hidden .synthetic-* folder) once one is written,
     and only while its manifest, the mark of a complete entry, is not."""
-    from llama_fsdp.manifest import MANIFEST
+    from llama_fsdp.config.manifest import MANIFEST
 
     for build in data.glob(".synthetic-*"):
         files = [p for p in build.rglob("*") if p.is_file()]
@@ -67,7 +67,7 @@ def test_tokenization_killed_midway_leaves_no_entry_that_looks_complete(tmp_path
     """The driver is killed while it tokenizes (SIGKILL: nothing runs after it), once its build
     has written part of an entry: the next run finds no cache entry, tokenizes again and
     trains."""
-    from llama_fsdp.manifest import MANIFEST
+    from llama_fsdp.config.manifest import MANIFEST
 
     proc = start_cli(tmp_path, *SHORT, "data.num_records=30000")
     deadline = time.monotonic() + 240

@@ -30,8 +30,8 @@ def _packed_batch(b=4, s=512, vocab=512, seed=0):
 def _model(attn, dtype=torch.bfloat16):
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.config import ModelConfig
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.config.schema import ModelConfig
+    from llama_fsdp.model.llama import llama_config
 
     m = ModelConfig(name="t", hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
                     intermediate_size=1024, vocab_size=512, max_position_embeddings=1024,
@@ -44,7 +44,7 @@ def _model(attn, dtype=torch.bfloat16):
 def test_flash_varlen_equals_sdpa_with_the_block_mask(autocast):
     """bf16 weights (FSDP2's cast), and fp32 weights under bf16 autocast (no_shard's DDP with
     precision=mixed, where RoPE leaves q, k in fp32 beside a bf16 v)."""
-    from llama_fsdp.attention import model_inputs, varlen_available
+    from llama_fsdp.model.attention import model_inputs, varlen_available
 
     assert varlen_available(), f"torch {torch.__version__} has no varlen_attn"
     batch, dev = _packed_batch(), torch.device("cuda")
@@ -69,7 +69,7 @@ def test_flash_varlen_equals_sdpa_with_the_block_mask(autocast):
 def test_varlen_step_makes_no_host_sync(fsdp, request):
     """Forward and backward over packed rows without a host sync; under FSDP2 too, whose root
     moves every tensor argument to the device (why the bounds do not travel as one)."""
-    from llama_fsdp.attention import model_inputs
+    from llama_fsdp.model.attention import model_inputs
 
     model = _model("varlen")
     if fsdp:

@@ -41,9 +41,9 @@ def _qlora(*extra: str):
 def _run(spec, steps: int = 3) -> dict:
     """Peak of the last step above the pre-build allocation, tokens/s of the steps after the
     first, and the last step's loss."""
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model
 
     device = torch.device("cuda", 0)
     t = spec.train

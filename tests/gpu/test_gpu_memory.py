@@ -48,9 +48,9 @@ def _spec(strategy: str, precision: str, ac: str, batch: int):
 
 def _measure(spec) -> tuple[int, int]:
     """(peak bytes of step 2 above the pre-build allocation, bytes left after teardown)."""
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model, compile_cache
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model, compile_cache
 
     device = torch.device("cuda", 0)
     t = spec.train

@@ -119,12 +119,12 @@ def _logits(model) -> torch.Tensor:
 def initial_model(run_dir: Path, config):
     """The run's weights at step 0, on the CPU: its resolved config (config.yaml) through the
     library's init, which draws the same values for any world size and sharding
-    (llama_fsdp.model.init_weights)."""
+    (llama_fsdp.model.llama.init_weights)."""
     from omegaconf import OmegaConf
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.model import init_weights
-    from llama_fsdp.rundir import RunDir
+    from llama_fsdp.model.llama import init_weights
+    from llama_fsdp.config.rundir import RunDir
 
     cfg = OmegaConf.load(RunDir(run_dir).config)
     model = LlamaForCausalLM(config)

@@ -1,5 +1,5 @@
 """GPU: a batch goes to the device without the host waiting for the step the GPU is running
-(llama_fsdp/transfer.py): the host queues it behind a long kernel and returns at once, and the
+(llama_fsdp/model/transfer.py): the host queues it behind a long kernel and returns at once, and the
 values arrive."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_a_pageable_batch_is_queued_behind_running_work_without_a_host_wait():
-    from llama_fsdp.transfer import to_device
+    from llama_fsdp.model.transfer import to_device
 
     device = torch.device("cuda", 0)
     batch = torch.randint(0, 128256, (4, 2048))  # pageable, as the data loader makes it

@@ -119,7 +119,7 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
         "batch_size=2 sharding=full", "batch_size=2 sharding=no_shard",
         "batch_size=4 sharding=full", "batch_size=4 sharding=no_shard"]
     # on demand too, the same summary
-    summary = subprocess.run([sys.executable, "-m", "llama_fsdp.sweep", sweep_id], cwd=tmp_path,
+    summary = subprocess.run([sys.executable, "-m", "llama_fsdp.tracking.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
     assert "points ended" not in summary.stdout + summary.stderr

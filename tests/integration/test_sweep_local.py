@@ -164,7 +164,7 @@ def test_the_exported_point_is_its_trained_start(sweep, tmp_path):
     (point,) = [k for k in kids if k.info.run_name == "finetune=full"]
     assert point.info.status == "FINISHED"
     run_dir, export = Path(point.data.tags["output_dir"]), tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp.convert",
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp.checkpoint.convert",
                         str(layout.step_dir(run_dir, 3)), str(export)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
 from tests.distributed import recorded_grad_norms, run_ranks
 
@@ -46,7 +46,7 @@ TARGET_ROWS = {"gqa": 2 * 256 + 2 * 128 + 3 * 768, "mha": 4 * 256 + 3 * 768}
 
 
 def _logits(model):
-    from llama_fsdp.attention import model_inputs
+    from llama_fsdp.model.attention import model_inputs
 
     with torch.no_grad():
         inputs = model_inputs(model, {"input_ids": PROBE}, torch.device("cpu"))
@@ -55,8 +55,8 @@ def _logits(model):
 
 def _base(model) -> dict[str, list[torch.Tensor]]:
     """This rank's frozen weights (every inner tensor of an NF4 one), copied."""
-    from llama_fsdp import nf4
-    from llama_fsdp.lora import is_adapter
+    from llama_fsdp.model import nf4
+    from llama_fsdp.model.lora import is_adapter
 
     out = {}
     for name, p in model.named_parameters():
@@ -72,8 +72,8 @@ def _nf4_equals_whole_tensor_quantized(model, hf_dir: str) -> bool:
     quantization with the shared scaler mean is exact."""
     from safetensors.torch import load_file
 
-    from llama_fsdp import nf4
-    from llama_fsdp.lora import local_rows, lora_modules
+    from llama_fsdp.model import nf4
+    from llama_fsdp.model.lora import local_rows, lora_modules
 
     full = {}
     for f in Path(hf_dir).glob("*.safetensors"):
@@ -129,7 +129,7 @@ def _session(rank, world, specs, load_only=()):
     """Build, check, train and probe every run in turn (one process group per call); a run in
     ``load_only`` is only built (its base loaded), for its staging."""
     from llama_fsdp.checkpoint.peft import load_hf_base
-    from llama_fsdp.worker import DistEnv, RankRun, build_model
+    from llama_fsdp.train.worker import DistEnv, RankRun, build_model
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
     out = {}
@@ -165,7 +165,7 @@ def _write_hf_dir(root: Path, *overrides: str) -> Path:
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.data import build_tokenizer
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
 
     spec = make_spec(list(overrides))
     torch.manual_seed(3)
@@ -183,7 +183,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_dir):
     from llama_fsdp.checkpoint import layout
-    from llama_fsdp.prepare import prepare
+    from llama_fsdp.prepare.job import prepare
 
     root = tmp_path_factory.mktemp("adapters")
     store = tmp_path_factory.mktemp("mlflow")
@@ -320,7 +320,7 @@ def test_loading_stages_one_layers_rows_as_the_plan_says(runs):
 
 def test_convert_says_where_an_adapter_checkpoint_s_model_is(runs):
     from llama_fsdp.checkpoint import layout
-    from llama_fsdp.convert import convert
+    from llama_fsdp.checkpoint.convert import convert
 
     with pytest.raises(ValueError, match="holds LoRA adapters only"):
         convert(layout.step_dir(runs["root"] / "qlora_2", 3), runs["root"] / "converted")
@@ -351,7 +351,7 @@ def _hf_model(path, **kw):
 def _dequantized_base(hf_dir: Path, ft):
     """The HF base with every target weight replaced by to_nf4 of it, dequantized: the
     weights the QLoRA run trained over."""
-    from llama_fsdp import nf4
+    from llama_fsdp.model import nf4
 
     model = _hf_model(hf_dir)
     with torch.no_grad():
@@ -383,7 +383,7 @@ def test_peft_loads_the_exported_adapter_with_the_trained_logits(runs, method):
 
 
 def test_qlora_merged_export_loads_with_the_trained_logits(runs):
-    from llama_fsdp.rundir import RunDir
+    from llama_fsdp.config.rundir import RunDir
 
     merged = _hf_model(RunDir(runs["root"] / "qlora_2").export_merged)
     with torch.no_grad():

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from llama_fsdp.checkpoint import dcp, layout
-from llama_fsdp.rundir import OPTIM_META
+from llama_fsdp.config.rundir import OPTIM_META
 from tests.conftest import REPO, launch_prepared, make_spec
 from tests.faults import hooks
 from tests.distributed import run_ranks
@@ -51,7 +51,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 def _logits(model):
     """Logits of the probe batch, as numpy (passes between processes by value)."""
-    from llama_fsdp.attention import model_inputs
+    from llama_fsdp.model.attention import model_inputs
 
     with torch.no_grad():
         inputs = model_inputs(model, {"input_ids": PROBE}, torch.device("cpu"))
@@ -66,7 +66,7 @@ def _train_and_probe(rank, world, spec_a, step6):
     """a (uninterrupted), then the sharded model's logits straight after an HF load and after
     loading a's final checkpoint."""
     from llama_fsdp.checkpoint import dcp, hf
-    from llama_fsdp.worker import DistEnv, build_model, train_on_rank
+    from llama_fsdp.train.worker import DistEnv, build_model, train_on_rank
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
     out = {"a": train_on_rank(spec_a, env, cpu)}
@@ -80,7 +80,7 @@ def _train_and_probe(rank, world, spec_a, step6):
 
 
 def _train(rank, world, spec):
-    from llama_fsdp.worker import DistEnv, train_on_rank
+    from llama_fsdp.train.worker import DistEnv, train_on_rank
 
     return train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
 
@@ -92,7 +92,7 @@ def hf_dir(tmp_path_factory) -> Path:
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.data import build_tokenizer
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
 
     spec = make_spec()
     torch.manual_seed(3)
@@ -105,7 +105,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, hf_dir):
     from llama_fsdp.launchers import LaunchError
-    from llama_fsdp.prepare import prepare
+    from llama_fsdp.prepare.job import prepare
 
     root = tmp_path_factory.mktemp("ckpt")
     store = tmp_path_factory.mktemp("mlflow")  # beside, not inside, the runs' parent
@@ -236,7 +236,7 @@ def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, t
     # the converter, as a real CLI, on a's last (gathered) checkpoint: the same files
     out = tmp_path / "converted"
     step6 = runs["root"] / "a" / "checkpoints" / "step_000006"
-    subprocess.run([sys.executable, "-m", "llama_fsdp.convert", str(step6), str(out)],
+    subprocess.run([sys.executable, "-m", "llama_fsdp.checkpoint.convert", str(step6), str(out)],
                    cwd=REPO, check=True, capture_output=True)
     assert sorted(p.name for p in out.iterdir()) == names
     for name in names:
@@ -248,7 +248,7 @@ def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, t
             assert (out / name).read_bytes() == (export / name).read_bytes(), name
     # and on b2's sharded, async-written step 6 (same training, so the same model)
     out_b = tmp_path / "converted_b"
-    from llama_fsdp.convert import convert
+    from llama_fsdp.checkpoint.convert import convert
 
     convert(runs["root"] / "b", out_b)
     resumed = LlamaForCausalLM.from_pretrained(out_b).eval()
@@ -261,8 +261,8 @@ def _resume_crafted(rank, world, ckpt):
     from torch import nn
 
     from llama_fsdp.checkpoint.pickles import UnsafeCheckpoint
-    from llama_fsdp.config import SaveConfig
-    from llama_fsdp.train import TrainState
+    from llama_fsdp.config.schema import SaveConfig
+    from llama_fsdp.train.loop import TrainState
 
     model = nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

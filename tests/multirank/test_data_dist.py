@@ -17,10 +17,10 @@ def _on_rank(rank, world, cache):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.config import DataConfig, ModelConfig
+    from llama_fsdp.config.schema import DataConfig, ModelConfig
     from llama_fsdp.data import build_data
-    from llama_fsdp.eval import exact_match, greedy_generate, task_prompts
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.objective.sft import exact_match, greedy_generate, task_prompts
+    from llama_fsdp.model.llama import llama_config
 
     # every rank builds at once into an empty cache
     dm = build_data(DataConfig(num_records=400, eval_records=30), seq_len=64, micro_batch=2,

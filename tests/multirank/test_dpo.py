@@ -49,7 +49,7 @@ class Recorder(NullTracker):
 
 
 def _logits(model):
-    from llama_fsdp.attention import model_inputs
+    from llama_fsdp.model.attention import model_inputs
 
     with torch.no_grad():
         return model(**model_inputs(model, {"input_ids": PROBE}, torch.device("cpu"))
@@ -63,7 +63,7 @@ def _local(model) -> dict[str, np.ndarray]:
 
 
 def _session(rank, world, specs):
-    from llama_fsdp.worker import DistEnv, RankRun
+    from llama_fsdp.train.worker import DistEnv, RankRun
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
     out = {}
@@ -93,7 +93,7 @@ def _session(rank, world, specs):
 
 
 def _units(model) -> list[list[str]]:
-    from llama_fsdp.parallel import fsdp_units
+    from llama_fsdp.model.parallelize import fsdp_units
 
     return fsdp_units(model)
 
@@ -103,7 +103,7 @@ def hf_dir(tmp_path_factory) -> Path:
     from transformers import LlamaForCausalLM
 
     from llama_fsdp.data import build_tokenizer
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
 
     spec = make_spec()
     torch.manual_seed(3)
@@ -116,7 +116,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_dir):
     from llama_fsdp.checkpoint import layout
-    from llama_fsdp.prepare import prepare
+    from llama_fsdp.prepare.job import prepare
 
     root = tmp_path_factory.mktemp("dpo")
     store = tmp_path_factory.mktemp("mlflow")

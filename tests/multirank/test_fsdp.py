@@ -26,9 +26,9 @@ def _shard_fractions(rank, world, specs):
     """Local parameter fraction per strategy, and a fingerprint of each replica's shard."""
     import torch.distributed as dist
 
-    from llama_fsdp.model import build_meta_model, num_parameters
-    from llama_fsdp.parallel import local_numel
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model.llama import build_meta_model, num_parameters
+    from llama_fsdp.model.parallelize import local_numel
+    from llama_fsdp.train.worker import build_model
 
     out = {}
     for name, spec in specs.items():
@@ -61,7 +61,7 @@ def test_each_rank_holds_its_share_of_the_parameters():
 def _curves(rank, world, specs):
     import torch.distributed as dist
 
-    from llama_fsdp.worker import DistEnv, train_on_rank
+    from llama_fsdp.train.worker import DistEnv, train_on_rank
 
     out = {}
     for name, spec in specs.items():
@@ -110,10 +110,10 @@ def _grouping(rank, world, specs):
     the forward and when the embedding's backward is about to run."""
     from torch.distributed.tensor import DTensor
 
-    from llama_fsdp.parallel import fsdp_units
-    from llama_fsdp.attention import model_inputs
-    from llama_fsdp.train import loss_sum
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model.parallelize import fsdp_units
+    from llama_fsdp.model.attention import model_inputs
+    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.train.worker import build_model
 
     out = {}
     for name, spec in specs.items():
@@ -165,8 +165,8 @@ def test_fsdp_units_are_torchtitans_grouping():
 
 
 def _ddp_and_curves(rank, world, specs):
-    from llama_fsdp.parallel import uses_ddp
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model.parallelize import uses_ddp
+    from llama_fsdp.train.worker import build_model
 
     models = {name: build_model(spec, torch.device("cpu")) for name, spec in specs.items()}
     return {"ddp": {name: uses_ddp(m) for name, m in models.items()},
@@ -192,10 +192,10 @@ def test_no_shard_is_ddp_and_accumulates_like_fsdp():
 
 def _clip_against_full_gradient(rank, world, specs):
     """clip_grad_norm on the local shards vs the norm of the gathered full gradient."""
-    from llama_fsdp.parallel import clip_grad_norm
-    from llama_fsdp.attention import model_inputs
-    from llama_fsdp.train import loss_sum
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model.parallelize import clip_grad_norm
+    from llama_fsdp.model.attention import model_inputs
+    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.train.worker import build_model
 
     def full(g):
         return g.full_tensor() if hasattr(g, "full_tensor") else g.clone()

@@ -21,8 +21,8 @@ BASE = ["tracking.enabled=false", "eval.every_steps=0", f"train.max_steps={STEPS
 
 def _runs(rank, world, cases):
     """Each case: (overrides, defer, stop_at); stop_at: rank 1 asks to stop from that step."""
-    from llama_fsdp.stopping import USER
-    from llama_fsdp.worker import DistEnv, RankRun
+    from llama_fsdp.train.stopping import USER
+    from llama_fsdp.train.worker import DistEnv, RankRun
 
     out = {}
     for name, (overrides, defer, stop_at) in cases.items():

@@ -30,7 +30,7 @@ def _spec(name: str, loss: str, *extra: str):
 
 
 def _curves(rank, world, specs):
-    from llama_fsdp.worker import DistEnv, train_on_rank
+    from llama_fsdp.train.worker import DistEnv, train_on_rank
 
     out = {}
     for name, spec in specs.items():
@@ -62,9 +62,9 @@ def _count_collectives(rank, world, specs):
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
 
     from llama_fsdp.data import build_data
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model
 
     out = {}
     for name, spec in specs.items():
@@ -115,9 +115,9 @@ def test_the_head_unit_is_gathered_once_per_micro_batch():
 def _masked_step(rank, world, specs):
     """Two steps in which this rank's second micro-batch (rank 1's) has no target token."""
     from llama_fsdp.data import IGNORE_INDEX
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import build_scheduler, train_step
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import build_scheduler, train_step
+    from llama_fsdp.train.worker import build_model
 
     out = {}
     for name, spec in specs.items():
@@ -161,7 +161,7 @@ def _dtensor_inputs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from llama_fsdp.loss import chunked_cross_entropy
+    from llama_fsdp.objective.loss import chunked_cross_entropy
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
@@ -198,10 +198,10 @@ def _grads_with_and_without_offload(rank, world, specs):
     """Each spec's gradients after one micro-batch's backward (full tensors), without and with
     checkpointing.offload, and how many tensors the offload hooks moved (one input a
     checkpointed layer: torch 2.11's empty placeholder stays where it is)."""
-    from llama_fsdp import offload
-    from llama_fsdp.attention import model_inputs
-    from llama_fsdp.loss import loss_sum
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model import offload
+    from llama_fsdp.model.attention import model_inputs
+    from llama_fsdp.objective.loss import loss_sum
+    from llama_fsdp.train.worker import build_model
 
     packed = [0]
     original = offload.ActivationOffload.pack

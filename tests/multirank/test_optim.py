@@ -69,8 +69,8 @@ def _train_all(rank, world, specs):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from llama_fsdp.optim import state_bytes
-    from llama_fsdp.worker import DistEnv, RankRun
+    from llama_fsdp.train.optimizer import state_bytes
+    from llama_fsdp.train.worker import DistEnv, RankRun
 
     out = {}
     for name, spec in specs.items():
@@ -248,8 +248,8 @@ def _uneven_shards(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from llama_fsdp.config import OptimConfig, TrainConfig
-    from llama_fsdp.optim import LOWBIT_STATES, build_optimizer
+    from llama_fsdp.config.schema import OptimConfig, TrainConfig
+    from llama_fsdp.train.optimizer import LOWBIT_STATES, build_optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 31, bias=False), nn.Linear(31, 256, bias=False),

@@ -30,10 +30,10 @@ def _state_bytes(rank, world, specs):
     """(params, grads, optimizer) bytes this rank holds after one step, per case."""
     import torch
 
-    from llama_fsdp.attention import model_inputs
-    from llama_fsdp.optim import build_optimizer
-    from llama_fsdp.train import loss_sum
-    from llama_fsdp.worker import build_model
+    from llama_fsdp.model.attention import model_inputs
+    from llama_fsdp.train.optimizer import build_optimizer
+    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.train.worker import build_model
 
     out = {}
     for name, spec in specs.items():

@@ -79,7 +79,7 @@ TIED_4_RANK_8BIT_BAND = (0.85, 1.02)
 # (optim.eager: a step that makes more fp32 copies of the largest parameter); the tied 4-rank
 # 8-bit row, the plan's loosest.
 # finetune=lora / qlora: a frozen base (plan/lora.py), its peaks in the loss phase.
-# train.loss=chunked (llama_fsdp/loss.py; the rest pin train.loss=full, as the sweep was first
+# train.loss=chunked (llama_fsdp/objective/loss.py; the rest pin train.loss=full, as the sweep was first
 # measured): FSDP in bf16 beside its full-loss twin (CHUNKED_PAIR: the measured peak drops as
 # planned), DDP under autocast, tied with accumulation, hybrid, qlora with
 # checkpointing.offload (a plain copy on CPU).

@@ -27,7 +27,7 @@ def _saved_activation_bytes(model, batch) -> int:
         total += t.numel() * t.element_size()
         return t
 
-    from llama_fsdp.attention import model_inputs
+    from llama_fsdp.model.attention import model_inputs
 
     inputs = model_inputs(model, {k: v for k, v in batch.items() if k != "labels"},
                           torch.device("cpu"))
@@ -41,7 +41,7 @@ def _run(rank, world, specs, measure):
     import torch.distributed as dist
 
     from llama_fsdp.data import build_data
-    from llama_fsdp.worker import DistEnv, build_model, train_on_rank
+    from llama_fsdp.train.worker import DistEnv, build_model, train_on_rank
 
     from torch._dynamo.utils import counters
 

@@ -19,7 +19,7 @@ def _listening(rank, world, spec, port):
     import psutil
     import torch.distributed as dist
 
-    from llama_fsdp.distributed import DistEnv, init_distributed
+    from llama_fsdp.train.distributed import DistEnv, init_distributed
 
     dist.destroy_process_group()  # the helper's own group: make the worker's
     os.environ["MASTER_PORT"] = str(port)

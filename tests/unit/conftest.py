@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import build_data
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
 
 
@@ -52,8 +52,8 @@ def test_a_negative_max_steps_suggests_no_invalid_warmup(tmp_path):
 def _tiny_hf(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llama_fsdp.config import model_preset
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.config.schema import model_preset
+    from llama_fsdp.model.llama import llama_config
 
     cfg: LlamaConfig = llama_config(model_preset("tiny"))
     LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")

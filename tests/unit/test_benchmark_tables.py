@@ -31,7 +31,7 @@ def test_peers_build_the_framework_model_shape(attn):
     from transformers import LlamaForCausalLM
 
     from benchmarks.peers.common import llama_config
-    from llama_fsdp.config import model_preset
+    from llama_fsdp.config.schema import model_preset
 
     shape = {**dataclasses.asdict(model_preset("tiny")), "attn_implementation": attn}
     model = LlamaForCausalLM(llama_config(shape))

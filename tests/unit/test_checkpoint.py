@@ -12,13 +12,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llama_fsdp.checkpoint import checks, hf, layout
+from llama_fsdp.run import checkpoint_checks as checks
+from llama_fsdp.checkpoint import hf, layout
 from llama_fsdp.checkpoint import dcp as ckpt_dcp
-from llama_fsdp import hf_dir
-from llama_fsdp.convert import main as convert_main
-from llama_fsdp.rundir import HF_META
-from llama_fsdp.model import llama_config
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.config import hf_dir
+from llama_fsdp.checkpoint.convert import main as convert_main
+from llama_fsdp.config.rundir import HF_META
+from llama_fsdp.model.llama import llama_config
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import compose, make_spec
 
 
@@ -241,7 +242,7 @@ def test_hub_names_go_through_the_hub_client(tmp_path, monkeypatch):
     network, so the client serves a pre-filled cache in offline mode."""
     from huggingface_hub import constants
 
-    from llama_fsdp.config import ModelConfig
+    from llama_fsdp.config.schema import ModelConfig
 
     rev = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--test-org--tiny-llama"

@@ -10,7 +10,7 @@ import sys
 
 PROBE = """
 import sys
-from llama_fsdp.cli import main
+from llama_fsdp.cli.command import main
 sys.argv = ["llama_fsdp", "cluster.device=cpu", "dry_run=true", "hydra.run.dir={out}",
             "tracking.enabled=false"]
 try:

@@ -8,7 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import CONF, REPO, compose, make_spec
 
 GROUPS = ["model", "sharding", "precision", "checkpointing", "cluster", "data"]
@@ -240,8 +240,8 @@ def test_hybrid_with_one_shard_group_says_it_is_full_sharding(tmp_path):
 def test_torchrun_layout_comes_from_the_environment_and_is_checked():
     """cluster=torchrun: nodes and ranks per node from torchrun's (or an operator's)
     environment; a config that says otherwise, a missing variable, an uneven world: refused."""
-    from llama_fsdp.config import ClusterConfig
-    from llama_fsdp.spec import torchrun_layout
+    from llama_fsdp.config.schema import ClusterConfig
+    from llama_fsdp.run.spec import torchrun_layout
 
     base = {"RANK": "3", "WORLD_SIZE": "16", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
     c = ClusterConfig(kind="torchrun", nodes=None, nproc_per_node=None)

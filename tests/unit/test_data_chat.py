@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import build_data
 from llama_fsdp.data.formats import ChatTemplateError, encode_chat
 from tests.conftest import mask_runs
@@ -292,8 +292,8 @@ def _hf_model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from llama_fsdp.config import model_preset
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.config.schema import model_preset
+    from llama_fsdp.model.llama import llama_config
 
     path.mkdir(parents=True)
     llama_config(dataclasses.replace(model_preset("tiny"), vocab_size=vocab_size)).save_pretrained(
@@ -305,7 +305,7 @@ def _hf_model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
 
 def test_driver_uses_the_model_tokenizer_and_refuses_one_too_large(toks, cache, tmp_path,
                                                                      spec_factory):
-    from llama_fsdp.prepare import PrepareError, check_data
+    from llama_fsdp.prepare.job import PrepareError, check_data
 
     f = _jsonl(tmp_path / "chat.jsonl", CHATS)
     model = _hf_model_dir(tmp_path / "m512", toks["bl-chatml"], 512)

@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from llama_fsdp.attention import (
+from llama_fsdp.model.attention import (
     additive_chunks,
     block_sparse_attention,
     chunk_plan,
@@ -20,9 +20,9 @@ from llama_fsdp.attention import (
     model_inputs,
     standard_attention,
 )
-from llama_fsdp.config import DataConfig, ModelConfig
+from llama_fsdp.config.schema import DataConfig, ModelConfig
 from llama_fsdp.data import IGNORE_INDEX, build_data, pack
-from llama_fsdp.model import llama_config
+from llama_fsdp.model.llama import llama_config
 
 ALPACA = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -285,7 +285,7 @@ def test_varlen_without_bounds_says_how_to_call_it(monkeypatch):
     its position_ids: transformers drops a padding mask before a kernel without a mask
     function sees it. The bounds are made once per batch: no layer, and no recomputing
     backward, plans the chunks again."""
-    from llama_fsdp import attention
+    from llama_fsdp.model import attention
 
     model = _tiny_llama("varlen").eval()
     ids = torch.zeros(1, 8, dtype=torch.long)
@@ -369,7 +369,7 @@ def test_flash_path_adapts_to_each_varlen_signature(tmp_path, cache, monkeypatch
     RoPE hands over fp32 q, k beside a bf16 v: the branch casts them to one dtype."""
     amp = kind == "autocast"
     kind = "2.13" if amp else kind
-    from llama_fsdp import attention
+    from llama_fsdp.model import attention
 
     monkeypatch.setattr(attention, "_VARLEN_ATTN", _fake_varlen(kind))
     causal, gqa, scale = attention._signature()

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import build_data
 from llama_fsdp.data.packing import IGNORE_INDEX
-from llama_fsdp.prepare import PrepareError, check_data
+from llama_fsdp.prepare.job import PrepareError, check_data
 from tests.conftest import REPO
 
 PAIRS = [{"prompt": f"Opposite word {i} =", "chosen": f"cold {i}", "rejected": f"wet {i}"}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import IGNORE_INDEX, build_data
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llama_fsdp.config import DataConfig
+from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import build_tokenizer, synthetic_corpus
 from llama_fsdp.data.formats import encode_chat, encode_prompt_response, encode_text
 from llama_fsdp.data.tokenizer import PROJECT_VOCAB_SIZE, load_tokenizer, project_tokenizer_dir

@@ -1,4 +1,4 @@
-"""The driver's check of data the cache already holds (llama_fsdp/data/warm.py): a launch with
+"""The driver's check of data the cache already holds (llama_fsdp/data/check_record.py): a launch with
 the inputs of an earlier one prints the same notes and numbers from that check's record, without
 loading transformers or datasets; a changed input, tokenizer or cache entry is checked again."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from llama_fsdp.data.warm import WarmData
-from llama_fsdp.prepare import prepare_data
+from llama_fsdp.data.check_record import WarmData
+from llama_fsdp.prepare.job import prepare_data
 from tests.conftest import REPO
 
 
@@ -58,7 +58,7 @@ def test_a_warm_check_loads_neither_transformers_nor_datasets(data_spec, tmp_pat
     spec, overrides, _ = data_spec
     prepare_data(spec)  # the first check: builds the data and records it
     probe = (f"import sys\nfrom tests.conftest import make_spec\n"
-             f"from llama_fsdp.prepare import prepare_data\n"
+             f"from llama_fsdp.prepare.job import prepare_data\n"
              f"data = prepare_data(make_spec({overrides!r}, output_dir={str(tmp_path / 'run')!r}))\n"
              "print('LOADED', type(data).__name__, sorted(m for m in "
              "('transformers', 'datasets', 'torch') if m in sys.modules))\n")

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from llama_fsdp.config import ObjectiveConfig
-from llama_fsdp.dpo import dpo_terms
-from llama_fsdp.loss import MODEL_KEYS, install, packed_sequence_logprobs
+from llama_fsdp.config.schema import ObjectiveConfig
+from llama_fsdp.objective.dpo import dpo_terms
+from llama_fsdp.objective.loss import MODEL_KEYS, install, packed_sequence_logprobs
 from tests.conftest import make_spec
 
 # Two pairs: summed answer log-probs of the policy and the reference, chosen then rejected.
@@ -86,7 +86,7 @@ def models():
     runs them as they are."""
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
 
     spec = make_spec(["model.attn_implementation=sdpa"])
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_pair_log_probs_through_the_chunked_head_equal_a_whole_log_softmax(tmp_p
     the same gradients."""
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.model.llama import llama_config
 
     torch.manual_seed(0)  # a model of its own: TRL's trainer changes the one it was given
     policy = LlamaForCausalLM(llama_config(make_spec(["model.attn_implementation=sdpa"]).model))

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from llama_fsdp.config import DataConfig, ModelConfig
+from llama_fsdp.config.schema import DataConfig, ModelConfig
 from llama_fsdp.data import SYNTHETIC_TASKS, build_data
-from llama_fsdp.eval import exact_match, greedy_generate
-from llama_fsdp.model import llama_config
+from llama_fsdp.objective.sft import exact_match, greedy_generate
+from llama_fsdp.model.llama import llama_config
 
 
 class Oracle(torch.nn.Module):

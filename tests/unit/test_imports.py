@@ -143,4 +143,4 @@ if __name__ == "__main__":
     print("circles between parts:", circles(parts))
     print("arrows back up:", arrows_back_up(parts))
     print("function-level imports:", sum(deferred.values()),
-          "(cli.py:", deferred["llama_fsdp.cli"], ")")
+          "(cli.py:", deferred["llama_fsdp.cli.command"], ")")

@@ -191,8 +191,8 @@ def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
 
 
 def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
-    from llama_fsdp import devices
-    from llama_fsdp.spec import ConfigError
+    from llama_fsdp.config import devices
+    from llama_fsdp.run.spec import ConfigError
 
     monkeypatch.setattr(devices, "local_cuda_count", lambda: 2)
     monkeypatch.setattr(devices, "local_bf16", lambda: True)
@@ -204,7 +204,7 @@ def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_pa
 def test_a_machine_without_gpus_is_told_that_not_that_its_gpu_lacks_bf16(tmp_path):
     import torch
 
-    from llama_fsdp.spec import ConfigError
+    from llama_fsdp.run.spec import ConfigError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -274,7 +274,7 @@ def test_a_rank_process_hands_its_result_over_and_still_runs_its_exit_work(tmp_p
     inp, out, tb = (tmp_path / n for n in ("in.pkl", "out.pkl", "tb.json"))
     inp.write_bytes(pickle.dumps(("rank_entry:entry", {"marker": str(tmp_path / "atexit")})))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]])}
-    done = subprocess.run([sys.executable, "-m", "llama_fsdp.launchers.child", str(inp),
+    done = subprocess.run([sys.executable, "-m", "llama_fsdp.launchers.worker_process", str(inp),
                            str(out), str(tb)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert pickle.loads(out.read_bytes()) == {"loss": 1.5} and not tb.exists()
@@ -285,7 +285,7 @@ def test_tf32_for_fp32_on_cuda_sets_both_apis_alike():
     """torch.compile reads the legacy TF32 flag (dynamo) and the fp32_precision setting
     (inductor); setting only one makes reading the other raise. In a fresh process: the global
     flags are not this test process's to change."""
-    code = ("import torch\nfrom llama_fsdp.distributed import enable_tf32\nenable_tf32()\n"
+    code = ("import torch\nfrom llama_fsdp.train.distributed import enable_tf32\nenable_tf32()\n"
             "print(torch._C._get_cublas_allow_tf32(), torch.backends.cuda.matmul.fp32_precision)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -365,7 +365,7 @@ def test_the_local_launcher_delivers_rank_0s_spool_while_it_waits(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from llama_fsdp.launchers import launcher_for
-    from llama_fsdp.prepare import start_run
+    from llama_fsdp.prepare.job import start_run
     from llama_fsdp.tracking import read_run_file
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -393,7 +393,7 @@ def test_every_value_in_the_job_script_is_quoted(tmp_path):
     and hands the ranks the path as it is. Before: `export TORCH_FR_DUMP_TEMP_FILE=...` was
     written unquoted (the apostrophe broke the script; $(...) ran on the node)."""
     from llama_fsdp.launchers.slurm import sbatch_preview
-    from llama_fsdp.spec import build_spec
+    from llama_fsdp.run.spec import build_spec
     from tests.conftest import compose
 
     marker = tmp_path / "marker"
@@ -426,7 +426,7 @@ def test_a_line_break_in_anything_that_reaches_sbatch_is_refused_naming_the_key(
     own in the job script, which ran, and the #SBATCH lines after it were ignored."""
     from omegaconf import open_dict
 
-    from llama_fsdp.spec import ConfigError, build_spec
+    from llama_fsdp.run.spec import ConfigError, build_spec
     from tests.conftest import compose
 
     cfg = compose([f"output_dir={tmp_path}/run", "cluster=slurm", "cluster.device=cpu"])
@@ -451,7 +451,7 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_set_the_allocator():
     """The H200 check measured 8B QLoRA reserving 1.60x what it allocated: a CUDA rank starts
     its allocator with expandable segments, and a user's own setting (either name torch reads)
     is left alone."""
-    from llama_fsdp.distributed import ALLOC_CONF, ALLOC_CONF_ENV, allocator_settings
+    from llama_fsdp.train.distributed import ALLOC_CONF, ALLOC_CONF_ENV, allocator_settings
 
     env: dict = {}
     assert allocator_settings(env) == ALLOC_CONF and env == {ALLOC_CONF_ENV: ALLOC_CONF}
@@ -463,7 +463,7 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_set_the_allocator():
 ENDING = r'''
 import atexit, concurrent.futures, datetime, logging, sys, threading, time
 import torch.distributed as dist
-from llama_fsdp.launchers.program import exit_now
+from llama_fsdp.launchers.process import exit_now
 
 # a C++ call with the GIL released that returns while the interpreter finalizes: a store wait
 # that times out after 2 s, in a daemon thread (as a gloo worker drops a work's tensors)

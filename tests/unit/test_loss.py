@@ -1,4 +1,4 @@
-"""The chunked loss (llama_fsdp/loss.py) against F.cross_entropy over the full logits: the loss,
+"""The chunked loss (llama_fsdp/objective/loss.py) against F.cross_entropy over the full logits: the loss,
 the gradients of the hidden states and of the head, the per-token log-probs, in fp32, bf16 and
 under autocast; the largest tensor it makes; and the same through a real Llama's head, tied or
 not, frozen or not, in training and eval."""
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_fsdp import loss as L
-from llama_fsdp.config import ModelConfig
+from llama_fsdp.objective import loss as L
+from llama_fsdp.config.schema import ModelConfig
 from llama_fsdp.data import IGNORE_INDEX
 
 N, H, V = 300, 64, 1000
@@ -165,7 +165,7 @@ TINY = dict(name="t", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
 
 
 def _model(tied: bool, chunked: bool, frozen_head: bool = False):
-    from llama_fsdp.model import build_meta_model, init_weights, retie_embeddings
+    from llama_fsdp.model.llama import build_meta_model, init_weights, retie_embeddings
 
     model = build_meta_model(ModelConfig(**TINY, tie_word_embeddings=tied))
     if chunked:
@@ -216,7 +216,7 @@ def test_loss_head_gives_the_full_loss_and_gradients_of_a_real_model(tied, froze
 
 def test_a_host_tensor_for_the_cpu_stays_as_it_is():
     """transfer.to_device pins only for a CUDA copy: a CPU run's batch is the same tensor."""
-    from llama_fsdp.transfer import to_device
+    from llama_fsdp.model.transfer import to_device
 
     t = torch.arange(6)
     assert to_device(t, torch.device("cpu")) is t

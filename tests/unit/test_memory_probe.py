@@ -18,7 +18,7 @@ def test_the_replay_finds_the_peak_and_groups_what_is_live_there_by_our_frame():
     mlp = _frames("/usr/lib/python3/site-packages/torch/nn/functional.py:10:silu",
                   "/x/site-packages/transformers/models/llama/modeling_llama.py:150:forward",
                   "/r/llama_fsdp/train.py:90:train_step")
-    loss = _frames("/r/llama_fsdp/loss.py:77:_chunk_grad", "/r/llama_fsdp/train.py:95:step")
+    loss = _frames("/r/llama_fsdp/objective/loss.py:77:_chunk_grad", "/r/llama_fsdp/train/loop.py:95:step")
     trace = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": mlp},
         {"action": "alloc", "addr": 2, "size": 300, "frames": mlp},
@@ -33,9 +33,9 @@ def test_the_replay_finds_the_peak_and_groups_what_is_live_there_by_our_frame():
     assert out["sites"] == [
         {"site": "transformers/models/llama/modeling_llama.py:150:forward", "bytes": 400,
          "count": 2},
-        {"site": "llama_fsdp/loss.py:77:_chunk_grad", "bytes": 50, "count": 1}]
+        {"site": "llama_fsdp/objective/loss.py:77:_chunk_grad", "bytes": 50, "count": 1}]
     assert [a["bytes"] for a in out["largest"]] == [300, 100, 50]
-    assert out["peak_stack"][0].endswith("llama_fsdp/loss.py:77:_chunk_grad")
+    assert out["peak_stack"][0].endswith("llama_fsdp/objective/loss.py:77:_chunk_grad")
     assert out["largest"][0]["stack"][0].startswith("torch/nn/functional.py:10")
 
 

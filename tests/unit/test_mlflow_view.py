@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from llama_fsdp import metric_names as names
-from llama_fsdp.overrides import command_args, sweep_size
-from llama_fsdp.sweep import best_run, progress
+from llama_fsdp.config import metrics as names
+from llama_fsdp.cli.overrides import command_args, sweep_size
+from llama_fsdp.tracking.sweep import best_run, progress
 from llama_fsdp.tracking.view import (
     COLUMNS,
     RUNS_QUERY,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from llama_fsdp.model import INIT_BLOCK_NUMEL, _normal_rows, build_meta_model, init_weights
+from llama_fsdp.model.llama import INIT_BLOCK_NUMEL, _normal_rows, build_meta_model, init_weights
 from tests.conftest import make_spec
 
 
@@ -64,7 +64,7 @@ def test_a_later_shards_rows_are_a_tensor_of_their_own():
     """init_rows for rank > 0 (rows starting inside a block) is a tensor of its own, not a view
     into the drawn blocks: an NF4 base is quantized from it, and torchao's NF4Tensor refuses an
     as_strided with another storage offset (a QLoRA run's rank 1 failed so in CI once)."""
-    from llama_fsdp.model import init_rows
+    from llama_fsdp.model.llama import init_rows
 
     shape = (1000, 3000)
     for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_fsdp import nf4
+from llama_fsdp.model import nf4
 
 GROUP = 64 * 256  # torchao's default block x scaler block: the smallest chunk
 
@@ -107,7 +107,7 @@ def test_a_compiled_qlora_projection_is_one_graph_with_the_eager_numbers():
     """train.compile=true compiles each layer: its LoRALinear traces whole (no graph break;
     under compile nf4.linear is torchao's linear_nf4) and, without inductor's fusion
     (aot_eager), gives the eager numbers bit for bit."""
-    from llama_fsdp.lora import LoRALinear
+    from llama_fsdp.model.lora import LoRALinear
 
     layer = LoRALinear(256, 128, rank=4, alpha=8, dropout=0.0)
     torch.nn.init.normal_(layer.lora_A.weight)

@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from llama_fsdp import plan as P
-from llama_fsdp.config import OptimConfig
+from llama_fsdp.config.schema import OptimConfig
 from llama_fsdp.plan import optimizer as O
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests import conftest
 
 GB = 10**9
@@ -116,8 +116,8 @@ def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
     temporary for its step."""
     import torch
 
-    from llama_fsdp.config import OptimConfig, TrainConfig
-    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.config.schema import OptimConfig, TrainConfig
+    from llama_fsdp.train.optimizer import build_optimizer
 
     t = TrainConfig(lr=1e-2, weight_decay=0.1)
     out = {}
@@ -156,8 +156,8 @@ def test_stochastic_rounding_moves_bf16_parameters_by_updates_below_half_an_ulp(
     update / ulp, so the mean moves by the updates' sum, STEPS x lr, unbiased."""
     import torch
 
-    from llama_fsdp.config import OptimConfig, TrainConfig
-    from llama_fsdp.optim import build_optimizer
+    from llama_fsdp.config.schema import OptimConfig, TrainConfig
+    from llama_fsdp.train.optimizer import build_optimizer
 
     steps, lr = 20, 1e-3
     t = TrainConfig(lr=lr, weight_decay=0.0)
@@ -224,7 +224,7 @@ def test_resuming_with_another_finetune_method_is_refused_before_launch(tmp_path
     """A lora checkpoint holds the adapters alone, a full one every weight: resuming one with
     the other method (or other adapters) is refused before launch, with the overrides that
     fit; checkpoints written before the record are full fine-tuning's."""
-    from llama_fsdp.config import FinetuneConfig
+    from llama_fsdp.config.schema import FinetuneConfig
 
     lora = _fake_checkpoint(tmp_path / "lora", OptimConfig(),
                             FinetuneConfig(method="lora", rank=8,
@@ -308,7 +308,7 @@ def test_resume_auto_checks_the_run_directory_the_launch_writes_to(tmp_path):
     """Under torchrun the caller names the run directory (build_spec's output_dir), not the
     config: resume=auto's optimizer check looks there; an unreadable optimizer.json is named
     before launch instead of raising from the spec."""
-    from llama_fsdp.spec import build_spec
+    from llama_fsdp.run.spec import build_spec
 
     ckpt = _fake_checkpoint(tmp_path / "torchrun-job", OptimConfig(name="adamw8bit"))
     cfg = conftest.compose([f"output_dir={tmp_path / 'elsewhere'}", *conftest.CPU, "optim=adamw"])
@@ -324,7 +324,7 @@ def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=Fals
     end) and whether it finished."""
     import time
 
-    from llama_fsdp.optim import compiled_once
+    from llama_fsdp.train.optimizer import compiled_once
 
     start = None
     try:
@@ -354,7 +354,7 @@ def test_the_first_compiled_step_runs_alone_then_the_rest_at_once(tmp_path):
     """compiled_once: the first to come holds the others until its step is done (they then
     load what it compiled); once a first step has finished there, everyone runs at once. The
     flock is per open file, so threads stand in for the ranks of a node."""
-    from llama_fsdp.optim import COMPILED
+    from llama_fsdp.train.optimizer import COMPILED
 
     spans: dict = {}
     _threads(((tmp_path, spans, "first", 1.0), {}), ((tmp_path, spans, "second", 0.0), {}))
@@ -367,7 +367,7 @@ def test_the_first_compiled_step_runs_alone_then_the_rest_at_once(tmp_path):
 
 def test_a_failed_first_step_lets_the_next_process_compile_and_a_waiter_gives_up(tmp_path,
                                                                                  caplog):
-    from llama_fsdp.optim import COMPILED
+    from llama_fsdp.train.optimizer import COMPILED
 
     spans: dict = {}
     _threads(((tmp_path, spans, "fails", 0.5), {"fail": True}))
@@ -381,7 +381,7 @@ def test_a_failed_first_step_lets_the_next_process_compile_and_a_waiter_gives_up
 
     other = tmp_path / "other"
     spans.clear()
-    with caplog.at_level(logging.WARNING, logger="llama_fsdp.optim"):
+    with caplog.at_level(logging.WARNING, logger="llama_fsdp.train.optimizer"):
         _threads(((other, spans, "slow", 3.0), {}),
                  ((other, spans, "impatient", 0.0), {"wait_s": 0.5}))
     assert spans["impatient"][0] < spans["slow"][1], spans  # ran beside the holder

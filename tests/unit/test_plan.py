@@ -9,10 +9,10 @@ import pytest
 
 from llama_fsdp import plan as P
 from llama_fsdp.plan import search as plan_search
-from llama_fsdp.config import CheckpointingConfig, model_preset
-from llama_fsdp.devices import BY_KEY
-from llama_fsdp.spec import RunSpec
-from llama_fsdp.strategies import MeshSpec
+from llama_fsdp.config.schema import CheckpointingConfig, model_preset
+from llama_fsdp.config.devices import BY_KEY
+from llama_fsdp.run.spec import RunSpec
+from llama_fsdp.config.strategies import MeshSpec
 from tests import conftest
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -36,7 +36,7 @@ def test_every_model_option_is_covered():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_param_count_equals_transformers_meta_model(name):
-    from llama_fsdp.model import build_meta_model, num_parameters
+    from llama_fsdp.model.llama import build_meta_model, num_parameters
 
     spec = make_spec(f"model={name}", "cluster.device=cpu")
     plan = P.make_plan(spec)
@@ -236,8 +236,8 @@ def test_activation_estimate_matches_bytes_autograd_saves(dtype):
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
-    from llama_fsdp.config import ModelConfig
-    from llama_fsdp.model import llama_config
+    from llama_fsdp.config.schema import ModelConfig
+    from llama_fsdp.model.llama import llama_config
 
     m = ModelConfig(name="t", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=384, vocab_size=256, max_position_embeddings=512)

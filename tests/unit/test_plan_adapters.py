@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from llama_fsdp import nf4
+from llama_fsdp.model import nf4
 from llama_fsdp import plan as P
-from llama_fsdp.config import FinetuneConfig, ModelConfig, model_preset
+from llama_fsdp.config.schema import FinetuneConfig, ModelConfig, model_preset
 from llama_fsdp.plan import lora as PA
 from llama_fsdp.plan import host as PH
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests import conftest
 
 SMALL = ModelConfig(name="t", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -28,9 +28,9 @@ def make_spec(*overrides: str):
 
 def _lora_model(m: ModelConfig, ft: FinetuneConfig, dtype: torch.dtype):
     """A LoRA / QLoRA model on one process (no FSDP), as worker.build_model makes it."""
-    from llama_fsdp.lora import apply_adapters, init_adapters, init_base
-    from llama_fsdp.model import build_meta_model
-    from llama_fsdp.precision import PRECISION_POLICIES
+    from llama_fsdp.model.lora import apply_adapters, init_adapters, init_base
+    from llama_fsdp.model.llama import build_meta_model
+    from llama_fsdp.config.precision import PRECISION_POLICIES
 
     policy = PRECISION_POLICIES["bf16" if dtype == torch.bfloat16 else "fp32"]
     model = build_meta_model(m)

@@ -88,7 +88,7 @@ def test_the_gpu_records_are_there():
 def project_tokenizer(tmp_path_factory):
     """The synthetic task's tokenizer as a directory: what the GPU check names as data.tokenizer
     (benchmarks/gpu_check_stages.py: tokenizer_overrides)."""
-    from llama_fsdp.config import DataConfig
+    from llama_fsdp.config.schema import DataConfig
     from llama_fsdp.data import build_tokenizer
 
     path = tmp_path_factory.mktemp("tok") / "tokenizer"
@@ -105,7 +105,7 @@ def test_plan_predicts_the_recorded_cuda_peak(where, overrides, measured_gb, rec
     (prepare.replan_for_records)."""
     from llama_fsdp.data import build_data
     from llama_fsdp.plan import flash_varlen_runs
-    from llama_fsdp.prepare import replan_for_records
+    from llama_fsdp.prepare.job import replan_for_records
 
     tok = [f"data.tokenizer={project_tokenizer}"] if "model=tiny" not in overrides else []
     spec = conftest.make_spec(overrides + HERE + tok,

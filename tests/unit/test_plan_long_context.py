@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from llama_fsdp import plan as P
-from llama_fsdp.plan import fixes as plan_fixes
+from llama_fsdp.plan import remedies as plan_fixes
 from llama_fsdp.plan import variants
 from llama_fsdp.plan.host import pinned_bytes
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.run.spec import ConfigError
 from tests import conftest
 
 RTX4090 = ["cluster.device=cuda", "cluster.gpu_type=rtx4090", "dry_run=true",

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from llama_fsdp.plan import PlanError, make_plan, varlen_backward_bytes, varlen_backward_extra
-from llama_fsdp.prepare import replan_for_records
+from llama_fsdp.prepare.job import replan_for_records
 from tests import conftest
 
 CUDA = ["cluster.device=cuda", "cluster.nproc_per_node=1", "tracking.enabled=false",
@@ -41,7 +41,7 @@ def test_the_workspace_is_the_h200s_measured_allocation_and_grows_per_record():
 def test_a_cuda_varlen_plan_counts_the_fullest_micro_batch_once_the_data_is_known(caplog):
     spec = _spec(*QLORA_8B, "cluster.gpu_type=h200", "train.seq_len=16384")
     before = make_plan(spec)
-    with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare"):
+    with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare.job"):
         grown = replan_for_records(spec, {"records_per_row_max": 2397.0})
     assert grown.records_per_micro_batch == 2397  # the fullest row (its padding joins a record)
     after = make_plan(grown)
@@ -51,7 +51,7 @@ def test_a_cuda_varlen_plan_counts_the_fullest_micro_batch_once_the_data_is_know
     assert "2397 records in a micro-batch (2397 in the fullest row)" in caplog.text
     # rows of long records: one per row is what the plan had, nothing moves, nothing printed
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare"):
+    with caplog.at_level(logging.INFO, logger="llama_fsdp.prepare.job"):
         same = replan_for_records(spec, {"records_per_row_max": 1.0})
     assert make_plan(same).predicted_peak_bytes == before.predicted_peak_bytes
     assert "plan with the data" not in caplog.text

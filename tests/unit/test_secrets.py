@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 
-from llama_fsdp import secrets
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.config import credentials as secrets
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
 
 PW = "pa55:w/rd@secret"  # characters a URI must escape
@@ -61,7 +61,7 @@ def test_the_spec_and_what_it_writes_hold_no_credential_and_no_env_value(monkeyp
 
 
 def test_the_command_line_as_stored_has_no_credential(monkeypatch):
-    from llama_fsdp import cli
+    from llama_fsdp.cli import command as cli
 
     monkeypatch.setattr("sys.argv", ["x", f"tracking.uri={URI}", "data.path=https://u:p@h/d",
                                      "train.lr=0.1"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llama_fsdp.sweep import format_table, summary_rows
+from llama_fsdp.tracking.sweep import format_table, summary_rows
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def _run(tmp_path):
 
     def make(params: dict, metrics: dict, status: str = "FINISHED", *, name: str = "",
              output_dir: str = "", start: int = 0, point: dict | None = None):
-        from llama_fsdp.sweep import point_tags
+        from llama_fsdp.tracking.sweep import point_tags
 
         run = client.create_run(exp, start_time=start, run_name=name,
                                 tags={"output_dir": output_dir or name,
@@ -66,7 +66,7 @@ def test_a_swept_config_group_shows_its_choice_or_the_keys_it_changed(_run):
 
 
 def test_a_point_run_again_is_summarized_by_its_newest_run(_run):
-    from llama_fsdp.sweep import _latest_per_point
+    from llama_fsdp.tracking.sweep import _latest_per_point
 
     old = _run({}, {}, "FAILED", name="batch_size=2", output_dir="/s/0", start=1)
     new = _run({}, {}, "FINISHED", name="batch_size=2", output_dir="/s/0", start=5)
@@ -81,8 +81,8 @@ def test_a_point_is_skipped_only_if_this_config_finished(tmp_path):
     died before training (config.yaml rewritten, status left from before) is not skipped."""
     import dataclasses
 
-    from llama_fsdp.multirun import finished_point as _finished_point
-    from llama_fsdp.rundir import write_run_status
+    from llama_fsdp.cli.multirun import finished_point as _finished_point
+    from llama_fsdp.config.rundir import write_run_status
     from tests.conftest import make_spec
 
     spec = dataclasses.replace(make_spec(["train.max_steps=3", "train.warmup_steps=1"],
@@ -101,7 +101,7 @@ def test_overrides_are_read_with_hydras_parser_a_list_is_no_sweep():
     """cluster.setup=[a,b] is one value (a list), not two points; train.batch_size=1,2 and
     +precision=bf16,fp32 are sweeps; a refused point keeps its group's choice for a key of the
     group (sharding.strategy from sharding=grad_op)."""
-    from llama_fsdp.overrides import command_line, point_values, swept_overrides
+    from llama_fsdp.cli.overrides import command_line, point_values, swept_overrides
 
     args = ["train.batch_size=1,2", "cluster.setup=[module load cuda,echo hi]",
             "+precision=bf16,fp32", "sharding=grad_op", "train.lr=range(1,3)"]

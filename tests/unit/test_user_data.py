@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llama_fsdp.checkpoint import hf, layout
-from llama_fsdp.manifest import write_manifest
-from llama_fsdp.spec import ConfigError
+from llama_fsdp.config.manifest import write_manifest
+from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
 
 QUICK = ["cluster.device=cpu", "tracking.enabled=false", "train.max_steps=2",
@@ -69,7 +69,7 @@ def test_a_run_that_does_not_launch_leaves_the_users_directories_and_removes_its
 
 
 def test_a_run_directory_is_taken_again_and_its_layout_is_the_proof(tmp_path):
-    from llama_fsdp.rundir import RUN_MARKERS, claim_problem
+    from llama_fsdp.config.rundir import RUN_MARKERS, claim_problem
 
     assert claim_problem(tmp_path / "new") is None and claim_problem(tmp_path) is None
     run = tmp_path / "run"

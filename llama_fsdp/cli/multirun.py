@@ -1,0 +1,183 @@
+"""A ``-m`` sweep as Hydra runs it: each point's sweep arguments, a point skipped because it
+finished in an earlier run of the sweep, a point's failure handed back instead of ending the
+process, and ``SweepCallback`` (conf/config.yaml names it), which makes the sweep's parent run
+when it starts, collects the points' outcomes and writes the summary when it ends (sweep.py
+holds the MLflow side)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from ..launchers import launcher_for
+from .overrides import command_line, point_values, shown_override, swept_overrides, sweep_size
+from ..config.status import FINISHED
+from ..config.rundir import Footprint, config_digest, read_run_status
+from ..config.credentials import export_credentials, redact
+from ..run.spec import RunSpec, point_name, resolve_tracking_uri
+from ..tracking.sweep import (
+    parent_run,
+    start_parent,
+    summarize,
+    sweep_id_for,
+    sweep_page,
+    swept_keys_of,
+)
+
+log = logging.getLogger("llama_fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class PointFailed:
+    """What a sweep point that did not finish hands back: its values and its exit code (2: its
+    config was refused before launch; 1: it failed)."""
+
+    values: dict[str, str]
+    code: int
+
+    @property
+    def name(self) -> str:
+        return point_name(self.values)
+
+
+def sweep_kwargs() -> dict[str, Any]:
+    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    sweep_dir = str(Path(hc.sweep.dir).resolve())
+    return {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
+            "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
+
+
+def finished_point(spec: RunSpec) -> bool:
+    """A sweep started again in its directory (to resume its failed points) skips a point
+    whose run finished with this same config: it would train again from step 0 when it saved
+    no checkpoint, or start only to find nothing to train."""
+    if spec.sweep_id is None:
+        return False
+    status = read_run_status(spec.output_dir)
+    done = (status.get("status") == FINISHED
+            and status.get("config_sha256") == config_digest(spec.config_yaml))
+    if done:
+        log.info("point %s finished in an earlier run of this sweep (%s): skipped",
+                 spec.run_name, spec.output_dir)
+    return done
+
+
+def failed(code: int) -> Optional[PointFailed]:
+    """End a single run with ``code``; a sweep point hands its failure back instead, and the
+    sweep goes on to its other points (SweepCallback collects it)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return PointFailed(sweep_kwargs()["sweep_point"], code)
+    sys.exit(code)
+
+
+class SweepCallback(Callback):
+    """Hydra callback: before a run, which parents of its directory exist (Hydra makes them,
+    and a run that does not launch removes what was made); of a multirun: the parent run when
+    it starts; each point's outcome as it ends; the summary when the sweep ends (local sweeps),
+    or the command that makes it (SLURM sweeps, which return at submission). A sweep with
+    failed points exits with the worst code once every point had its turn."""
+
+    def __init__(self) -> None:
+        self.failed: list[PointFailed] = []
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.run, "dir"))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.sweep, "dir"))
+        _credentials_to_environ(config)
+        if not config.tracking.enabled:
+            return
+        task = list(config.hydra.overrides.task)
+        start_parent(str(Path(config.hydra.sweep.dir).resolve()),
+                     uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
+                     experiment=config.tracking.experiment, command=command_line(),
+                     swept=swept_overrides(task), points=sweep_size(task))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if isinstance(outcome, PointFailed):
+            self.failed.append(outcome)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
+        sweep_id = sweep_id_for(sweep_dir)
+        uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
+        table = None
+        if config.tracking.enabled:
+            # a point refused before launch (exit 2: its config) has no run: a row of its own.
+            # The points of a SLURM sweep that returns at submission are queued or running: the
+            # summary says so, and the last of them to end completes it
+            table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
+                              parent_id=parent_run(sweep_dir), sweep_dir=sweep_dir,
+                              refused=[(p.values, p.code) for p in self.failed if p.code == 2])
+        if table:
+            log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
+                     sweep_page(uri, config.tracking.experiment))
+        if config.tracking.enabled and not launcher_for(config.cluster).waits:
+            log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
+                     "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,
+                     sweep_id, uri)
+        if self.failed:
+            log.error("%d point(s) of sweep %s failed: %s; run the same command with "
+                      "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
+                      ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
+            raise SystemExit(max(p.code for p in self.failed))
+
+
+# The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,
+# recorded by SweepCallback.on_run_start / on_multirun_start (before Hydra's mkdir).
+_HYDRA_DIR_EXISTED: dict[str, Path] = {}
+
+
+def _hydra_made_below(pattern: str) -> Path:
+    """Where the directories Hydra makes from a run / sweep dir ``pattern`` begin: its parts
+    from the first interpolation on (``${now:...}``: made per launch, also by a sibling process
+    of the same torchrun job) are Hydra's; of its fixed prefix (outputs/runs), what does not
+    exist yet."""
+    fixed = []
+    for part in Path(pattern).parts:
+        if "${" in part:
+            break
+        fixed.append(part)
+    return Footprint.deepest_existing(Path(*fixed) if fixed else Path.cwd())
+
+
+def hydra_footprint() -> Footprint:
+    """Hydra's run directory of this job, and which of its parents Hydra made."""
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    existed = _HYDRA_DIR_EXISTED.get("dir", hydra_dir)  # unknown: remove nothing above it
+    return Footprint(hydra_dir, existed=existed)
+
+
+def _raw(node: DictConfig, key: str) -> str:
+    """A config value as written, its interpolations unresolved."""
+    return str(OmegaConf.to_container(node, resolve=False)[key])
+
+
+def _credentials_to_environ(config: DictConfig) -> None:
+    """A sweep's tracking URI without its credentials, in the config the sweeper saves
+    (multirun.yaml) and composes every point from (its task overrides); the credentials in
+    this process's environment, which the points (and their ranks, and their SLURM jobs)
+    inherit."""
+    try:
+        given = config.tracking.uri
+        clean = export_credentials(given)
+    except ValueError:  # a secret MLflow cannot take from the environment: every point says so
+        return
+    with read_write(config), open_dict(config):
+        config.tracking.uri = clean
+        config.hydra.overrides.task = [shown_override(a) for a in config.hydra.overrides.task]
+        config.hydra.job.override_dirname = redact(
+            config.hydra.job.override_dirname.replace(given, clean))

@@ -1,0 +1,52 @@
+"""What the command line prints when a run ends: rank 0's result read back (status, steps,
+losses, throughput, peak memory), where the run is, how to continue it, and its MLflow run."""
+from __future__ import annotations
+
+from typing import Any
+
+from .overrides import command_line
+from ..config import metrics as names
+from ..config.status import FINISHED
+from ..run.spec import RunSpec
+from ..tracking import read_run_file, runs_page
+
+
+def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
+    """The summary printed when a run ends, from rank 0's result."""
+    s, final = rank0.summary, rank0.final
+    lines = [f"status         {rank0.status}", f"steps          {rank0.steps}"]
+    if "loss" in final:
+        lines.append(f"final loss     {final['loss']:.4f}"
+                     + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+                     + (f"   exact match {final['eval_exact_match']:.2f}"
+                        if "eval_exact_match" in final else ""))
+    if "eval_rewards/accuracy" in final:  # objective=dpo: how often held-out pairs agree
+        lines.append(f"rewards        held-out accuracy {final['eval_rewards/accuracy']:.2f} "
+                     f"(chance 0.5), margin {final['eval_rewards/margin']:.3f}")
+    if names.SUMMARY_TOKENS_PER_SEC in s:
+        lines.append(f"tokens/s       {s[names.SUMMARY_TOKENS_PER_SEC]:.0f} global, "
+                     f"{s[names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE]:.0f} per device (median of the "
+                     "steady steps)"
+                     + (f", MFU {s[names.SUMMARY_MFU]:.1%}" if names.SUMMARY_MFU in s else ""))
+    if names.SUMMARY_PEAK_MEMORY in s:
+        what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
+        lines.append(f"peak memory    {s[names.SUMMARY_PEAK_MEMORY]:.2f} GB ({what}, max over "
+                     f"ranks; the plan's tensors {s[names.SUMMARY_PREDICTED_PEAK_MEMORY]:.2f} GB)")
+    lines.append(f"run dir        {spec.output_dir}")
+    if rank0.status != FINISHED and rank0.checkpoints:
+        lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
+                     f"output_dir={spec.output_dir} resume=auto")
+    elif rank0.status != FINISHED:
+        lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
+                     "continued from where it stopped. Set save.every_steps=N to make a stopped "
+                     "run resumable")
+    if rank0.mlflow_run_id:
+        lines.append(f"mlflow run     {rank0.mlflow_run_id} in experiment "
+                     f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
+        page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"))
+        if spec.tracking_uri.startswith("sqlite:///"):
+            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}, then "
+                         f"open {page}")
+        else:
+            lines.append(f"compare runs   {page}")
+    return lines

@@ -1,0 +1,162 @@
+"""A Hugging Face model directory, torch-free: a hub name resolved to its local snapshot, and
+its config.json in the model group's terms (the fields where the two differ).
+
+The command line resolves ``model.path`` and checks it against the model group before any
+process starts (prepare.py, checkpoint/checks.py) without importing torch or transformers;
+model.py builds the LlamaConfig from the same table.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .schema import ModelConfig
+
+# ModelConfig field -> config.json key: the one table for both directions (llama_config builds
+# a LlamaConfig from a model group; hf_shape reads a config.json in the group's terms).
+HF_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+             "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+             "rms_norm_eps": "rms_norm_eps"}
+# What a config.json without the key means (LlamaConfig's defaults).
+HF_DEFAULTS = {"tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+def hf_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json in ModelConfig's terms (old top-level rope keys and transformers 5's
+    ``rope_parameters`` both understood)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    out = {field: hf.get(key, HF_DEFAULTS.get(field)) for field, key in HF_FIELDS.items()}
+    if out["num_kv_heads"] is None:
+        out["num_kv_heads"] = out["num_heads"]
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    out["rope_scaling"] = None if kind == "default" else {
+        "rope_type": kind, **{k: rope[k] for k in ROPE_SCALING_KEYS if k in rope}}
+    return out
+
+
+def model_shape(m: Any) -> dict[str, Any]:
+    """ModelConfig (or a preset as a dict) in the same terms as hf_shape."""
+    get = (lambda k, d=None: m.get(k, d)) if isinstance(m, dict) else (lambda k, d=None: getattr(m, k, d))
+    out = {f: get(f, HF_DEFAULTS.get(f)) for f in HF_FIELDS}
+    rs = get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        rs = {k: getattr(rs, k) for k in ("rope_type", *ROPE_SCALING_KEYS)}
+    out["rope_scaling"] = dict(rs) if rs else None
+    return out
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return abs(float(a) - float(b)) > 1e-9 * max(1.0, abs(float(a)))
+        except (TypeError, ValueError):
+            return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = set(a) & set(b)
+        return any(_differs(a[k], b[k]) for k in keys) or a.get("rope_type") != b.get("rope_type")
+    return a != b
+
+
+def shape_diff(m: ModelConfig | dict, hf: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (model group value, config.json value)} for every field that differs."""
+    ours, theirs = model_shape(m), hf_shape(hf)
+    return {k: (ours[k], theirs[k]) for k in ours if _differs(ours[k], theirs[k])}
+
+
+def resolve_hf_dir(path: str) -> Path:
+    """A local HF directory as is; a hub name as its snapshot, downloaded if needed (json,
+    chat templates, safetensors and tokenizer files only). The driver calls this before launch
+    (prepare.resolve_model); ranks run offline and get the local directory."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.safetensors",
+                                                        "tokenizer*"]))
+
+
+def hub_name(path: str) -> str:
+    """The hub name of a hub cache snapshot (``.../models--org--name/snapshots/<rev>`` ->
+    ``org/name``), else ``path`` itself: what an export names as its base, so that it loads on
+    another machine (prepare.resolve_model swaps a hub name for its local snapshot)."""
+    p = Path(path)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--"):].replace("--", "/")
+    return path
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A model directory's config.json; ValueError naming the file when it is not JSON."""
+    import json
+
+    f = Path(path) / "config.json"
+    try:
+        out = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno}): a damaged download or an edit; fetch or write it again")
+    except UnicodeDecodeError:
+        raise ValueError(f"{f} is not a text file: fetch or write it again") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{f} holds a JSON {type(out).__name__}, not the object of a model's "
+                         "config")
+    return out
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def safetensors_problem(f: Path) -> "str | None":
+    """None when ``f``'s header parses and the file is as long as the header says (a truncated
+    download or copy fails here, naming the file, rather than inside the ranks' loader)."""
+    import json
+
+    size = f.stat().st_size
+    fix = "download or copy it again"
+    with f.open("rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            return (f"{f} is not a safetensors file or is truncated ({size} bytes; its header "
+                    f"length reads {n}): {fix}")
+        try:
+            header = json.loads(fh.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"{f} has a damaged safetensors header ({type(e).__name__}: {e}): {fix}"
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return (f"{f} has {size} bytes but its header describes {expected}: "
+                f"{'truncated' if size < expected else 'trailing bytes'}; {fix}")
+    return None
+
+
+def model_file_problems(path: Path) -> list[str]:
+    """A local model directory's files, checked before any process starts: config.json parses,
+    every *.safetensors header parses and its file has the length the header says, and an
+    index names only files that are there. Each problem names its file."""
+    import json
+
+    path = Path(path)
+    out = []
+    try:
+        read_config_json(path)
+    except (ValueError, OSError) as e:
+        out.append(str(e))
+    out += [p for f in sorted(path.glob("*.safetensors")) if (p := safetensors_problem(f))]
+    for index in sorted(path.glob("*.safetensors.index.json")):
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            out.append(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
+            continue
+        out += [f"{index} names {name}, which is not in {path}" for name in sorted(files)
+                if not (path / name).is_file()]
+    return out

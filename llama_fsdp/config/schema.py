@@ -1,0 +1,699 @@
+"""Typed schemas for every config node, registered in Hydra's ConfigStore.
+
+YAML files under conf/ only set values; the root schema (``base_config``, first in
+conf/config.yaml's defaults) types every group, so a misspelled key or a wrong type fails at
+compose time with the key's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from . import metrics as names
+from .kernels import AUTO as AUTO_KERNEL
+from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from .optimizers import OPTIMIZERS
+from .precision import PRECISION_POLICIES
+from .rundir import MLFLOW_DB, OUTPUT_ROOTS
+
+PRECISIONS = ("auto", *PRECISION_POLICIES)  # auto: resolved per device (precision.py)
+AC_MODES = ("none", "full", "selective")
+CLUSTERS = ("local", "slurm", "torchrun")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def out_of_range(key: str, value: Any, *, low: Optional[float] = None,
+                 high: Optional[float] = None, low_open: bool = False,
+                 high_open: bool = False) -> Optional[str]:
+    """Why a number (None: not set, nothing to say) is not a finite value in its range, for a
+    problems() list: NaN and infinity pass every ``<`` test and would train (or plan) silently."""
+    import math
+
+    if value is None:
+        return None
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+    hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+    wanted = (f"in {lo}, {hi}" if lo and hi else f"{'>' if low_open else '>='} {low:g}" if lo
+              else f"{'<' if high_open else '<='} {high:g}")
+    if not math.isfinite(value):
+        return f"{key}={value} must be a finite number {wanted}"
+    if (low is not None and (value <= low if low_open else value < low)) or \
+            (high is not None and (value >= high if high_open else value > high)):
+        return f"{key}={value} must be {wanted}"
+    return None
+
+
+def has_line_break(value: Any) -> bool:
+    """A value that would start a new line in a shell script or a #SBATCH line."""
+    return isinstance(value, str) and any(c in value for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def line_break(key: str, value: Any) -> str:
+    return (f"{key}={value!r} holds a line break, which would start a new line in the job "
+            "script (a command that runs, and every #SBATCH line after it ignored): give it on "
+            "one line")
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3.1/3.2 frequency scaling (``rope_type: llama3``)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def problems(self, key: str = "model.rope_scaling") -> list[str]:
+        checks = [out_of_range(f"{key}.{f}", getattr(self, f), low=0, low_open=True)
+                  for f in ("factor", "low_freq_factor", "high_freq_factor")]
+        checks.append(out_of_range(f"{key}.original_max_position_embeddings",
+                                   self.original_max_position_embeddings, low=1))
+        return [c for c in checks if c]
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = 8
+    intermediate_size: int = MISSING
+    vocab_size: int = 128256
+    max_position_embeddings: int = 131072
+    rope_theta: float = 500000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-5
+    # A Hugging Face directory or hub name to start from; its config.json must match the shape.
+    path: Optional[str] = None
+    # Attention kernel: a name of llama_fsdp/config/kernels.py's table ("auto": varlen for
+    # packed rows on CPU and on CUDA in 16-bit, else sdpa), or a hub kernel.
+    attn_implementation: str = AUTO_KERNEL
+    init_std: float = 0.02
+
+    def problems(self) -> list[str]:
+        """The numbers that are not shapes (those: spec._check_model), for RunSpec's report."""
+        checks = [out_of_range("model.rope_theta", self.rope_theta, low=0, low_open=True),
+                  out_of_range("model.rms_norm_eps", self.rms_norm_eps, low=0, low_open=True),
+                  out_of_range("model.init_std", self.init_std, low=0, low_open=True),
+                  out_of_range("model.max_position_embeddings", self.max_position_embeddings,
+                               low=1)]
+        out = [c for c in checks if c]
+        return out + (self.rope_scaling.problems() if self.rope_scaling is not None else [])
+
+
+@dataclass
+class ShardingConfig:
+    strategy: str = "full"
+    # Ranks per shard group for hybrid strategies; null means ranks per node.
+    shard_size: Optional[int] = None
+    cpu_offload: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    # auto: mixed on CUDA (bf16 compute, fp32 master weights and reduction), fp32 on CPU.
+    name: str = "auto"
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing (not weight checkpoints; those are ``save``)."""
+
+    mode: str = "none"
+    # selective: wrap every k-th decoder layer (layer-level selective AC, as torchtitan's "int").
+    every_k: int = 2
+    # Keep what checkpointing keeps of each wrapped layer (its input) in pinned host memory
+    # from forward to backward, copied on a side stream (CUDA; on CPU a plain copy). The plan
+    # counts it against the host's RAM (docs/long_context.md).
+    offload: bool = False
+
+    def wrapped_layers(self, num_layers: int) -> range:
+        """Indices of the decoder layers activation checkpointing wraps (parallel.py wraps
+        them, plan.py counts them)."""
+        match self.mode:
+            case "none":
+                return range(0)
+            case "full":
+                return range(num_layers)
+            case "selective":
+                return range(self.every_k - 1, num_layers, self.every_k)
+        raise ValueError(f"checkpointing mode {self.mode!r} is not one of {', '.join(AC_MODES)}")
+
+
+@dataclass
+class ClusterConfig:
+    # local: ranks on this host; slurm: sbatch through submitit; torchrun: this process is one
+    # rank of a job started by torchrun or a Kubernetes operator (its environment says which).
+    kind: str = "local"
+    # Nodes. null (cluster=torchrun): as many as the environment says.
+    nodes: Optional[int] = 1
+    # Ranks per node. null: every visible GPU on CUDA, else 2 CPU ranks (cluster=torchrun: the
+    # environment's LOCAL_WORLD_SIZE).
+    nproc_per_node: Optional[int] = None
+    device: str = "auto"
+    # Job time limit in minutes. Local: null (none). SLURM: the allocation's --time; SLURM sends
+    # SIGUSR2 signal_delay_s before it ends (and before a preemption), the ranks save a
+    # checkpoint, and the job requeues itself, at most max_requeues times (submitit's name).
+    timeout_min: Optional[int] = None
+    # The earlier name of timeout_min, still read: set, it sets timeout_min (with a warning).
+    time_min: Optional[int] = None
+    signal_delay_s: int = 300
+    max_requeues: int = 3
+    # A rank that dies (crash, OOM kill, lost node) stops every rank; the run then restarts from
+    # its newest complete checkpoint, at most max_restarts times (torchrun's --max-restarts).
+    max_restarts: int = 0
+    # Collective timeouts: init covers rendezvous, model build and checkpoint loading; train
+    # applies from the first training step on (a collective slower than this is a hang: the
+    # ranks stop and leave their stacks in <run>/hang/).
+    init_timeout_s: int = 1800
+    train_timeout_s: int = 900
+    # SLURM (submitit) options; ignored by the local launcher.
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    mem_gb: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    gpus_per_node: int = 0
+    setup: list[str] = field(default_factory=list)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    srun_args: list[str] = field(default_factory=list)
+    wait: bool = True
+    # Torch threads per rank; null: the CPUs this rank may use (its SLURM allocation or CPU
+    # affinity) split between the node's ranks.
+    threads_per_rank: Optional[int] = None
+    # The accelerator, for the planner and MFU: a name from llama_fsdp/config/devices.py (h100, h200,
+    # a100, ...). null: the local GPU's name, or h100 for SLURM GPU jobs (with a warning).
+    gpu_type: Optional[str] = None
+    # Overrides of that table: per-device memory (GB) and dense peak TFLOP/s.
+    device_memory_gb: Optional[float] = None
+    peak_tflops: Optional[float] = None
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        # every string that reaches the sbatch script: a line break there starts a new shell
+        # line (which runs), and every #SBATCH line after it is silently ignored
+        texts = [("cluster.partition", self.partition), ("cluster.account", self.account),
+                 ("cluster.qos", self.qos), ("cluster.constraint", self.constraint),
+                 *((f"cluster.setup[{i}]", v) for i, v in enumerate(self.setup)),
+                 *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(self.srun_args)),
+                 *((f"cluster.sbatch_extra.{k}", f"{k}{v}") for k, v in self.sbatch_extra.items())]
+        out += [line_break(key, value) for key, value in texts if has_line_break(value)]
+        checks = [out_of_range("cluster.timeout_min", self.timeout_min, low=1),
+                  out_of_range("cluster.time_min", self.time_min, low=1),
+                  out_of_range("cluster.mem_gb", self.mem_gb, low=1),
+                  out_of_range("cluster.cpus_per_task", self.cpus_per_task, low=1),
+                  out_of_range("cluster.gpus_per_node", self.gpus_per_node, low=0),
+                  out_of_range("cluster.threads_per_rank", self.threads_per_rank, low=1),
+                  out_of_range("cluster.device_memory_gb", self.device_memory_gb, low=0,
+                               low_open=True),
+                  out_of_range("cluster.peak_tflops", self.peak_tflops, low=0, low_open=True)]
+        return out + [c for c in checks if c]
+
+
+@dataclass
+class DataConfig:
+    """Records → tokens → masked, packed rows (llama_fsdp/data/; README "Your own data")."""
+
+    # Valid values (plain class attributes, not config keys).
+    SOURCES = ("synthetic", "jsonl", "hf")
+    FORMATS = ("auto", "instruction", "chat", "text")
+    OVERLONG = ("truncate", "drop", "error")
+
+    # synthetic (embedded, generated) | jsonl (local json/jsonl/parquet/csv/txt files)
+    # | hf (datasets.load_dataset: a hub name or a local dataset directory)
+    name: str = "synthetic"
+    # synthetic: generated training records (the held-out set is generated apart, sized by the
+    # eval_* rule below applied to num_records).
+    num_records: int = 4000
+    # The held-out (eval) records when no eval file / split is named: eval_fraction of the
+    # records, at least eval_min_records, at most eval_max_records, never all of them (at least
+    # one record always trains). eval_fraction=0 holds out nothing (no eval).
+    eval_fraction: float = 0.05
+    eval_min_records: int = 1
+    eval_max_records: int = 200
+    # An exact held-out count instead of the rule above (null: the rule). 0 holds out nothing.
+    eval_records: Optional[int] = None
+    # Generation (synthetic) and held-out selection seed; the sampling order uses train.seed.
+    seed: int = 1234
+    # jsonl: a file, a glob or a directory of files; hf: a hub dataset name or local directory.
+    path: Optional[str] = None
+    subset: Optional[str] = None  # hf: the dataset's config name
+    revision: Optional[str] = None  # hf: git revision of a hub dataset
+    split: str = "train"
+    eval_split: Optional[str] = None  # hf: a held-out split (null: hold out of the train split)
+    eval_path: Optional[str] = None  # jsonl: a held-out file or glob (null: hold out of path)
+    # "module:function" or "path/to/file.py:function", applied to every record of the files /
+    # hub split before anything else: function(record: dict) -> a record (dict), a list of
+    # records (one record becomes several), or None (skip it). For layouts the *_column names
+    # cannot map, e.g. answers nested in a list.
+    preprocess: Optional[str] = None
+    # auto | instruction (alpaca: instruction/input/output) | chat (a messages list, rendered
+    # with the tokenizer's chat template) | text. auto picks by the columns present.
+    format: str = "auto"
+    instruction_column: str = "instruction"
+    input_column: str = "input"
+    output_column: str = "output"
+    # chat: a list of {role, content} (or ShareGPT's {from, value}) messages.
+    messages_column: str = "messages"
+    text_column: str = "text"
+    # Instruction records: the prompt, then the output (tokenized apart, so the boundary is exact).
+    # The default is compact, for the synthetic task (short rows learn fastest); conf/data/jsonl
+    # and hf use the Alpaca layout.
+    prompt_template: str = "{instruction} {input} ="
+    prompt_template_no_input: str = "{instruction} ="
+    # An HF tokenizer directory or hub name. null: model.path's own tokenizer when the model has
+    # a path; else the project tokenizer (512 pieces, trained once on the synthetic corpus and
+    # cached; for the synthetic task and model=tiny, vocab_size 512).
+    tokenizer: Optional[str] = None
+    # A Jinja chat template (the text, or a path to a .jinja file) replacing the tokenizer's, for
+    # chat records with a tokenizer that has none (base models).
+    chat_template: Optional[str] = None
+    # Loss on prompt tokens too (default: only responses / assistant turns, and their EOS).
+    train_on_prompt: bool = False
+    # Several records per row (positions restart, no attention across records); false: one
+    # record per row, right-padded.
+    packing: bool = True
+    # A record longer than train.seq_len: truncate (counted in the log) | drop | error.
+    overlong: str = "truncate"
+    # Processes for tokenization (datasets.map).
+    num_proc: int = 1
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this node, for RunSpec's all-at-once report."""
+        out = []
+        if self.name not in DataConfig.SOURCES:
+            out.append(f"data.name={self.name!r}: valid: {', '.join(DataConfig.SOURCES)}")
+        if self.format not in DataConfig.FORMATS:
+            out.append(f"data.format={self.format!r}: valid: {', '.join(DataConfig.FORMATS)}")
+        if self.overlong not in DataConfig.OVERLONG:
+            out.append(f"data.overlong={self.overlong!r}: valid: {', '.join(DataConfig.OVERLONG)}")
+        if self.name in ("jsonl", "hf") and not self.path:
+            out.append(f"data.name={self.name} needs data.path (a file/glob/directory or hub name)")
+        if self.name == "synthetic" and self.num_records < 1:
+            out.append("data.num_records must be >= 1")
+        if not 0 <= self.eval_fraction < 1:
+            out.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.eval_min_records < 0 or self.eval_max_records < 0:
+            out.append("data.eval_min_records and data.eval_max_records must be >= 0")
+        elif self.eval_min_records > self.eval_max_records:
+            out.append(f"data.eval_min_records={self.eval_min_records} exceeds "
+                       f"data.eval_max_records={self.eval_max_records}")
+        if self.eval_records is not None and self.eval_records < 0:
+            out.append("data.eval_records must be >= 0 (or null: the eval_fraction rule)")
+        if self.num_proc < 1:
+            out.append("data.num_proc must be >= 1")
+        if self.preprocess is not None:
+            if self.name == "synthetic":
+                out.append("data.preprocess applies to data=jsonl and data=hf records, not to the "
+                           "synthetic task")
+            mod, _, fn = self.preprocess.rpartition(":")
+            if not mod or not fn.isidentifier():
+                out.append(f"data.preprocess={self.preprocess!r}: expected 'module:function' or "
+                           "'path/to/file.py:function'")
+        if "{instruction}" not in self.prompt_template or "{input}" not in self.prompt_template:
+            out.append("data.prompt_template must contain {instruction} and {input}")
+        if "{instruction}" not in self.prompt_template_no_input:
+            out.append("data.prompt_template_no_input must contain {instruction}")
+        return out
+
+
+@dataclass
+class TrainConfig:
+    # train.loss (llama_fsdp/objective/loss.py): chunked computes the head and the cross-entropy a chunk
+    # of loss_chunk target tokens at a time, never holding b x s x vocab logits; full is
+    # F.cross_entropy over all the logits (class attributes, not config keys).
+    CHUNKED, FULL = "chunked", "full"
+    LOSSES = (CHUNKED, FULL)
+
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 128
+    max_steps: int = 60
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+    compile: bool = False
+    max_grad_norm: float = 1.0
+    log_every: int = 1
+    loss: str = "chunked"
+    loss_chunk: int = 1024  # target tokens per chunk of the chunked loss
+    # Stop after this step without changing the LR schedule (which runs to max_steps): train a
+    # long run in chunks with save.every_steps and resume=auto. null: run to max_steps.
+    stop_after: Optional[int] = None
+    # Step hooks: "module:attr" import paths. Each names a factory called once per rank as
+    # factory(rank=, world_size=, output_dir=) that returns a callable hook(state), called on
+    # every rank at the end of every step (state.step is the step just done; on CUDA,
+    # state.losses has the previous log step's loss, read once the next step is queued).
+    callbacks: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """Its numbers as finite values in their ranges, and the callbacks' form (the integer
+        counts and the warmup: spec._check_positive; importing the callbacks: prepare)."""
+        checks = [out_of_range("train.lr", self.lr, low=0, low_open=True),
+                  out_of_range("train.min_lr_ratio", self.min_lr_ratio, low=0, high=1),
+                  out_of_range("train.weight_decay", self.weight_decay, low=0),
+                  out_of_range("train.beta1", self.beta1, low=0, high=1, high_open=True),
+                  out_of_range("train.beta2", self.beta2, low=0, high=1, high_open=True),
+                  out_of_range("train.eps", self.eps, low=0, low_open=True),
+                  out_of_range("train.max_grad_norm", self.max_grad_norm, low=0)]
+        out = [c for c in checks if c]
+        for path in self.callbacks:
+            module, _, attr = path.partition(":")
+            if not module or not attr.isidentifier():
+                out.append(f"train.callbacks: {path!r} is not 'module:attr' (a factory "
+                           "importable on every rank)")
+        return out
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 20
+    max_batches: int = 4
+    # Task metric (DataModule.evaluate_task): greedy answers to this many held-out prompts,
+    # scored by exact match; 0 disables. Every rank runs the same number of forward calls.
+    task_prompts: int = 64
+    # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
+    max_new_tokens: Optional[int] = None
+
+    def problems(self) -> list[str]:
+        checks = [out_of_range("eval.max_batches", self.max_batches, low=1),
+                  out_of_range("eval.task_prompts", self.task_prompts, low=0),
+                  out_of_range("eval.max_new_tokens", self.max_new_tokens, low=1)]
+        return [c for c in checks if c]
+
+
+@dataclass
+class FinetuneConfig:
+    """What trains (conf/finetune/): every weight (full), or low-rank adapters beside a frozen
+    base (lora), the base stored in 4-bit NF4 (qlora: torchao's NF4Tensor, sharded and
+    all-gathered in 4 bits by FSDP2)."""
+
+    METHODS = ("full", "lora", "qlora")  # valid values (a class attribute, not a config key)
+    # The projections of a Llama decoder layer that can take adapters (class attribute).
+    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    method: str = "full"
+    # LoRA: W x + (alpha / rank) * B A dropout(x) for each target projection; A (rank x in) and
+    # B (out x rank, zero at the start) train, W is frozen.
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # The projections that get adapters (names of the Linear modules in every decoder layer).
+    target_modules: list[str] = field(default_factory=lambda: list(FinetuneConfig.TARGETS))
+    # qlora: NF4 quantization blocks (elements per scale; scales per double-quantized group).
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+    # lora / qlora write the PEFT adapter at the end of every run (<run>/export: the run's
+    # model in MLflow, megabytes). With this, also the base with the adapters merged in, as an
+    # HF model (<run>/export_merged; qlora: over the dequantized base).
+    export_merged: bool = False
+
+    @property
+    def adapters(self) -> bool:
+        """lora and qlora train adapters beside a frozen base; full trains every weight."""
+        return self.method != "full"
+
+    @property
+    def nf4(self) -> bool:
+        """qlora: the frozen base of the target projections is stored in NF4."""
+        return self.method == "qlora"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves (shapes against the world size: nf4.py)."""
+        if not self.adapters:
+            return (["finetune.export_merged applies to lora and qlora (full fine-tuning "
+                     "exports the whole model with save.export_hf=true)"]
+                    if self.export_merged else [])
+        out = []
+        if self.rank < 1:
+            out.append(f"finetune.rank={self.rank} must be >= 1")
+        if (alpha := out_of_range("finetune.alpha", self.alpha, low=0, low_open=True)):
+            out.append(alpha)
+        if not 0 <= self.dropout < 1:
+            out.append(f"finetune.dropout={self.dropout} must be in [0, 1)")
+        unknown = [t for t in self.target_modules if t not in FinetuneConfig.TARGETS]
+        if unknown or not self.target_modules or len(set(self.target_modules)) != len(
+                self.target_modules):
+            out.append(f"finetune.target_modules={list(self.target_modules)}: a non-empty list "
+                       f"without repeats of {', '.join(FinetuneConfig.TARGETS)}")
+        if min(self.nf4_block_size, self.nf4_scaler_block_size) < 2:
+            out.append("finetune.nf4_block_size and finetune.nf4_scaler_block_size must be >= 2")
+        return out
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the weights train for (conf/objective/), beside which weights train (finetune):
+    next-token cross-entropy on the answers (sft), or Direct Preference Optimization on
+    prompt / chosen / rejected pairs (dpo: llama_fsdp/objective/dpo.py, docs/dpo.md)."""
+
+    # Valid values (class attributes, not config keys).
+    NAMES = ("sft", "dpo")
+    # sigmoid: DPO's -log sigmoid(beta * margin), with label_smoothing the conservative cDPO;
+    # ipo: (margin per answer token - 1 / (2 beta))^2, TRL's IPO.
+    LOSSES = ("sigmoid", "ipo")
+    # model: the policy with its adapters off (lora / qlora: nothing added), or a frozen copy
+    # sharded per layer like it (full); cached: the reference's log-probs computed once, before
+    # the first step, and kept on disk beside the tokenized data (no reference in memory).
+    REFERENCES = ("model", "cached")
+    # What a dpo run logs (metric_names.py, TRL's names) and the runs table's columns of it.
+    METRICS = names.DPO_METRICS
+    SUMMARY = names.DPO_SUMMARY
+
+    name: str = "sft"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "model"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+        out = []
+        for key, value, valid in (("name", self.name, ObjectiveConfig.NAMES),
+                                  ("loss", self.loss, ObjectiveConfig.LOSSES),
+                                  ("reference", self.reference, ObjectiveConfig.REFERENCES)):
+            if value not in valid:
+                out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
+        if self.name != "dpo":
+            changed = [f"objective.{k}" for k, v in vars(self).items()
+                       if k != "name" and v != getattr(ObjectiveConfig, k)]
+            if changed:
+                out.append(f"{', '.join(changed)} set with objective={self.name}: "
+                           f"{'they apply' if len(changed) > 1 else 'it applies'} to "
+                           "objective=dpo (add objective=dpo, or drop them)")
+            return out
+        if self.beta <= 0:
+            out.append(f"objective.beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            out.append(f"objective.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.label_smoothing and self.loss != "sigmoid":
+            out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
+                       f"{self.loss}: drop it")
+        return out
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (conf/optim/): AdamW with its moments in the parameters' dtype (adamw), or
+    in 8 or 4 bits with block-wise scales (torchao's low-bit AdamW). Its hyperparameters stay
+    in train (lr, beta1, beta2, eps, weight_decay)."""
+
+    name: str = DEFAULT_OPTIMIZER  # a name of llama_fsdp/config/optimizers.py's table
+    # Low-bit moments: elements per scale (null: torchao's default, 256 for 8-bit, 128 for 4-bit).
+    block_size: Optional[int] = None
+    # bf16 parameters updated by stochastic rounding (fp32 math, no extra memory).
+    bf16_stochastic_round: bool = False
+    # Run the low-bit step without torch.compile (slower steps, no compile at the start).
+    eager: bool = False
+    # adamw only: torch's fused AdamW (one kernel over every parameter, no param-sized
+    # temporary; torchtitan's default on CUDA) instead of foreach (the same math). null: fused
+    # on CUDA (an H200 step of 1b at seq 2048 took 19 ms less: benchmarks/gpu.md), foreach on
+    # the CPU (what the CPU benchmarks measured).
+    fused: Optional[bool] = None
+
+    def fused_on(self, device: str) -> bool:
+        """Whether the step is torch's fused AdamW for parameters on ``device`` ("cuda",
+        "cpu"): optim.fused, by default on CUDA; never for torchao's steps."""
+        if self.lowbit or self.bf16_stochastic_round:
+            return False
+        return device == "cuda" if self.fused is None else self.fused
+
+    @property
+    def lowbit(self) -> bool:
+        """Moments in 8 or 4 bits (torchao), not in the parameters' dtype."""
+        return self.name in OPTIMIZERS and OPTIMIZERS[self.name].lowbit
+
+    @property
+    def block(self) -> int:
+        """The low-bit block size in use (0 for adamw: no blocks)."""
+        return (self.block_size or OPTIMIZERS[self.name].default_block) if self.lowbit else 0
+
+    def problems(self, *, param_dtype: str, cpu_offload: bool, full_state_dict: bool) -> list[str]:
+        """What torchao's optimizers (or this project's use of them) cannot do with this run,
+        each with its fix, for RunSpec's all-at-once report."""
+        out = []
+        if self.block_size is not None and not self.lowbit:
+            out.append(f"optim.block_size={self.block_size} sets the blocks of low-bit moments: "
+                       "drop it, or pick optim=adamw8bit / optim=adamw4bit")
+        elif self.block_size is not None and (self.block_size < 2
+                                              or self.block_size & (self.block_size - 1)):
+            out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
+                       "row of a Llama weight splits in whole blocks), e.g. the default "
+                       f"{OPTIMIZERS[self.name].default_block}")
+        if self.fused is True and (self.lowbit or self.bf16_stochastic_round):
+            what = f"optim={self.name}" if self.lowbit else "optim.bf16_stochastic_round=true"
+            out.append(f"optim.fused=true is torch's fused AdamW, but {what} steps with "
+                       "torchao's AdamW: drop optim.fused, or use optim=adamw without "
+                       "bf16_stochastic_round")
+        if self.bf16_stochastic_round and param_dtype != "bfloat16":
+            out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
+                       f"{param_dtype} here: use precision=bf16, or drop it")
+        if self.lowbit and cpu_offload:
+            out.append(f"optim={self.name} with sharding.cpu_offload=true: torchao would step "
+                       "every parameter on the host CPU, one at a time (on CPU 14-27x slower than "
+                       "AdamW's step), and low-bit moments already save most of the state "
+                       "offload would move: drop sharding.cpu_offload, or use optim=adamw")
+        if self.lowbit and full_state_dict:
+            out.append(f"optim={self.name} with save.full_state_dict=true: torchao's low-bit "
+                       "moments cannot be gathered into one file: drop save.full_state_dict "
+                       "(sharded checkpoints reshard on load; `python -m llama_fsdp.convert` "
+                       "makes the consolidated model)")
+        return out
+
+
+@dataclass
+class SaveConfig:
+    """Weight checkpoints (llama_fsdp/checkpoint/); resume is the root ``resume`` key."""
+
+    # A sharded DCP checkpoint in <output_dir>/checkpoints/step_N every N steps and at the end
+    # of training; 0: none (resume=auto then finds nothing to resume from).
+    every_steps: int = 0
+    # Complete checkpoints kept; older ones (and .tmp of interrupted saves) are deleted.
+    keep_last: int = 2
+    # dcp.async_save: the loop waits only for a CPU copy of the state, the write runs in a thread.
+    async_save: bool = False
+    # A consolidated HF directory (<output_dir>/export: safetensors, config.json, tokenizer)
+    # at the end, loadable with from_pretrained; `python -m llama_fsdp.convert` does the same
+    # for any checkpoint.
+    export_hf: bool = False
+    # Gather model + optimizer to rank 0 (CPU) and write one file there, instead of every rank
+    # writing its shards. Still a DCP checkpoint: resume and convert read it the same way.
+    full_state_dict: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # Relative sqlite paths resolve against the directory the command was launched from.
+    uri: str = f"sqlite:///{MLFLOW_DB}"
+    experiment: str = "llama_fsdp"
+    run_name: Optional[str] = None
+    # An unreachable tracking server at launch: refuse the run (false), or train anyway and
+    # deliver the spooled metrics when the server is back (true).
+    allow_offline: bool = False
+    # After the ranks end, how long the launcher keeps offering what the store has not taken yet
+    # (a server that went away mid-run); what is left stays in the run's tracking/ folder,
+    # delivered by `python -m llama_fsdp.tracking <run dir>`.
+    final_delivery_s: float = 30.0
+    # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
+    system_metrics: bool = False
+    system_metrics_interval_s: float = 10.0
+
+    def problems(self) -> list[str]:
+        # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
+        checks = [out_of_range("tracking.final_delivery_s", self.final_delivery_s, low=0),
+                  out_of_range("tracking.system_metrics_interval_s",
+                               self.system_metrics_interval_s, low=0, low_open=True)]
+        out = [c for c in checks if c]
+        if has_line_break(self.run_name):
+            out.append(line_break("tracking.run_name", self.run_name))
+        return out
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    sharding: ShardingConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    checkpointing: CheckpointingConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    data: DataConfig = MISSING
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    resume: str = "auto"
+    dry_run: bool = False
+    force: bool = False
+    # Where this run writes (checkpoints, logs, resolved config); Hydra's run dir by default.
+    output_dir: str = "${hydra:runtime.output_dir}"
+    # Shared across runs: trained tokenizers, tokenized datasets. null: <launch dir>/outputs/cache
+    # (rundir.CACHE).
+    cache_dir: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Register the root schema. Every group is a typed field of it, so the group options
+    (YAML, values only) and command-line overrides are checked against their dataclass when
+    merged: a misspelled key or a wrong type fails at compose time with the key's name. The
+    ``outputs`` resolver names the roots of the outputs/ tree (rundir.OUTPUT_ROOTS)."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("outputs"):  # conf/config.yaml: ${outputs:runs}, rundir.py's
+        OmegaConf.register_new_resolver("outputs", lambda root: OUTPUT_ROOTS[root])
+
+
+def conf_dir() -> Path:
+    """The config groups `python -m llama_fsdp` composes: conf/ of the checkout, installed
+    inside the package as ``llama_fsdp.conf``."""
+    from importlib.resources import files
+
+    return Path(str(files("llama_fsdp.conf")))
+
+
+def model_config_from_node(node: Any) -> ModelConfig:
+    """A ``model`` config node (a preset file, a run's config.yaml section) as a typed
+    ModelConfig: unset fields take the schema's defaults, as at compose time."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+
+
+def model_presets() -> dict[str, ModelConfig]:
+    """Every ``model=`` option as a typed ModelConfig (unset fields take the schema's defaults,
+    as at compose time); an option that does not validate is left out (compose reports it)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for f in sorted((conf_dir() / "model").glob("*.yaml")):
+        node = OmegaConf.load(f)
+        node.pop("defaults", None)  # type: ignore[union-attr]
+        try:
+            out[f.stem] = model_config_from_node(node)
+        except Exception:  # noqa: BLE001 - a broken preset is reported by compose, not here
+            continue
+    return out  # type: ignore[return-value]
+
+
+def model_preset(name: str) -> ModelConfig:
+    """One ``model=`` option (conf/model/<name>.yaml) as a typed ModelConfig, without Hydra."""
+    presets = model_presets()
+    if name not in presets:
+        raise KeyError(f"model={name}: valid: {', '.join(sorted(presets))}")
+    return presets[name]

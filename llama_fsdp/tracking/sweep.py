@@ -1,0 +1,363 @@
+"""Sweeps in MLflow: one parent run per `-m` sweep, one child run per point.
+
+MLflow's convention for searches is nested runs: the runs table shows the sweep as one
+expandable row. The parent is made when the sweep starts (Hydra callback), holds the swept
+parameters, the command and the number of points, and gets the summary: a table of the swept
+values against throughput, memory and loss, a plot, and in its own row the numbers of its best
+point (the most tokens per second). The summary is final once every point has ended; until then
+it says how many have ("running 1/3"), and no point still queued or running counts as failed. A
+local sweep summarizes when its last point ends; a SLURM sweep (which returns at submission)
+when the last of its jobs ends, or on demand:
+
+    python -m llama_fsdp.sweep <sweep_id> [--uri URI]
+
+A sweep started again in the same sweep directory (``hydra.sweep.dir=<dir>``, to resume or
+re-run its failed points) keeps its parent run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..config import metrics as names
+from ..config.schema import TrackingConfig
+from ..config.status import FINISHED, STATUSES, mlflow_status
+from ..config.credentials import export_credentials
+from ..run.spec import resolve_tracking_uri
+from . import (
+    START_DELIVERY_S,
+    Spool,
+    deliver_pending,
+    events,
+    open_client,
+    read_run_file,
+    write_run_file,
+)
+from .view import STATUS_TAG, command_note
+
+log = logging.getLogger(__name__)
+
+SUMMARY_METRICS = (names.SUMMARY_TOKENS_PER_SEC, names.SUMMARY_PEAK_MEMORY,
+                   names.SUMMARY_FINAL_LOSS)
+IGNORED_PARAMS = ("output_dir", "tracking.run_name")
+KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
+POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
+POINTS_TAG = "sweep.points"  # on the parent: how many points the sweep runs
+REFUSED_TAG = "sweep.refused"  # on the parent: the points refused before launch (JSON)
+ENDED = frozenset(STATUSES.values())  # MLflow statuses of a run that has ended
+
+
+def sweep_id_for(sweep_dir: str) -> str:
+    """A stable id from Hydra's sweep dir (outputs/sweeps/<date>/<time> -> sweep-<date>_<time>)."""
+    parts = Path(sweep_dir).parts
+    return "sweep-" + "_".join(parts[-2:])
+
+
+def swept_keys_of(sweep_dir: str) -> Optional[list[str]]:
+    """The keys the sweep in ``sweep_dir`` varies (recorded when it started)."""
+    return read_run_file(sweep_dir).get("swept")
+
+
+def parent_run(sweep_dir: str) -> Optional[str]:
+    """The parent run id of the sweep in ``sweep_dir`` (None if none was made)."""
+    return read_run_file(sweep_dir).get("run_id")
+
+
+def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
+                 swept: dict[str, str], points: Optional[int] = None) -> None:
+    """Create the sweep's parent run (or keep the one of this sweep dir); ``swept``: the swept
+    keys and their values as typed ({"train.batch_size": "1,2,4"}); ``points``: how many
+    points the sweep runs (None: not known)."""
+    if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
+        Spool(sweep_dir).append(events.Running())  # the same parent, running again
+        deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
+        return
+    sweep_id = sweep_id_for(sweep_dir)
+    write_run_file(sweep_dir, {"tracking_uri": uri, "swept": list(swept)})
+    spool = Spool(sweep_dir)
+    name = "sweep " + " ".join(f"{k}={v}" for k, v in swept.items()) if swept else sweep_id
+    tags = {"sweep_id": sweep_id, KIND_TAG: "sweep", STATUS_TAG: "running",
+            "mlflow.note.content": command_note(command, f"Sweep {sweep_id}:")}
+    if points is not None:
+        tags[POINTS_TAG] = str(points)
+    spool.append(events.Create(experiment, name, tags))
+    spool.append(events.Params(dict(swept)))
+    deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
+
+
+def sweep_page(uri: str, experiment: str) -> str:
+    """The runs page (with the saved view) of the experiment the sweep is in."""
+    from . import open_client, runs_page
+
+    exp = open_client(uri).get_experiment_by_name(experiment)
+    return runs_page(uri, exp.experiment_id if exp else "0")
+
+
+def _children(client: Any, parent_id: str) -> list[Any]:
+    run = client.get_run(parent_id)
+    return client.search_runs([run.info.experiment_id],
+                              f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000)
+
+
+def _latest_per_point(runs: list[Any]) -> list[Any]:
+    """A point's newest run: a point run again without a checkpoint to continue from gets a new
+    run (prepare.start_run); the one it replaced stays in MLflow, out of the summary."""
+    newest: dict[str, Any] = {}
+    for r in sorted(runs, key=lambda r: r.info.start_time or 0):
+        newest[r.data.tags.get("output_dir", r.info.run_id)] = r
+    return list(newest.values())
+
+
+def _find_parent(client: Any, experiment: str, sweep_id: str) -> Optional[str]:
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id],
+                              f"tags.sweep_id = '{sweep_id}' and tags.`{KIND_TAG}` = 'sweep'")
+    return runs[0].info.run_id if runs else None
+
+
+def swept_keys(runs: list[Any]) -> list[str]:
+    """Config keys whose values differ between the runs: what the sweep varied."""
+    keys = set().union(*(r.data.params for r in runs)) if runs else set()
+    varied = [k for k in keys if k not in IGNORED_PARAMS and not k.startswith("derived.")
+              and len({r.data.params.get(k) for r in runs}) > 1]
+    return sorted(varied)
+
+
+def point_tags(values: dict[str, str]) -> dict[str, str]:
+    """A sweep point's run tags: its value of each swept key (point.<key>)."""
+    return {POINT_TAG + k: v for k, v in values.items()}
+
+
+def _point_values(tags: dict[str, str]) -> dict[str, str]:
+    return {k[len(POINT_TAG):]: v for k, v in tags.items() if k.startswith(POINT_TAG)}
+
+
+def summary_rows(runs: list[Any], swept: list[str] = (),
+                 refused: list[tuple[dict[str, str], int]] = ()
+                 ) -> tuple[list[str], list[dict[str, Any]]]:
+    """The table's columns (the keys the sweep names, and any other that differs between its
+    points) and a row per point: its runs, then the points refused before they launched (no
+    run; ``refused``: their values of the swept keys and their exit code)."""
+    varied = swept_keys(runs)
+    # a swept config group (sharding=full,grad_op) varies its keys (sharding.strategy): those
+    # are the columns; a group none of whose keys differ keeps its own column
+    keys = sorted(set(varied) | {k for k in swept if not any(v.startswith(k + ".") for v in varied)})
+
+    def value(key: str, params: dict[str, Any], point: dict[str, str]) -> Any:
+        """A param where the run has it; else the point's value of the key, or of the config
+        group the key belongs to (a refused point has no params)."""
+        if key in params:
+            return params[key]
+        return point.get(key, next((v for g, v in point.items() if key.startswith(g + ".")),
+                                   None))
+
+    def row(params: dict[str, Any], point: dict[str, str], metrics: dict[str, Any],
+            status: str) -> dict:
+        return {**{k: value(k, params, point) for k in keys},
+                **{m: metrics.get(m) for m in SUMMARY_METRICS}, "status": status}
+
+    # a point not ended is no failure and has no numbers yet: its row says so
+    rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics,
+                       r.info.status if r.info.status in ENDED else "QUEUED OR RUNNING")
+                   for r in runs), key=lambda row: [str(row[k]) for k in keys])
+    rows += [row({}, point, {}, f"REFUSED (exit {code})") for point, code in refused]
+    return keys, rows
+
+
+def _header(col: str) -> str:
+    return col.removeprefix(names.SUMMARY_PREFIX)
+
+
+def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
+    cols = [*keys, *SUMMARY_METRICS, "status"]
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+    table = [[_header(c) for c in cols]] + [[cell(row[c]) for c in cols] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(keys: list[str], rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [", ".join(f"{k.split('.')[-1]}={row[k]}" for k in keys) or "run" for row in rows]
+    fig, axes = plt.subplots(1, len(SUMMARY_METRICS), figsize=(5 * len(SUMMARY_METRICS), 4))
+    for ax, metric in zip(axes, SUMMARY_METRICS):
+        ax.bar(range(len(rows)), [row[metric] or 0.0 for row in rows])
+        ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set_title(_header(metric))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """How far a sweep is: its points that ended (failed among them, refused ones included),
+    those queued or running, and those not made yet (a sweep still submitting)."""
+
+    ended: int
+    failed: int
+    active: int
+    waiting: int
+
+    @property
+    def complete(self) -> bool:
+        return self.active == 0 and self.waiting == 0
+
+    @property
+    def total(self) -> int:
+        return self.ended + self.active + self.waiting
+
+    def status(self) -> str:
+        """The parent's status column: "running 1/3", "finished", "1/3 failed"."""
+        if not self.complete:
+            return f"running {self.ended}/{self.total}"
+        return f"{self.failed}/{self.total} failed" if self.failed else "finished"
+
+
+def progress(statuses: list[str], refused: int, points: Optional[int]) -> Progress:
+    """A sweep's progress from its point runs' MLflow statuses, its points refused before
+    launch, and how many points it has (None: not known, the runs are all)."""
+    ended = [s for s in statuses if s in ENDED]
+    active = len(statuses) - len(ended)
+    made = len(statuses) + refused
+    return Progress(ended=len(ended) + refused,
+                    failed=sum(s != mlflow_status(FINISHED) for s in ended) + refused, active=active,
+                    waiting=max(0, points - made) if points is not None else 0)
+
+
+def best_run(runs: list[Any]) -> Optional[Any]:
+    """The finished point with the most tokens per second (a point not ended has none)."""
+    done = [r for r in runs if r.info.status == mlflow_status(FINISHED)
+            and r.data.metrics.get(names.SUMMARY_TOKENS_PER_SEC) is not None]
+    return max(done, key=lambda r: r.data.metrics[names.SUMMARY_TOKENS_PER_SEC], default=None)
+
+
+@contextlib.contextmanager
+def _summary_lock(sweep_dir: Optional[str]) -> Iterator[None]:
+    """One summary at a time per sweep (the last points of a SLURM sweep can end together):
+    the later one reads what the earlier one could not see yet."""
+    if sweep_dir is None or not Path(sweep_dir).is_dir():
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(str(Path(sweep_dir) / ".summary.lock")):
+        yield
+
+
+def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
+              parent_id: Optional[str] = None, sweep_dir: Optional[str] = None,
+              refused: Optional[list[tuple[dict[str, str], int]]] = None) -> Optional[str]:
+    """Print-ready table of a sweep's points; logged with a plot to the parent run, whose row
+    gets its best point's numbers. Once every point has ended the parent ends FINISHED (its
+    tag failed_points counts the points that did not finish); before, it stays RUNNING and
+    says how many have. ``refused``: the points refused before launch (values, exit code),
+    recorded on the parent (None: those it recorded)."""
+    from . import open_client
+
+    client = open_client(tracking_uri)
+    parent_id = parent_id or _find_parent(client, experiment, sweep_id)
+    if parent_id is None:
+        log.warning("no sweep run tagged sweep_id=%s in experiment %r", sweep_id, experiment)
+        return None
+    with _summary_lock(sweep_dir):
+        parent = client.get_run(parent_id)
+        if refused is None:
+            refused = [tuple(p) for p in json.loads(parent.data.tags.get(REFUSED_TAG, "[]"))]
+        elif refused:
+            client.set_tag(parent_id, REFUSED_TAG, json.dumps(refused))
+        runs = _latest_per_point(_children(client, parent_id))
+        if not runs and not refused:
+            log.warning("sweep %s has no points yet", sweep_id)
+            return None
+        points = parent.data.tags.get(POINTS_TAG)
+        state = progress([r.info.status for r in runs], len(refused),
+                         int(points) if points else None)
+        keys, rows = summary_rows(runs, list(parent.data.params), refused)
+        table = format_table(keys, rows)
+        if not state.complete:
+            table += (f"\n{state.ended} of {state.total} points ended; the summary is final "
+                      f"when the last ends (or run: python -m llama_fsdp.sweep {sweep_id})")
+        _log_summary(client, parent, sweep_id, table, keys, rows, state, best_run(runs))
+    return table
+
+
+def _log_summary(client: Any, parent: Any, sweep_id: str, table: str, keys: list[str],
+                 rows: list[dict[str, Any]], state: Progress, best: Optional[Any]) -> None:
+    """The summary on the parent: artifacts, its row's numbers (its best point's), its
+    status; ended FINISHED once every point has."""
+    from mlflow.entities import Metric, RunTag
+
+    from .view import BEST_POINT_TAG, SHOWN, STATUS_TAG
+
+    parent_id = parent.info.run_id
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "sweep_summary.md").write_text(f"# {sweep_id}\n\n```\n{table}\n```\n")
+        plot(keys, rows, Path(tmp) / "sweep_summary.png")
+        client.log_artifacts(parent_id, tmp)
+    now = int(time.time() * 1000)
+    metrics = [Metric("points", float(state.total), now, 0)]
+    tags = [RunTag(STATUS_TAG, state.status())]
+    if best is not None:
+        tokens = best.data.metrics[names.SUMMARY_TOKENS_PER_SEC]
+        metrics += [Metric("best/tokens_per_sec", tokens, now, 0),
+                    *(Metric(s.name, best.data.metrics[s.name], now, 0) for s in SHOWN
+                      if s.name in best.data.metrics)]
+        tags.append(RunTag(BEST_POINT_TAG, best.info.run_name))
+    if state.complete:
+        tags.append(RunTag("failed_points", str(state.failed)))
+    elif "failed_points" in parent.data.tags:  # a sweep resumed: its points are not all done
+        client.delete_tag(parent_id, "failed_points")
+    client.log_batch(parent_id, metrics=metrics, tags=tags)
+    if state.complete:
+        client.set_terminated(parent_id, status=mlflow_status(FINISHED))
+    elif parent.info.status != "RUNNING":
+        client.update_run(parent_id, status="RUNNING")
+
+
+def point_ended(spec: Any) -> None:
+    """A point of a sweep no launcher waits for (SLURM, cluster.wait=false) ended, its status
+    delivered: the sweep's summary with it (final when it was the last point)."""
+    if not spec.sweep_id or not spec.sweep_dir or not spec.tracking.enabled:
+        return
+    summarize(spec.sweep_id, tracking_uri=spec.tracking_uri, experiment=spec.tracking.experiment,
+              parent_id=parent_run(spec.sweep_dir), sweep_dir=spec.sweep_dir)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m llama_fsdp.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_id")
+    p.add_argument("--uri", default=TrackingConfig.uri)
+    p.add_argument("--experiment", default=TrackingConfig.experiment)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    uri = resolve_tracking_uri(export_credentials(args.uri), Path.cwd())  # (MLflow reads
+    table = summarize(args.sweep_id, tracking_uri=uri, experiment=args.experiment)  # them there)
+    if table is None:
+        raise SystemExit(1)
+    log.info("%s", table)
+    log.info("compare the points: %s", sweep_page(uri, args.experiment))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""What every rank runs: process group -> mesh -> sharded model -> data -> loop -> result.
+
+From the command line to one optimizer step, the functions on the way:
+
+    python -m llama_fsdp                       __main__.py -> cli.main
+      cli._hydra_main -> cli._run_and_report   compose conf/; launchers.launcher_for picks the
+                                               launcher of cluster.kind, then cli.run_one:
+        cli.plan_run                           spec.build_spec (the validated RunSpec),
+                                               plan.make_plan (memory and FLOPs, printed)
+        plan.check_fits, Launcher.preflight    refused here if it cannot fit or launch
+        Launcher.launch                        launchers/base.py:
+          prepare.prepare_job                  own the run dir; tracking store, weights, data
+                                               cache (prepare_data), MLflow run
+          LocalLauncher.start / SlurmLauncher.start
+            launchers.rank.RankEntry           per rank: a supervisor (submitit's task) ...
+              launchers.child.main             ... starts this worker process, which calls
+    worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
+      distributed.process_group                process group (gloo, or nccl + gloo); under
+                                               cluster=torchrun TorchrunLauncher.launch opened
+                                               it, did the job's duties and called this
+      train_on_rank -> RankRun.build           build_model (model.build_meta_model,
+                                               [lora.apply_adapters,] parallel.parallelize,
+                                               model.init_weights or
+                                               checkpoint.load_hf_weights; adapters: their
+                                               base from checkpoint.load_hf_base or
+                                               lora.init_base), data.build_data,
+                                               optim.build_optimizer, checkpoint.Checkpointer
+                                               (resume), tracking.open_tracker
+        RankRun.train -> train.run_loop        the loop; each step is
+          train.train_step                     micro-batches: attention.model_inputs,
+                                               loss.loss_sum, backward;
+                                               parallel.clip_grad_norm, optimizer.step
+
+The driver has already prepared everything that needs no process group (tokenized data in the
+cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never touch a hub.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import checkpoint as ckpt_io
+from ..config import metrics as names
+from ..checkpoint.layout import resume_candidates
+from ..config.schema import TrainConfig
+from ..data import DataModule, build_data
+from .distributed import DistEnv, process_group
+from ..objective.sft import eval_loss, exact_match
+from ..config.hf_dir import hub_name
+from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
+from ..objective.loss import install as install_loss_head
+from ..model.llama import (
+    build_meta_model,
+    decoder_layers,
+    init_buffers,
+    init_weights,
+    retie_embeddings,
+)
+from .optimizer import build_optimizer, compile_cache_dir, use_compile_cache
+from ..model.parallelize import build_mesh, local_numel, parallelize, torch_dtype
+from ..plan import Plan, make_plan
+from ..plan.optimizer import uses_torchao_step
+from ..config.status import FAILED, FINISHED, RunResult, mlflow_status
+from ..config.rundir import RunDir, write_run_status
+from ..run.spec import RunSpec
+from .stopping import StopSignals, stop_handler
+from ..tracking import Console, NullConsole, NullTracker, open_tracker
+from ..tracking.view import STATUS_TAG, model_name, shown_metrics, status_text
+from .loop import TOKEN_LOSS, LoopContext, StopRequested, build_scheduler, run_loop, steady_median
+from ..checkpoint.state import TrainState
+from .watchdog import HangWatch, set_train_timeout
+
+log = logging.getLogger(__name__)
+
+def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn.Module:
+    """Meta-device model -> [adapters] -> AC/compile/FSDP2 -> materialize this rank's shards ->
+    init (``init=False``: the weights come from a checkpoint or HF files, so no full tensors
+    are drawn for nothing; buffers only). With adapters (finetune=lora / qlora) the frozen base
+    is never in a checkpoint: it always comes from model.path or the seeded init here."""
+    model = build_meta_model(spec.model)
+    model.to(torch_dtype(spec.policy.param_dtype))
+    ft = spec.finetune
+    apply_adapters(model, ft, policy=spec.policy)
+    if spec.train.loss == TrainConfig.CHUNKED:  # the head computes the loss (loss.py)
+        install_loss_head(model, chunk=spec.train.loss_chunk)
+    mesh = build_mesh(spec.mesh, device.type)
+    parallelize(model, decoder_layers(model), mesh=mesh, mesh_spec=spec.mesh, policy=spec.policy,
+                ac=spec.checkpointing, compile=spec.train.compile,
+                cpu_offload=spec.sharding.cpu_offload,
+                ignored_params=unsharded_nf4(model, spec.mesh.shard),
+                preserve_rng_state=ft.adapters and ft.dropout > 0)
+    where = torch.device("cpu") if spec.sharding.cpu_offload else device
+    model.to_empty(device=where)
+    if spec.mesh.ddp:  # DDP gathers its parameters at the first forward: after this
+        retie_embeddings(model)
+    if ft.adapters:
+        if spec.model.path:
+            ckpt_io.load_hf_base(model, spec.model.path, ft, device=where)
+        else:
+            init_base(model, ft, std=spec.model.init_std, seed=spec.train.seed, device=where)
+        init_adapters(model, seed=spec.train.seed)
+    elif init:
+        init_weights(model, std=spec.model.init_std, seed=spec.train.seed)
+    else:
+        init_buffers(model)
+    return model
+
+
+def compile_cache(spec: RunSpec, model: nn.Module, rank: int) -> Optional[Path]:
+    """A compiled optimizer step (torchao's) gets an inductor cache of its own per optimizer,
+    block size and shard layout, under cache_dir, so that the ranks of a node compile it once
+    and a later run's first step loads it instead of compiling again (llama_fsdp/train/optimizer.py).
+    AdamW, or an eager step, compiles nothing: None."""
+    if spec.optim.eager or not uses_torchao_step(spec.optim, spec.policy.param_dtype):
+        return None
+    path = compile_cache_dir(spec.cache_dir, spec.optim, model)
+    use_compile_cache(path)
+    if rank == 0:
+        log.info("optim=%s: its step is compiled at the first step (cached in %s)",
+                 spec.optim.name, path.parent)
+    return path
+
+
+def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
+    """train.callbacks: "module:attr" factories, each called once -> a step-end hook."""
+    from ..run.callbacks import resolve
+
+    return [resolve(path)(rank=rank, world_size=spec.world_size, output_dir=spec.output_dir)
+            for path in spec.train.callbacks]
+
+
+def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.device) -> dict:
+    """Eval loss on the held-out batches, and exact match of greedy answers (all ranks call it)."""
+    out = {"eval_loss": eval_loss(model, data.eval_batches(spec.eval.max_batches), device=device)}
+    if spec.eval.task_prompts:
+        # Generation grows the sequence one token at a time: eager, not recompiled per length.
+        with torch.compiler.set_stance("force_eager"):
+            scores = exact_match(model, data, device=device, max_prompts=spec.eval.task_prompts,
+                                 max_new_tokens=spec.eval.max_new_tokens)
+        out.update({f"eval_{k}": v for k, v in scores.items()})
+    return out
+
+
+@dataclass
+class RankRun:
+    """One rank's run, built: the pieces the loop needs, and what it reports."""
+
+    spec: RunSpec
+    env: DistEnv
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: DataModule
+    plan: Plan
+    tracker: Any
+    console: Any
+    checkpointer: Any
+    state: TrainState
+    resumed_from: Optional[Path] = None
+    counts: dict[str, int] = field(default_factory=dict)  # trainable, base, total parameters
+    preference: Any = None  # objective=dpo: dpo.Preference (its reference, loss and eval)
+
+    @classmethod
+    def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
+        torch.manual_seed(spec.train.seed)
+        resume = resume_candidates(spec.resume, spec.output_dir)
+        # A checkpoint to resume from holds the weights: no HF read, no random init.
+        model = build_model(spec, device, init=not resume and not spec.model.path)
+        if not resume and spec.model.path and not spec.finetune.adapters:
+            ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
+        # the driver announced the data's notes already
+        data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
+        preference = None
+        if spec.objective.name == "dpo":  # its reference, from the weights not yet trained
+            from ..objective.dpo import build_preference
+
+            preference = build_preference(spec, model, data, device, rank=env.rank,
+                                          world=env.world_size, resuming=bool(resume))
+        optimizer = build_optimizer(model, spec.train, spec.optim,
+                                    compile_dir=compile_cache(spec, model, env.rank))
+        scheduler = build_scheduler(optimizer, spec.train)
+        tracker = open_tracker(spec) if env.rank == 0 else NullTracker()
+        console = Console(total=spec.train.max_steps) if env.rank == 0 else NullConsole()
+        state = TrainState()
+        tokenizer = data.tokenizer
+        hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
+        checkpointer = ckpt_io.Checkpointer(
+            spec.save, output_dir=spec.output_dir, device=device,
+            app=ckpt_io.AppState(model, optimizer, scheduler, state, data), hf_config=hf_cfg,
+            tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
+            finetune=spec.finetune)
+        run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
+                  console, checkpointer, state, preference=preference)
+        run.resumed_from = checkpointer.resume(resume)
+        run.console.set_initial(state.step)
+        run.record_start()
+        return run
+
+    def record_start(self) -> None:
+        """Placement, derived values, data statistics, parameter counts and the plan."""
+        hosts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        spec = self.spec
+        # The run's config is its params; what follows from it is in tags (strings) and step-0
+        # metrics (numbers), so that the params that differ between runs are what was chosen.
+        trainable, total = param_counts(self.model)
+        self.counts = {names.TRAINABLE_PARAMS: trainable, names.TOTAL_PARAMS: total,
+                       # the base is frozen whole under adapters: all the rest is the base
+                       names.BASE_PARAMS: total - trainable if spec.finetune.adapters else total}
+        self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
+                               **({"restarts": str(spec.restart)} if spec.restart else {}),
+                               "derived.world_size": str(spec.world_size),
+                               "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                               "derived.precision": spec.precision.name,
+                               STATUS_TAG: status_text("RUNNING"),
+                               **self.data.info.params()})
+        self.tracker.log_text(self.plan.table(), "plan.txt")
+        self.tracker.log_start_metrics({
+            names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+            "global_batch": spec.global_batch, "tokens_per_step": spec.tokens_per_step,
+            "local_params_rank0": local_numel(self.model), **self.counts, **self.data.stats,
+            **self.plan.metrics()})
+        if spec.restart:
+            self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
+
+    def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
+        spec, pref = self.spec, self.preference
+        eval_fn = (lambda step: evaluate(self.model, self.data, spec, self.device)) \
+            if pref is None else (lambda step: pref.evaluate(
+                self.model, self.data, max_batches=spec.eval.max_batches,
+                task_prompts=spec.eval.task_prompts, max_new_tokens=spec.eval.max_new_tokens))
+        return LoopContext(
+            device=self.device, train=spec.train, eval=spec.eval,
+            batches=self.data.train_batches() if pref is None
+            else pref.batches(self.data.train_batches()),
+            loss_fn=TOKEN_LOSS if pref is None else pref.loss,
+            tracker=self.tracker, console=self.console,
+            flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
+            on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
+                         hang.arm],
+            saves_at=self.checkpointer.saves_at,
+            evaluate=eval_fn,
+            stop_request=stops.request,
+            on_stop=stop_handler(self.checkpointer.save_now,
+                                 save_on_user_stop=spec.save.every_steps > 0),
+            after_first_step=lambda: set_train_timeout(spec))
+
+    def train(self) -> RunResult:
+        stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
+        status, export_dir, final, summary = FAILED, None, {}, {}
+        linked = False  # the final metrics went with the logged model
+        t = self.spec.train
+        done_before = self.state.step >= (t.stop_after or t.max_steps)  # resumed a finished run
+        try:
+            hang.arm()
+            result = run_loop(self.model, self.optimizer, self.scheduler, self.state,
+                              self.loop_context(stops, hang))
+            final = result.last
+            summary = self.summary(result.logged, final)
+            self.checkpointer.finish(self.state)
+            if done_before:
+                log.info("this run had already finished at step %d: nothing to train",
+                         self.state.step)
+            else:
+                export_dir, linked = self.export(self.final_metrics(summary))
+            status = FINISHED
+        except StopRequested as e:
+            status = e.reason
+        finally:
+            hang.close()
+            self.checkpointer.close()
+            self.console.close()
+            if not linked:
+                self.tracker.log_metrics(self.final_metrics(summary), step=0)
+            self.tracker.finish(mlflow_status(status))
+            if self.env.rank == 0:
+                write_run_status(self.spec.output_dir, status=status, step=self.state.step,
+                                 config_yaml=self.spec.config_yaml)
+        return RunResult(
+            rank=self.env.rank, status=status, steps=self.state.step, losses=self.state.losses,
+            final=final, summary=summary, tokens_seen=self.state.tokens_seen,
+            mlflow_run_id=self.tracker.run_id,
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
+            export_dir=str(export_dir) if export_dir else None)
+
+    def export(self, metrics: dict[str, float]) -> tuple[Optional[Path], bool]:
+        """The run's model at the end, logged to MLflow with the run's final ``metrics``: the
+        whole model as an HF directory (save.export_hf), or for adapters always the PEFT
+        adapter (and, with finetune.export_merged, the merged model beside it). Collective.
+        Returns the export and whether the metrics were logged with it."""
+        spec, run_dir, ft = self.spec, RunDir(self.spec.output_dir), self.spec.finetune
+        base = hub_name(spec.model.path) if spec.model.path else None  # loads elsewhere too
+        params = {"base": base or "random init", "model": spec.model.name,
+                  "finetune": ft.method}
+        logged = {"name": model_name(spec.run_name, spec.sweep_id), "step": self.state.step,
+                  "params": params, "metrics": metrics}
+        if ft.adapters:
+            path = ckpt_io.export_adapter(self.model, run_dir.export, ft=ft, base_model=base,
+                                          tokenizer=self.data.tokenizer)
+            if ft.export_merged:
+                ckpt_io.export_merged(self.model, run_dir.export_merged,
+                                      config=self.checkpointer.hf_config,
+                                      # the config's dtype, which keeps an fp32 delta
+                                      dtype=torch_dtype(spec.policy.param_dtype),
+                                      tokenizer=self.data.tokenizer)
+            return path, self.tracker.log_model_dir(path, model_type="peft-lora", **logged)
+        if not spec.save.export_hf:
+            return None, False
+        path = ckpt_io.export_hf(self.model, run_dir.export, config=self.checkpointer.hf_config,
+                                 tokenizer=self.data.tokenizer)
+        return path, self.tracker.log_model_dir(path, **logged)
+
+    def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
+        """End-of-run numbers the MLflow table sorts on (summary/*)."""
+        med = lambda key: steady_median(logged, key)  # noqa: E731
+        out = {names.SUMMARY_TOKENS_PER_SEC: med(names.TOKENS_PER_SEC),
+               names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE: med("tokens_per_sec_per_device"),
+               names.SUMMARY_STEP_TIME: med(names.STEP_TIME),
+               names.SUMMARY_MFU: med(names.MFU),
+               names.SUMMARY_PEAK_MEMORY: max((m[names.PEAK_MEMORY] for m in logged),
+                                              default=None),
+               names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+               names.SUMMARY_FINAL_LOSS: final.get(names.LOSS),
+               names.SUMMARY_EVAL_LOSS: final.get(names.EVAL_LOSS),
+               names.SUMMARY_EVAL_EXACT_MATCH: final.get("eval_exact_match")}
+        if self.preference is not None:
+            out.update(self.preference.summary(logged, final))
+        return {k: float(v) for k, v in out.items() if v is not None}
+
+    def final_metrics(self, summary: dict[str, float]) -> dict[str, float]:
+        """What the run logs when it ends, at step 0 (MLflow charts a metric whose latest
+        step is 0 as one bar per run): the summary, and the runs table's rounded columns."""
+        known = {**self.counts, names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb}
+        return {**summary, **shown_metrics({**known, **summary})}
+
+
+def train_on_rank(spec: RunSpec, env: DistEnv, device: torch.device) -> RunResult:
+    """Build and train one rank's run in this process, its process group already up: what
+    ``run_worker`` does after ``init_distributed``, and what the multi-rank tests run in the
+    processes they start (tests/distributed.py)."""
+    return RankRun.build(spec, env, device).train()
+
+
+def run_worker(spec: RunSpec) -> RunResult:
+    """Entry point of one rank; the environment gives RANK, WORLD_SIZE, MASTER_ADDR/PORT. The
+    process group is this call's, or the launcher's when it opened one (cluster=torchrun)."""
+    with process_group(spec) as (env, device):
+        return train_on_rank(spec, env, device)
