@@ -179,10 +179,12 @@ def compose_error(overrides: list[str]) -> Optional[str]:
 def plan_of(overrides: list[str], work: Path) -> tuple[Any, Any]:
     """The composed config and llama_fsdp's plan of it (FLOPs per token, peak FLOP/s, peak)."""
     from llama_fsdp.plan import make_plan, resolve_auto
+    from llama_fsdp.launchers import launcher_for
     from llama_fsdp.run.spec import build_spec
 
     cfg = compose([f"output_dir={work / 'plan'}", *overrides])
-    return cfg, make_plan(resolve_auto(build_spec(cfg, launch_dir=work)))
+    return cfg, make_plan(resolve_auto(build_spec(
+        cfg, placement=launcher_for(cfg.cluster).placement, launch_dir=work)))
 
 
 def tokenizer_overrides(s: Settings) -> list[str]:

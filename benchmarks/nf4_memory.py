@@ -26,7 +26,7 @@ def one(impl: str, dtype_name: str, rows: int, cols: int, compiled: bool) -> str
     import torch
 
     from benchmarks.plan_vs_measured import Heap
-    from llama_fsdp.model import nf4
+    from llama_fsdp.config import nf4
 
     dtype = getattr(torch, dtype_name)
     q = nf4.nf4_module().to_nf4(torch.randn(rows, cols, dtype=dtype), 64, 256)

@@ -9,14 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..config.placement import LOCAL, SLURM, TORCHRUN
 from ..lazy import lazy_names
 
 if TYPE_CHECKING:
     from .base import Launcher
 
-# cluster.kind -> the module and class of its launcher
-LAUNCHERS = {"local": ("local", "LocalLauncher"), "slurm": ("slurm", "SlurmLauncher"),
-             "torchrun": ("torchrun", "TorchrunLauncher")}
+# cluster.kind (config/placement.py's LAUNCH_MODES) -> the module and class of its launcher
+LAUNCHERS = {LOCAL: ("local", "LocalLauncher"), SLURM: ("slurm", "SlurmLauncher"),
+             TORCHRUN: ("torchrun", "TorchrunLauncher")}
 
 _WHERE = {"Launcher": "base", "Entry": "program", "Interrupted": "common",
           "LaunchError": "common", "RankFailure": "common"}
@@ -28,7 +29,10 @@ def launcher_for(cluster: Any, entry: str = "") -> Launcher:
     ("module:function": the launching process need not import it; without one, a launcher
     that only answers questions, as whether it waits)."""
     if cluster.kind not in LAUNCHERS:
-        raise ValueError(f"cluster.kind={cluster.kind!r} is not one of {', '.join(LAUNCHERS)}")
+        from ..run.spec import ConfigError
+
+        raise ConfigError([f"cluster.kind={cluster.kind!r} is not one of "
+                           f"{', '.join(LAUNCHERS)}"])
     module, name = LAUNCHERS[cluster.kind]
     return getattr(importlib.import_module(f".{module}", __name__), name)(cluster, entry)
 

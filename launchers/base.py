@@ -4,6 +4,8 @@ base, as Hydra's submitit plugin has one launcher class per submitit executor ov
 
 A launcher answers, for its kind:
 
+- ``placement``: where the ranks run and what each node has (the device, nodes, ranks per node,
+  GPUs, RAM: llama_fsdp/config/placement.py), which the spec, its checks and the plan read;
 - ``run_dir``: where the run writes (torchrun: a directory every process of the job agrees on);
 - ``preflight``: what this machine lacks to launch, before anything is prepared;
 - ``preview``: what a dry run prints instead of launching (the sbatch script, the ranks);
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional
 
 from ..prepare.job import prepare_job
 from ..config.status import mlflow_status
+from ..config.placement import Placement
 from ..config.rundir import RunDir
 from ..tracking import close_run, deliver_pending, read_run_file, shipping
 from .submitit_compat import check_version
@@ -65,6 +68,11 @@ class Launcher:
     def speaks(self) -> bool:
         """Whether this process logs the plan and the outcome for the job."""
         return True
+
+    def placement(self, cfg: Any, output_dir: str) -> Placement:
+        """Where the ranks of ``cfg`` (the typed Config) run and what each node has, with what
+        this launcher cannot do with it (``Placement.problems``)."""
+        raise NotImplementedError
 
     def run_dir(self, output_dir: str, *, given: bool) -> str:
         """The run directory: the config's output_dir (Hydra's run dir unless ``given`` on

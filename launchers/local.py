@@ -17,8 +17,10 @@ from .common import (
     watch,
     worker_env,
 )
+from ..config.placement import Placement
 from ..config.rundir import RunDir
 from .forked import PRELOAD_ENV
+from .hosts import this_host
 from .rank import ATTEMPT_ENV, RUN_DIR_ENV
 
 if TYPE_CHECKING:
@@ -69,6 +71,17 @@ class LocalLauncher(Launcher):
     tracking spool meanwhile."""
 
     ships_tracking = True
+
+    def placement(self, cfg: Any, output_dir: str) -> Placement:
+        """This host: its GPUs (one rank each) or 2 CPU ranks, its RAM."""
+        c, problems = cfg.cluster, []
+        if c.nodes is None:
+            problems.append("cluster.nodes=null with cluster=local: set a number of nodes")
+        elif c.nodes != 1:
+            problems.append(
+                f"cluster.nodes={c.nodes} with cluster=local: a local run uses this host only; "
+                "use cluster=slurm for several nodes, or sharding.shard_size to emulate them")
+        return this_host(cfg, nodes=c.nodes or 1, nproc=None, problems=problems)
 
     def preview(self, spec: RunSpec) -> str:
         return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, "

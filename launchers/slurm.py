@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .base import Launcher
 from .common import LaunchError, SignalGuard, rank_entry, streaming, watch, worker_env
+from ..config.placement import Placement
 from ..config.rundir import RunDir
+from ..run.checks import has_line_break, line_break
 from .rank import ATTEMPT_ENV
 from .submitit_compat import restarting_slurm_executor, sbatch_text
 
@@ -89,6 +91,31 @@ class SlurmLauncher(Launcher):
     @property
     def waits(self) -> bool:
         return bool(self.cluster.wait)
+
+    def placement(self, cfg: Any, output_dir: str) -> Placement:
+        """The job's nodes as the config asks for them (cluster.gpus_per_node, cluster.mem_gb),
+        wherever the plan is made: the jobs wait in SLURM's queue."""
+        c, problems = cfg.cluster, []
+        if c.nodes is None:
+            problems.append("cluster.nodes=null with cluster=slurm: set a number of nodes")
+        device = c.device if c.device != "auto" else ("cuda" if c.gpus_per_node > 0 else "cpu")
+        nproc = c.nproc_per_node if c.nproc_per_node is not None else (
+            c.gpus_per_node if device == "cuda" else 2)
+        if device == "cuda" and c.gpus_per_node and nproc > c.gpus_per_node:
+            problems.append(f"cluster.nproc_per_node={nproc} exceeds cluster.gpus_per_node="
+                            f"{c.gpus_per_node}")
+        if c.timeout_min is None:
+            problems.append("cluster.timeout_min is required with cluster=slurm (the job's "
+                            "--time, in minutes): set cluster.timeout_min=<minutes>")
+        if has_line_break(str(output_dir)):  # in the #SBATCH lines
+            problems.append(line_break("output_dir", str(output_dir)))
+        return Placement(
+            device=device, nodes=c.nodes or 1, nproc_per_node=nproc, on_this_host=False,
+            gpus_per_node=c.gpus_per_node,
+            ram_bytes=int(c.mem_gb * 10**9) if c.mem_gb else None,
+            ram_source="cluster.mem_gb" if c.mem_gb else "cluster.mem_gb unset",
+            more_ram="a larger cluster.mem_gb, if the nodes have it", queued=True,
+            problems=tuple(problems))
 
     def preflight(self, spec: RunSpec) -> list[str]:
         """sbatch on PATH, and a SLURM controller that answers."""

@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..prepare.job import prepare_data, prepare_job, resolve_model
+from ..config.placement import Placement
 from ..config.status import FINISHED
 from ..config.rundir import RUNS, name_problem
 from ..run.spec import ConfigError
 from .base import Launcher
 from .common import scoped_environ, worker_env
+from .hosts import this_host
 from .process import load_entry
 
 if TYPE_CHECKING:
@@ -91,6 +93,41 @@ class JobPreparationError(RuntimeError):
 
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_layout(cluster: Any, problems: list[str],
+                    environ: Optional[dict] = None) -> tuple[int, int]:
+    """cluster=torchrun: (nodes, ranks per node) from the environment torchrun or a Kubernetes
+    operator gives each process (WORLD_SIZE, LOCAL_WORLD_SIZE: 1 when unset, as a bare
+    RANK/WORLD_SIZE launch has one process per node; GROUP_WORLD_SIZE), checked against the
+    config's values where it sets them."""
+    e = os.environ if environ is None else environ
+    missing = [v for v in TORCHRUN_VARS if not e.get(v)]
+    if missing:
+        problems.append(
+            f"cluster=torchrun runs in a process started by torchrun or a Kubernetes operator, "
+            f"but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set here: start "
+            "it with `torchrun --nnodes=N --nproc_per_node=G --rdzv-backend=c10d "
+            "--rdzv-endpoint=HOST:PORT -m llama_fsdp cluster=torchrun ...`, or use "
+            "cluster=local on one host")
+        return cluster.nodes or 1, cluster.nproc_per_node or 1
+    world, nproc = int(e["WORLD_SIZE"]), int(e.get("LOCAL_WORLD_SIZE") or 1)
+    nodes = int(e.get("GROUP_WORLD_SIZE") or max(world // max(nproc, 1), 1))
+    if nodes * nproc != world:
+        problems.append(f"the environment has WORLD_SIZE={world} processes, not a whole number "
+                        f"of nodes of LOCAL_WORLD_SIZE={nproc}: give every node the same "
+                        "--nproc_per_node")
+    for key, ours, theirs in (("nodes", cluster.nodes, nodes),
+                              ("nproc_per_node", cluster.nproc_per_node, nproc)):
+        if ours is not None and ours != theirs:
+            problems.append(f"cluster.{key}={ours} but the launcher started {theirs} (from "
+                            f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={nproc}): drop cluster.{key} "
+                            "(cluster=torchrun reads it from the environment) or launch "
+                            f"{ours}")
+    return nodes, nproc
+
+
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -102,6 +139,12 @@ class TorchrunLauncher(Launcher):
     @property
     def waits(self) -> bool:
         return rank() == 0  # it sees the job end; the others go with it
+
+    def placement(self, cfg: Any, output_dir: str) -> Placement:
+        """This host's GPUs and RAM; the nodes and ranks per node that torchrun started."""
+        problems: list[str] = []
+        nodes, nproc = torchrun_layout(cfg.cluster, problems)
+        return this_host(cfg, nodes=nodes, nproc=nproc, problems=problems)
 
     @property
     def speaks(self) -> bool:

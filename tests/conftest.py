@@ -49,12 +49,18 @@ def compose(overrides: list[str] | None = None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
 
 
-def make_spec(overrides: list[str] | None = None, *, output_dir: str | Path = "/tmp/llama_fsdp_test"):
-    """A RunSpec of the real composed config; on the CPU unless an override says otherwise."""
+def spec_of(cfg, **kwargs):
+    """build_spec as the command line calls it: with the placement of the config's launcher."""
+    from llama_fsdp.launchers import launcher_for
     from llama_fsdp.run.spec import build_spec
 
+    return build_spec(cfg, placement=launcher_for(cfg.cluster).placement, **kwargs)
+
+
+def make_spec(overrides: list[str] | None = None, *, output_dir: str | Path = "/tmp/llama_fsdp_test"):
+    """A RunSpec of the real composed config; on the CPU unless an override says otherwise."""
     cfg = compose([f"output_dir={output_dir}", *CPU, *(overrides or [])])
-    return build_spec(cfg, launch_dir=REPO)
+    return spec_of(cfg, launch_dir=REPO)
 
 
 def launch_prepared(spec, *, command: str = "pytest"):

@@ -44,10 +44,11 @@ log = logging.getLogger("llama_fsdp")
 WORKER = "llama_fsdp.train.worker:run_worker"  # every rank's entry point, by name (no torch here)
 
 
-def plan_run(cfg: DictConfig, run_dir: str) -> tuple[RunSpec, Any]:
-    """Config -> validated spec -> plan (printed); the plan's verdict is checked by the caller."""
-    spec = resolve_auto(build_spec(cfg, output_dir=run_dir, launch_dir=Path.cwd(),
-                                   **sweep_kwargs()))
+def plan_run(cfg: DictConfig, launcher: Launcher, run_dir: str) -> tuple[RunSpec, Any]:
+    """Config -> validated spec (with the launcher's placement) -> plan (printed); the plan's
+    verdict is checked by the caller."""
+    spec = resolve_auto(build_spec(cfg, placement=launcher.placement, output_dir=run_dir,
+                                   launch_dir=Path.cwd(), **sweep_kwargs()))
     export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
     for key, value in spec.summary().items():
         log.info("%-30s %s", key, value)
@@ -63,7 +64,7 @@ def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
     """The whole path for one composed config (one point of a sweep): spec -> plan -> the
     launcher's launch (preparation, then the ranks) -> summary. ``held`` keeps the run directory
     owned until the caller is done with the run."""
-    spec, plan = plan_run(cfg, run_dir)
+    spec, plan = plan_run(cfg, launcher, run_dir)
     if spec.dry_run:
         if not plan.fits:
             log.warning("this run would be refused at launch: it does not fit.\n%s",
@@ -90,16 +91,16 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
-    launcher = launcher_for(cfg.cluster, WORKER)  # the one place the launch mode is chosen
-    if not launcher.speaks:
-        logging.getLogger().setLevel(logging.WARNING)  # another process speaks for the job
     final_s = float(cfg.tracking.final_delivery_s)
     launched = False
-    hydra = hydra_footprint()
-    output_dir, made = str(hydra.path), hydra  # Hydra's until the spec says
+    hydra_dir = hydra_footprint()
+    output_dir, made = str(hydra_dir.path), hydra_dir  # Hydra's until the spec says
     try:
+        launcher = launcher_for(cfg.cluster, WORKER)  # the one place the launch mode is chosen
+        if not launcher.speaks:
+            logging.getLogger().setLevel(logging.WARNING)  # another process speaks for the job
         output_dir = launcher.run_dir(cfg.output_dir, given="output_dir" in overridden_keys())
-        if output_dir != str(hydra.path):  # (before anything of this launch makes it)
+        if output_dir != str(hydra_dir.path):  # (before anything of this launch makes it)
             made = Footprint(output_dir)
         result = run_one(cfg, launcher, output_dir, held)
         launched = result is not None
@@ -125,8 +126,8 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         if not launched:
             held.close()  # let the directory go first: a run that never started leaves nothing
             made.undo()  # of what it made; a directory that was there before stays
-        if made is not hydra:  # Hydra's, made but not used
-            hydra.undo()
+        if made is not hydra_dir:  # Hydra's, made but not used
+            hydra_dir.undo()
 
 
 def main() -> None:

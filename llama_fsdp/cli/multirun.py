@@ -22,7 +22,8 @@ from .overrides import command_line, point_values, shown_override, swept_overrid
 from ..config.status import FINISHED
 from ..config.rundir import Footprint, config_digest, read_run_status
 from ..config.credentials import export_credentials, redact
-from ..run.spec import RunSpec, point_name, resolve_tracking_uri
+from ..run.spec import RunSpec, point_name
+from ..tracking.store import resolve_tracking_uri
 from ..tracking.sweep import (
     parent_run,
     start_parent,

@@ -64,36 +64,3 @@ def by_device_name(name: str) -> Optional[Accelerator]:
                for n in acc.names):
             return acc
     return None
-
-
-def local_gpu() -> Optional[tuple[str, int]]:
-    """(name, total memory in bytes) of this host's first visible GPU, or None."""
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            props = torch.cuda.get_device_properties(0)
-            return props.name, int(props.total_memory)
-    except (ImportError, RuntimeError):
-        pass
-    return None
-
-
-def local_bf16() -> bool:
-    """Whether this host's GPU computes in bf16 (False without one)."""
-    try:
-        import torch
-
-        return bool(torch.cuda.is_bf16_supported())
-    except (ImportError, RuntimeError):
-        return False
-
-
-def local_cuda_count() -> int:
-    """The GPUs this process sees (0 without CUDA)."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0

@@ -17,45 +17,13 @@ from . import metrics as names
 from .kernels import AUTO as AUTO_KERNEL
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
+from .placement import LOCAL
 from .precision import PRECISION_POLICIES
 from .rundir import MLFLOW_DB, OUTPUT_ROOTS
 
 PRECISIONS = ("auto", *PRECISION_POLICIES)  # auto: resolved per device (precision.py)
 AC_MODES = ("none", "full", "selective")
-CLUSTERS = ("local", "slurm", "torchrun")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def out_of_range(key: str, value: Any, *, low: Optional[float] = None,
-                 high: Optional[float] = None, low_open: bool = False,
-                 high_open: bool = False) -> Optional[str]:
-    """Why a number (None: not set, nothing to say) is not a finite value in its range, for a
-    problems() list: NaN and infinity pass every ``<`` test and would train (or plan) silently."""
-    import math
-
-    if value is None:
-        return None
-    lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
-    hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
-    wanted = (f"in {lo}, {hi}" if lo and hi else f"{'>' if low_open else '>='} {low:g}" if lo
-              else f"{'<' if high_open else '<='} {high:g}")
-    if not math.isfinite(value):
-        return f"{key}={value} must be a finite number {wanted}"
-    if (low is not None and (value <= low if low_open else value < low)) or \
-            (high is not None and (value >= high if high_open else value > high)):
-        return f"{key}={value} must be {wanted}"
-    return None
-
-
-def has_line_break(value: Any) -> bool:
-    """A value that would start a new line in a shell script or a #SBATCH line."""
-    return isinstance(value, str) and any(c in value for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
-
-
-def line_break(key: str, value: Any) -> str:
-    return (f"{key}={value!r} holds a line break, which would start a new line in the job "
-            "script (a command that runs, and every #SBATCH line after it ignored): give it on "
-            "one line")
 
 
 @dataclass
@@ -67,13 +35,6 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-
-    def problems(self, key: str = "model.rope_scaling") -> list[str]:
-        checks = [out_of_range(f"{key}.{f}", getattr(self, f), low=0, low_open=True)
-                  for f in ("factor", "low_freq_factor", "high_freq_factor")]
-        checks.append(out_of_range(f"{key}.original_max_position_embeddings",
-                                   self.original_max_position_embeddings, low=1))
-        return [c for c in checks if c]
 
 
 @dataclass
@@ -97,15 +58,14 @@ class ModelConfig:
     attn_implementation: str = AUTO_KERNEL
     init_std: float = 0.02
 
-    def problems(self) -> list[str]:
-        """The numbers that are not shapes (those: spec._check_model), for RunSpec's report."""
-        checks = [out_of_range("model.rope_theta", self.rope_theta, low=0, low_open=True),
-                  out_of_range("model.rms_norm_eps", self.rms_norm_eps, low=0, low_open=True),
-                  out_of_range("model.init_std", self.init_std, low=0, low_open=True),
-                  out_of_range("model.max_position_embeddings", self.max_position_embeddings,
-                               low=1)]
-        out = [c for c in checks if c]
-        return out + (self.rope_scaling.problems() if self.rope_scaling is not None else [])
+
+def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """One decoder layer's Linear weights (out, in) by module name, in the layer's order."""
+    h, q = m.hidden_size, m.hidden_size // m.num_heads
+    kv, i = m.num_kv_heads * q, m.intermediate_size
+    return {"q_proj": (m.num_heads * q, h), "k_proj": (kv, h), "v_proj": (kv, h),
+            "o_proj": (h, m.num_heads * q), "gate_proj": (i, h), "up_proj": (i, h),
+            "down_proj": (h, i)}
 
 
 @dataclass
@@ -151,7 +111,7 @@ class CheckpointingConfig:
 class ClusterConfig:
     # local: ranks on this host; slurm: sbatch through submitit; torchrun: this process is one
     # rank of a job started by torchrun or a Kubernetes operator (its environment says which).
-    kind: str = "local"
+    kind: str = LOCAL
     # Nodes. null (cluster=torchrun): as many as the environment says.
     nodes: Optional[int] = 1
     # Ranks per node. null: every visible GPU on CUDA, else 2 CPU ranks (cluster=torchrun: the
@@ -195,28 +155,6 @@ class ClusterConfig:
     # Overrides of that table: per-device memory (GB) and dense peak TFLOP/s.
     device_memory_gb: Optional[float] = None
     peak_tflops: Optional[float] = None
-
-    def problems(self) -> list[str]:
-        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
-        out = []
-        # every string that reaches the sbatch script: a line break there starts a new shell
-        # line (which runs), and every #SBATCH line after it is silently ignored
-        texts = [("cluster.partition", self.partition), ("cluster.account", self.account),
-                 ("cluster.qos", self.qos), ("cluster.constraint", self.constraint),
-                 *((f"cluster.setup[{i}]", v) for i, v in enumerate(self.setup)),
-                 *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(self.srun_args)),
-                 *((f"cluster.sbatch_extra.{k}", f"{k}{v}") for k, v in self.sbatch_extra.items())]
-        out += [line_break(key, value) for key, value in texts if has_line_break(value)]
-        checks = [out_of_range("cluster.timeout_min", self.timeout_min, low=1),
-                  out_of_range("cluster.time_min", self.time_min, low=1),
-                  out_of_range("cluster.mem_gb", self.mem_gb, low=1),
-                  out_of_range("cluster.cpus_per_task", self.cpus_per_task, low=1),
-                  out_of_range("cluster.gpus_per_node", self.gpus_per_node, low=0),
-                  out_of_range("cluster.threads_per_rank", self.threads_per_rank, low=1),
-                  out_of_range("cluster.device_memory_gb", self.device_memory_gb, low=0,
-                               low_open=True),
-                  out_of_range("cluster.peak_tflops", self.peak_tflops, low=0, low_open=True)]
-        return out + [c for c in checks if c]
 
 
 @dataclass
@@ -287,44 +225,6 @@ class DataConfig:
     # Processes for tokenization (datasets.map).
     num_proc: int = 1
 
-    def problems(self) -> list[str]:
-        """Everything wrong with this node, for RunSpec's all-at-once report."""
-        out = []
-        if self.name not in DataConfig.SOURCES:
-            out.append(f"data.name={self.name!r}: valid: {', '.join(DataConfig.SOURCES)}")
-        if self.format not in DataConfig.FORMATS:
-            out.append(f"data.format={self.format!r}: valid: {', '.join(DataConfig.FORMATS)}")
-        if self.overlong not in DataConfig.OVERLONG:
-            out.append(f"data.overlong={self.overlong!r}: valid: {', '.join(DataConfig.OVERLONG)}")
-        if self.name in ("jsonl", "hf") and not self.path:
-            out.append(f"data.name={self.name} needs data.path (a file/glob/directory or hub name)")
-        if self.name == "synthetic" and self.num_records < 1:
-            out.append("data.num_records must be >= 1")
-        if not 0 <= self.eval_fraction < 1:
-            out.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
-        if self.eval_min_records < 0 or self.eval_max_records < 0:
-            out.append("data.eval_min_records and data.eval_max_records must be >= 0")
-        elif self.eval_min_records > self.eval_max_records:
-            out.append(f"data.eval_min_records={self.eval_min_records} exceeds "
-                       f"data.eval_max_records={self.eval_max_records}")
-        if self.eval_records is not None and self.eval_records < 0:
-            out.append("data.eval_records must be >= 0 (or null: the eval_fraction rule)")
-        if self.num_proc < 1:
-            out.append("data.num_proc must be >= 1")
-        if self.preprocess is not None:
-            if self.name == "synthetic":
-                out.append("data.preprocess applies to data=jsonl and data=hf records, not to the "
-                           "synthetic task")
-            mod, _, fn = self.preprocess.rpartition(":")
-            if not mod or not fn.isidentifier():
-                out.append(f"data.preprocess={self.preprocess!r}: expected 'module:function' or "
-                           "'path/to/file.py:function'")
-        if "{instruction}" not in self.prompt_template or "{input}" not in self.prompt_template:
-            out.append("data.prompt_template must contain {instruction} and {input}")
-        if "{instruction}" not in self.prompt_template_no_input:
-            out.append("data.prompt_template_no_input must contain {instruction}")
-        return out
-
 
 @dataclass
 class TrainConfig:
@@ -360,24 +260,6 @@ class TrainConfig:
     # state.losses has the previous log step's loss, read once the next step is queued).
     callbacks: list[str] = field(default_factory=list)
 
-    def problems(self) -> list[str]:
-        """Its numbers as finite values in their ranges, and the callbacks' form (the integer
-        counts and the warmup: spec._check_positive; importing the callbacks: prepare)."""
-        checks = [out_of_range("train.lr", self.lr, low=0, low_open=True),
-                  out_of_range("train.min_lr_ratio", self.min_lr_ratio, low=0, high=1),
-                  out_of_range("train.weight_decay", self.weight_decay, low=0),
-                  out_of_range("train.beta1", self.beta1, low=0, high=1, high_open=True),
-                  out_of_range("train.beta2", self.beta2, low=0, high=1, high_open=True),
-                  out_of_range("train.eps", self.eps, low=0, low_open=True),
-                  out_of_range("train.max_grad_norm", self.max_grad_norm, low=0)]
-        out = [c for c in checks if c]
-        for path in self.callbacks:
-            module, _, attr = path.partition(":")
-            if not module or not attr.isidentifier():
-                out.append(f"train.callbacks: {path!r} is not 'module:attr' (a factory "
-                           "importable on every rank)")
-        return out
-
 
 @dataclass
 class EvalConfig:
@@ -388,12 +270,6 @@ class EvalConfig:
     task_prompts: int = 64
     # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
     max_new_tokens: Optional[int] = None
-
-    def problems(self) -> list[str]:
-        checks = [out_of_range("eval.max_batches", self.max_batches, low=1),
-                  out_of_range("eval.task_prompts", self.task_prompts, low=0),
-                  out_of_range("eval.max_new_tokens", self.max_new_tokens, low=1)]
-        return [c for c in checks if c]
 
 
 @dataclass
@@ -432,28 +308,6 @@ class FinetuneConfig:
         """qlora: the frozen base of the target projections is stored in NF4."""
         return self.method == "qlora"
 
-    def problems(self) -> list[str]:
-        """What is wrong with the options themselves (shapes against the world size: nf4.py)."""
-        if not self.adapters:
-            return (["finetune.export_merged applies to lora and qlora (full fine-tuning "
-                     "exports the whole model with save.export_hf=true)"]
-                    if self.export_merged else [])
-        out = []
-        if self.rank < 1:
-            out.append(f"finetune.rank={self.rank} must be >= 1")
-        if (alpha := out_of_range("finetune.alpha", self.alpha, low=0, low_open=True)):
-            out.append(alpha)
-        if not 0 <= self.dropout < 1:
-            out.append(f"finetune.dropout={self.dropout} must be in [0, 1)")
-        unknown = [t for t in self.target_modules if t not in FinetuneConfig.TARGETS]
-        if unknown or not self.target_modules or len(set(self.target_modules)) != len(
-                self.target_modules):
-            out.append(f"finetune.target_modules={list(self.target_modules)}: a non-empty list "
-                       f"without repeats of {', '.join(FinetuneConfig.TARGETS)}")
-        if min(self.nf4_block_size, self.nf4_scaler_block_size) < 2:
-            out.append("finetune.nf4_block_size and finetune.nf4_scaler_block_size must be >= 2")
-        return out
-
 
 @dataclass
 class ObjectiveConfig:
@@ -479,31 +333,6 @@ class ObjectiveConfig:
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
     reference: str = "model"
-
-    def problems(self) -> list[str]:
-        """What is wrong with the options themselves, for RunSpec's all-at-once report."""
-        out = []
-        for key, value, valid in (("name", self.name, ObjectiveConfig.NAMES),
-                                  ("loss", self.loss, ObjectiveConfig.LOSSES),
-                                  ("reference", self.reference, ObjectiveConfig.REFERENCES)):
-            if value not in valid:
-                out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
-        if self.name != "dpo":
-            changed = [f"objective.{k}" for k, v in vars(self).items()
-                       if k != "name" and v != getattr(ObjectiveConfig, k)]
-            if changed:
-                out.append(f"{', '.join(changed)} set with objective={self.name}: "
-                           f"{'they apply' if len(changed) > 1 else 'it applies'} to "
-                           "objective=dpo (add objective=dpo, or drop them)")
-            return out
-        if self.beta <= 0:
-            out.append(f"objective.beta={self.beta} must be > 0")
-        if not 0 <= self.label_smoothing < 0.5:
-            out.append(f"objective.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
-        if self.label_smoothing and self.loss != "sigmoid":
-            out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
-                       f"{self.loss}: drop it")
-        return out
 
 
 @dataclass
@@ -541,38 +370,6 @@ class OptimConfig:
     def block(self) -> int:
         """The low-bit block size in use (0 for adamw: no blocks)."""
         return (self.block_size or OPTIMIZERS[self.name].default_block) if self.lowbit else 0
-
-    def problems(self, *, param_dtype: str, cpu_offload: bool, full_state_dict: bool) -> list[str]:
-        """What torchao's optimizers (or this project's use of them) cannot do with this run,
-        each with its fix, for RunSpec's all-at-once report."""
-        out = []
-        if self.block_size is not None and not self.lowbit:
-            out.append(f"optim.block_size={self.block_size} sets the blocks of low-bit moments: "
-                       "drop it, or pick optim=adamw8bit / optim=adamw4bit")
-        elif self.block_size is not None and (self.block_size < 2
-                                              or self.block_size & (self.block_size - 1)):
-            out.append(f"optim.block_size={self.block_size} must be a power of two (so every "
-                       "row of a Llama weight splits in whole blocks), e.g. the default "
-                       f"{OPTIMIZERS[self.name].default_block}")
-        if self.fused is True and (self.lowbit or self.bf16_stochastic_round):
-            what = f"optim={self.name}" if self.lowbit else "optim.bf16_stochastic_round=true"
-            out.append(f"optim.fused=true is torch's fused AdamW, but {what} steps with "
-                       "torchao's AdamW: drop optim.fused, or use optim=adamw without "
-                       "bf16_stochastic_round")
-        if self.bf16_stochastic_round and param_dtype != "bfloat16":
-            out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
-                       f"{param_dtype} here: use precision=bf16, or drop it")
-        if self.lowbit and cpu_offload:
-            out.append(f"optim={self.name} with sharding.cpu_offload=true: torchao would step "
-                       "every parameter on the host CPU, one at a time (on CPU 14-27x slower than "
-                       "AdamW's step), and low-bit moments already save most of the state "
-                       "offload would move: drop sharding.cpu_offload, or use optim=adamw")
-        if self.lowbit and full_state_dict:
-            out.append(f"optim={self.name} with save.full_state_dict=true: torchao's low-bit "
-                       "moments cannot be gathered into one file: drop save.full_state_dict "
-                       "(sharded checkpoints reshard on load; `python -m llama_fsdp.convert` "
-                       "makes the consolidated model)")
-        return out
 
 
 @dataclass
@@ -612,16 +409,6 @@ class TrackingConfig:
     # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0
-
-    def problems(self) -> list[str]:
-        # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
-        checks = [out_of_range("tracking.final_delivery_s", self.final_delivery_s, low=0),
-                  out_of_range("tracking.system_metrics_interval_s",
-                               self.system_metrics_interval_s, low=0, low_open=True)]
-        out = [c for c in checks if c]
-        if has_line_break(self.run_name):
-            out.append(line_break("tracking.run_name", self.run_name))
-        return out
 
 
 @dataclass

@@ -71,35 +71,18 @@ class MeshSpec:
         return ("shard",) if self.replicate == 1 else ("replicate", "shard")
 
 
-def mesh_for(strategy: str, shard_size: Optional[int], world: int, nproc: int,
-             problems: list[str]) -> MeshSpec:
+def mesh_for(strategy: str, shard_size: Optional[int], world: int, nproc: int) -> MeshSpec:
     """Map a strategy to (replicate, shard): full / grad_op shard over every rank (replicate 1);
     hybrid / hybrid_grad_op shard within sharding.shard_size ranks (default: a node) and replicate
-    across the groups; no_shard replicates over every rank (shard 1). What is wrong is appended
-    to ``problems``."""
-    if strategy not in STRATEGIES:  # auto plans as full until it is chosen; an unknown name
-        return MeshSpec(1, world, True)  # is reported by the spec's choice check
-    s = STRATEGIES[strategy]
+    across the groups; no_shard replicates over every rank (shard 1). A shard size the strategy
+    cannot take gives the flat mesh (run/checks.py's check_mesh says what is wrong)."""
+    s = STRATEGIES.get(strategy)
+    if s is None:  # auto plans as full until it is chosen
+        return MeshSpec(1, world, True)
     if s.ddp:
-        if shard_size not in (None, 1):
-            problems.append(
-                f"sharding.shard_size={shard_size} with sharding={strategy}: no_shard keeps a "
-                "full replica per rank; drop sharding.shard_size or use sharding=hybrid")
         return MeshSpec(world, 1, False, ddp=True)
-    if not s.hybrid:
-        if shard_size not in (None, world):
-            problems.append(
-                f"sharding.shard_size={shard_size} with sharding={strategy} (which shards over "
-                f"all {world} ranks): use sharding=hybrid to shard in groups of {shard_size}, or "
-                "drop sharding.shard_size")
-        return MeshSpec(1, world, s.reshard_after_forward)
-    shard = shard_size if shard_size is not None else nproc
-    if shard < 1 or world % shard:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        problems.append(
-            f"world size {world} is not divisible by sharding.shard_size={shard}: set "
-            f"sharding.shard_size to one of {divisors}, or change cluster.nodes / "
-            "cluster.nproc_per_node")
+    shard = shard_size if s.hybrid and shard_size is not None else nproc if s.hybrid else world
+    if not s.hybrid or shard < 1 or world % shard:
         return MeshSpec(1, world, s.reshard_after_forward)
     return MeshSpec(world // shard, shard, s.reshard_after_forward)
 

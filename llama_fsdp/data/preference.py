@@ -344,18 +344,6 @@ class Pairs:
 PAIRS = Pairs()
 
 
-def preference_problems(cfg: DataConfig) -> list[str]:
-    """Data options that mean nothing for pairs."""
-    out = []
-    if cfg.train_on_prompt:
-        out.append("data.train_on_prompt=true with objective=dpo: DPO compares the answers' "
-                   "log-probs, the prompt is never a target: drop it")
-    if cfg.name != "synthetic" and cfg.format != "auto":
-        out.append(f"data.format={cfg.format} names an SFT record format; objective=dpo reads "
-                   "pairs by their columns (prompt / chosen / rejected): drop data.format")
-    return out
-
-
 # --- rows ---------------------------------------------------------------------------------------
 
 

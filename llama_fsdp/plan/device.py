@@ -11,9 +11,7 @@ GB = 10**9
 
 # What a CUDA process holds beside the step's tensors, through torch's caching allocator (so in
 # torch.cuda.max_memory_allocated): cuBLAS / cuBLASLt workspaces, made at the first matmul and
-# kept. Measured: 67,108,864 bytes (64 MiB) on one H200, torch 2.11 + CUDA 13.0, the process
-# overhead of tests/gpu/test_gpu_memory.py (benchmarks/gpu.md, 2026-11-26); the tiny runs of
-# the same check were 0.06-0.07 GB above the plan's tensors without it.
+# kept (64 MiB with torch 2.11 and CUDA 13: benchmarks/gpu.md).
 CUDA_WORKSPACE_BYTES = 64 * 2**20
 
 
@@ -23,6 +21,24 @@ def runtime_bytes(spec: RunSpec) -> int:
     return CUDA_WORKSPACE_BYTES if spec.device == "cuda" else 0
 
 
+def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
+    """(bytes one rank may use, where that number came from)."""
+    from ..config.devices import BY_KEY, DEFAULT_GPU
+
+    c, place = spec.cluster, spec.placement
+    if c.device_memory_gb is not None:
+        return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
+    if spec.device == "cuda":
+        if place.gpu_memory_bytes is not None:
+            return place.gpu_memory_bytes, f"{place.gpu_name}, torch.cuda.get_device_properties"
+        key = spec.gpu or DEFAULT_GPU
+        return int(BY_KEY[key].memory_gb * GB), f"{key} (cluster.gpu_type table)"
+    if place.ram_bytes is not None:
+        return place.ram_bytes // spec.nproc_per_node, f"{place.ram_source} / ranks per node"
+    # CPU ranks on nodes whose RAM the plan is not told: this host's, as a stand-in
+    return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
+
+
 def _host_ram_bytes() -> int:
     try:
         import psutil
@@ -30,24 +46,6 @@ def _host_ram_bytes() -> int:
         return int(psutil.virtual_memory().total)
     except ImportError:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
-    """(bytes one rank may use, where that number came from)."""
-    from ..config.devices import BY_KEY, DEFAULT_GPU, local_gpu
-
-    c = spec.cluster
-    if c.device_memory_gb is not None:
-        return int(c.device_memory_gb * GB), "cluster.device_memory_gb"
-    if spec.device == "cuda":
-        local = local_gpu() if c.kind in ("local", "torchrun") else None
-        if local is not None:
-            return local[1], f"{local[0]}, torch.cuda.get_device_properties"
-        key = spec.gpu or DEFAULT_GPU
-        return int(BY_KEY[key].memory_gb * GB), f"{key} (cluster.gpu_type table)"
-    if c.kind == "slurm" and c.mem_gb:
-        return int(c.mem_gb * GB) // spec.nproc_per_node, "cluster.mem_gb / ranks per node"
-    return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
 
 
 def peak_flops(spec: RunSpec) -> Optional[float]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..model import nf4
+from ..config import nf4
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec
 from .activations import checkpointed_inputs
-from .device import GB, _host_ram_bytes
+from .device import GB
 from .shapes import param_shapes, projection_shapes
 
 FILE_BYTES = 2  # HF Llama checkpoints are bf16
@@ -91,9 +91,7 @@ def activation_host_bytes(spec: RunSpec) -> int:
 def host_capacity_bytes(spec: RunSpec) -> tuple[Optional[int], str]:
     """(host RAM one rank may use, where that came from); None where it is not known (a SLURM
     job without cluster.mem_gb gets what the partition gives)."""
-    c = spec.cluster
-    if c.kind == "slurm":
-        if not c.mem_gb:
-            return None, "cluster.mem_gb unset"
-        return int(c.mem_gb * GB) // spec.nproc_per_node, "cluster.mem_gb / ranks per node"
-    return _host_ram_bytes() // spec.nproc_per_node, "this host's RAM / ranks per node"
+    place = spec.placement
+    if place.ram_bytes is None:
+        return None, place.ram_source
+    return place.ram_bytes // spec.nproc_per_node, f"{place.ram_source} / ranks per node"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ..model import nf4
+from ..config import nf4
 from ..config.schema import FinetuneConfig, ModelConfig
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec

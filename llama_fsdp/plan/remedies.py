@@ -276,8 +276,8 @@ def _host_text(spec: RunSpec, plan: Plan) -> str:
                      "configured)")
     fixes.append("more nodes (cluster.nodes) or fewer ranks per node: each rank's share of "
                  "the host grows")
-    if spec.cluster.kind == "slurm":
-        fixes.append("a larger cluster.mem_gb, if the nodes have it")
+    if spec.placement.more_ram:
+        fixes.append(spec.placement.more_ram)
     return (f"{spec.model.name} on {spec.world_size} rank(s) needs "
             f"{plan.host_peak_bytes / GB:.1f} GB of host RAM per rank for {what}, but "
             f"{usable / GB:.1f} GB is usable ({(plan.host_capacity_bytes or 0) / GB:.1f} GB from "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..config.schema import ModelConfig
-from ..config.projections import projection_shapes
+from ..config.schema import projection_shapes
 
 
 def layer_shapes(m: ModelConfig) -> list[tuple[int, ...]]:

@@ -17,7 +17,9 @@ from ..config.schema import (
     TrainConfig,
     model_preset,
 )
-from ..run.spec import ConfigError, RunSpec, build_spec, variant_problems
+from ..config.placement import Placement
+from ..run.checks import variant_problems
+from ..run.spec import ConfigError, RunSpec, build_spec
 from ..config.strategies import STRATEGIES, mesh_for
 
 
@@ -40,10 +42,7 @@ def or_none(make: Callable[[], Optional[RunSpec]]) -> Optional[RunSpec]:
 def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
     """The spec with another sharding strategy and its mesh; raise ConfigError if invalid."""
     shard_size = spec.sharding.shard_size if STRATEGIES[strategy].hybrid else None
-    problems: list[str] = []
-    mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node, problems)
-    if problems:
-        raise ConfigError(problems)
+    mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node)
     name = spec.run_name
     if spec.tracking.run_name is None:  # the generated name carries the strategy
         prefix = f"{spec.model.name} "
@@ -56,10 +55,7 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
 def with_nodes(spec: RunSpec, nodes: int) -> RunSpec:
     """The spec on another number of nodes (same ranks per node)."""
     world = nodes * spec.nproc_per_node
-    problems: list[str] = []
-    mesh = mesh_for(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node, problems)
-    if problems:
-        raise ConfigError(problems)
+    mesh = mesh_for(spec.strategy, spec.sharding.shard_size, world, spec.nproc_per_node)
     batch = spec.train.batch_size * spec.train.grad_accum * world
     return checked(dataclasses.replace(
         spec, cluster=dataclasses.replace(spec.cluster, nodes=nodes), nodes=nodes,
@@ -101,13 +97,17 @@ def with_checkpointing(spec: RunSpec, **changes) -> RunSpec:
 def reference_spec(model: str, *, nodes: int = 1, gpus_per_node: int = 8, strategy: str = "full",
                    precision: str = "bf16", ac: str = "full", batch: int = 1, seq_len: int = 2048,
                    device_memory_gb: float = 80.0) -> RunSpec:
-    """A SLURM GPU RunSpec built without Hydra, for tables and what-ifs."""
+    """A RunSpec of GPU nodes that are not here, built without Hydra, for tables and what-ifs:
+    ``nodes`` x ``gpus_per_node`` GPUs of ``device_memory_gb`` each (their RAM unknown)."""
     cfg = Config(model=model_preset(model), sharding=ShardingConfig(strategy=strategy),
                  precision=PrecisionConfig(name=precision),
                  checkpointing=CheckpointingConfig(mode=ac),
-                 cluster=ClusterConfig(kind="slurm", nodes=nodes, gpus_per_node=gpus_per_node,
-                                       timeout_min=60, device_memory_gb=device_memory_gb),
+                 cluster=ClusterConfig(nodes=nodes, device="cuda", gpus_per_node=gpus_per_node,
+                                       device_memory_gb=device_memory_gb),
                  data=DataConfig(),
                  train=TrainConfig(batch_size=batch, seq_len=seq_len),
                  output_dir="outputs/plan", resume="none")
-    return build_spec(cfg, output_dir="outputs/plan")
+    nodes_there = Placement(device="cuda", nodes=nodes, nproc_per_node=gpus_per_node,
+                            on_this_host=False, gpus_per_node=gpus_per_node,
+                            ram_source="not known: a plan for GPU nodes that are not here")
+    return build_spec(cfg, placement=lambda _cfg, _out: nodes_there, output_dir="outputs/plan")

@@ -245,7 +245,7 @@ def run_tags(spec: RunSpec, command: str) -> dict[str, str]:
             "strategy": spec.strategy, "precision": spec.precision.name,
             "attention": spec.model.attn_implementation,  # auto values, resolved for this run
             # until rank 0 starts: a SLURM job waits in its queue
-            STATUS_TAG: "queued" if spec.cluster.kind == "slurm" else "starting",
+            STATUS_TAG: "queued" if spec.placement.queued else "starting",
             "mlflow.note.content": command_note(
                 command, f"Point {spec.run_name} of sweep {spec.sweep_id}; run alone with:"
                 if spec.sweep_id else "")}

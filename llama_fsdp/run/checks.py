@@ -1,32 +1,299 @@
-"""Every check of a composed config before anything runs, each problem with its fix:
-``spec.build_spec`` collects what they find and reports it all at once (ConfigError).
-``unknown_keys`` and ``not_a_key`` also serve the command line's override check.
+"""Every check of a run before anything runs, each problem with its fix, in one place.
+
+``spec.build_spec`` calls ``config_problems`` (what the composed config says), then the checks
+of what it derives with the launcher's answers (devices, mesh, adapters, attention, the
+optimizer: ``derived_problems``), and reports them all at once (ConfigError); the planner asks
+``variant_problems`` of every spec it varies. What the launchers themselves cannot do with a
+config (a SLURM job without a time limit, a torchrun environment that disagrees) is theirs to
+say, in ``Placement.problems``. Checks that need the data or a server run where those are at
+hand (prepare/: the data's records, the tracking store), and the plan's verdict (does it fit)
+is the planner's. ``unknown_keys`` and ``not_a_key`` also serve the command line's override
+check. No torch here: the command line checks a run in well under a second.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from ..checkpoint.layout import METADATA, export_problem, resolve_resume, resume_candidates, verify
+from ..checkpoint.optim_meta import optim_mismatch
+from ..checkpoint.pickles import check_file
 from ..config import devices, strategies
-from ..config.kernels import KERNELS
+from ..config.hf_dir import hf_shape, model_file_problems, read_config_json, shape_diff
+from ..config.kernels import KERNELS, SIXTEEN_BIT, VARLEN
+from ..config.nf4 import shard_problems
+from ..config.objectives import DPO, OBJECTIVES
+from ..config.optimizers import OPTIMIZERS
+from ..config.placement import Placement
+from ..config.precision import resolve_precision
+from ..config.rundir import OPTIM_META, RunDir, claim_problem
 from ..config.schema import (
     AC_MODES,
-    CLUSTERS,
     DEVICES,
     PRECISIONS,
+    ClusterConfig,
     Config,
+    DataConfig,
+    EvalConfig,
     FinetuneConfig,
     ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    RopeScalingConfig,
+    TrackingConfig,
     TrainConfig,
+    model_presets,
+    projection_shapes,
 )
-from ..model.nf4 import target_problems
-from ..config.optimizers import OPTIMIZERS
-from ..config.precision import resolve_precision
 from ..config.strategies import AUTO, MeshSpec
+from .callbacks import resolve
+
+
+# --- numbers and lines ------------------------------------------------------------------------
+
+
+def out_of_range(key: str, value: Any, *, low: Optional[float] = None,
+                 high: Optional[float] = None, low_open: bool = False,
+                 high_open: bool = False) -> Optional[str]:
+    """Why a number (None: not set, nothing to say) is not a finite value in its range, for a
+    problems() list: NaN and infinity pass every ``<`` test and would train (or plan) silently."""
+    if value is None:
+        return None
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+    hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+    wanted = (f"in {lo}, {hi}" if lo and hi else f"{'>' if low_open else '>='} {low:g}" if lo
+              else f"{'<' if high_open else '<='} {high:g}")
+    if not math.isfinite(value):
+        return f"{key}={value} must be a finite number {wanted}"
+    if (low is not None and (value <= low if low_open else value < low)) or \
+            (high is not None and (value >= high if high_open else value > high)):
+        return f"{key}={value} must be {wanted}"
+    return None
+
+
+def has_line_break(value: Any) -> bool:
+    """A value that would start a new line in a shell script or a #SBATCH line."""
+    return isinstance(value, str) and any(c in value for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def line_break(key: str, value: Any) -> str:
+    return (f"{key}={value!r} holds a line break, which would start a new line in the job "
+            "script (a command that runs, and every #SBATCH line after it ignored): give it on "
+            "one line")
+
+
+# --- each node's options ----------------------------------------------------------------------
+
+
+def rope_scaling_problems(rs: RopeScalingConfig, key: str = "model.rope_scaling") -> list[str]:
+    checks = [out_of_range(f"{key}.{f}", getattr(rs, f), low=0, low_open=True)
+              for f in ("factor", "low_freq_factor", "high_freq_factor")]
+    checks.append(out_of_range(f"{key}.original_max_position_embeddings",
+                               rs.original_max_position_embeddings, low=1))
+    return [c for c in checks if c]
+
+
+def model_number_problems(m: ModelConfig) -> list[str]:
+    """The numbers that are not shapes (those: ``check_model``)."""
+    checks = [out_of_range("model.rope_theta", m.rope_theta, low=0, low_open=True),
+              out_of_range("model.rms_norm_eps", m.rms_norm_eps, low=0, low_open=True),
+              out_of_range("model.init_std", m.init_std, low=0, low_open=True),
+              out_of_range("model.max_position_embeddings", m.max_position_embeddings,
+                           low=1)]
+    out = [c for c in checks if c]
+    return out + (rope_scaling_problems(m.rope_scaling) if m.rope_scaling is not None else [])
+
+
+def cluster_option_problems(c: ClusterConfig) -> list[str]:
+    """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+    out = []
+    # every string that reaches the sbatch script: a line break there starts a new shell
+    # line (which runs), and every #SBATCH line after it is silently ignored
+    texts = [("cluster.partition", c.partition), ("cluster.account", c.account),
+             ("cluster.qos", c.qos), ("cluster.constraint", c.constraint),
+             *((f"cluster.setup[{i}]", v) for i, v in enumerate(c.setup)),
+             *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(c.srun_args)),
+             *((f"cluster.sbatch_extra.{k}", f"{k}{v}") for k, v in c.sbatch_extra.items())]
+    out += [line_break(key, value) for key, value in texts if has_line_break(value)]
+    checks = [out_of_range("cluster.timeout_min", c.timeout_min, low=1),
+              out_of_range("cluster.time_min", c.time_min, low=1),
+              out_of_range("cluster.mem_gb", c.mem_gb, low=1),
+              out_of_range("cluster.cpus_per_task", c.cpus_per_task, low=1),
+              out_of_range("cluster.gpus_per_node", c.gpus_per_node, low=0),
+              out_of_range("cluster.threads_per_rank", c.threads_per_rank, low=1),
+              out_of_range("cluster.device_memory_gb", c.device_memory_gb, low=0,
+                           low_open=True),
+              out_of_range("cluster.peak_tflops", c.peak_tflops, low=0, low_open=True)]
+    return out + [c for c in checks if c]
+
+
+def data_option_problems(d: DataConfig) -> list[str]:
+    """Everything wrong with this node, for RunSpec's all-at-once report."""
+    out = []
+    if d.name not in DataConfig.SOURCES:
+        out.append(f"data.name={d.name!r}: valid: {', '.join(DataConfig.SOURCES)}")
+    if d.format not in DataConfig.FORMATS:
+        out.append(f"data.format={d.format!r}: valid: {', '.join(DataConfig.FORMATS)}")
+    if d.overlong not in DataConfig.OVERLONG:
+        out.append(f"data.overlong={d.overlong!r}: valid: {', '.join(DataConfig.OVERLONG)}")
+    if d.name in ("jsonl", "hf") and not d.path:
+        out.append(f"data.name={d.name} needs data.path (a file/glob/directory or hub name)")
+    if d.name == "synthetic" and d.num_records < 1:
+        out.append("data.num_records must be >= 1")
+    if not 0 <= d.eval_fraction < 1:
+        out.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    if d.eval_min_records < 0 or d.eval_max_records < 0:
+        out.append("data.eval_min_records and data.eval_max_records must be >= 0")
+    elif d.eval_min_records > d.eval_max_records:
+        out.append(f"data.eval_min_records={d.eval_min_records} exceeds "
+                   f"data.eval_max_records={d.eval_max_records}")
+    if d.eval_records is not None and d.eval_records < 0:
+        out.append("data.eval_records must be >= 0 (or null: the eval_fraction rule)")
+    if d.num_proc < 1:
+        out.append("data.num_proc must be >= 1")
+    if d.preprocess is not None:
+        if d.name == "synthetic":
+            out.append("data.preprocess applies to data=jsonl and data=hf records, not to the "
+                       "synthetic task")
+        mod, _, fn = d.preprocess.rpartition(":")
+        if not mod or not fn.isidentifier():
+            out.append(f"data.preprocess={d.preprocess!r}: expected 'module:function' or "
+                       "'path/to/file.py:function'")
+    if "{instruction}" not in d.prompt_template or "{input}" not in d.prompt_template:
+        out.append("data.prompt_template must contain {instruction} and {input}")
+    if "{instruction}" not in d.prompt_template_no_input:
+        out.append("data.prompt_template_no_input must contain {instruction}")
+    return out
+
+
+def train_option_problems(t: TrainConfig) -> list[str]:
+    """Its numbers as finite values in their ranges, and the callbacks' form (the integer
+    counts and the warmup: ``check_positive``; importing the callbacks: ``callback_problems``)."""
+    checks = [out_of_range("train.lr", t.lr, low=0, low_open=True),
+              out_of_range("train.min_lr_ratio", t.min_lr_ratio, low=0, high=1),
+              out_of_range("train.weight_decay", t.weight_decay, low=0),
+              out_of_range("train.beta1", t.beta1, low=0, high=1, high_open=True),
+              out_of_range("train.beta2", t.beta2, low=0, high=1, high_open=True),
+              out_of_range("train.eps", t.eps, low=0, low_open=True),
+              out_of_range("train.max_grad_norm", t.max_grad_norm, low=0)]
+    out = [c for c in checks if c]
+    for path in t.callbacks:
+        module, _, attr = path.partition(":")
+        if not module or not attr.isidentifier():
+            out.append(f"train.callbacks: {path!r} is not 'module:attr' (a factory "
+                       "importable on every rank)")
+    return out
+
+
+def eval_option_problems(e: EvalConfig) -> list[str]:
+    checks = [out_of_range("eval.max_batches", e.max_batches, low=1),
+              out_of_range("eval.task_prompts", e.task_prompts, low=0),
+              out_of_range("eval.max_new_tokens", e.max_new_tokens, low=1)]
+    return [c for c in checks if c]
+
+
+def finetune_option_problems(ft: FinetuneConfig) -> list[str]:
+    """What is wrong with the options themselves (shapes against the shard group:
+    ``target_problems``)."""
+    if not ft.adapters:
+        return (["finetune.export_merged applies to lora and qlora (full fine-tuning "
+                 "exports the whole model with save.export_hf=true)"]
+                if ft.export_merged else [])
+    out = []
+    if ft.rank < 1:
+        out.append(f"finetune.rank={ft.rank} must be >= 1")
+    if (alpha := out_of_range("finetune.alpha", ft.alpha, low=0, low_open=True)):
+        out.append(alpha)
+    if not 0 <= ft.dropout < 1:
+        out.append(f"finetune.dropout={ft.dropout} must be in [0, 1)")
+    unknown = [t for t in ft.target_modules if t not in FinetuneConfig.TARGETS]
+    if unknown or not ft.target_modules or len(set(ft.target_modules)) != len(
+            ft.target_modules):
+        out.append(f"finetune.target_modules={list(ft.target_modules)}: a non-empty list "
+                   f"without repeats of {', '.join(FinetuneConfig.TARGETS)}")
+    if min(ft.nf4_block_size, ft.nf4_scaler_block_size) < 2:
+        out.append("finetune.nf4_block_size and finetune.nf4_scaler_block_size must be >= 2")
+    return out
+
+
+def objective_option_problems(o: ObjectiveConfig) -> list[str]:
+    """What is wrong with the options themselves, for RunSpec's all-at-once report."""
+    out = []
+    for key, value, valid in (("name", o.name, tuple(OBJECTIVES)),
+                              ("loss", o.loss, ObjectiveConfig.LOSSES),
+                              ("reference", o.reference, ObjectiveConfig.REFERENCES)):
+        if value not in valid:
+            out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
+    if o.name != DPO:
+        changed = [f"objective.{k}" for k, v in vars(o).items()
+                   if k != "name" and v != getattr(ObjectiveConfig, k)]
+        if changed:
+            out.append(f"{', '.join(changed)} set with objective={o.name}: "
+                       f"{'they apply' if len(changed) > 1 else 'it applies'} to "
+                       f"objective={DPO} (add objective={DPO}, or drop them)")
+        return out
+    if o.beta <= 0:
+        out.append(f"objective.beta={o.beta} must be > 0")
+    if not 0 <= o.label_smoothing < 0.5:
+        out.append(f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
+    if o.label_smoothing and o.loss != "sigmoid":
+        out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
+                   f"{o.loss}: drop it")
+    return out
+
+
+def optim_option_problems(o: OptimConfig, *, param_dtype: str, cpu_offload: bool,
+                          full_state_dict: bool) -> list[str]:
+    """What torchao's optimizers (or this project's use of them) cannot do with this run,
+    each with its fix, for RunSpec's all-at-once report."""
+    out = []
+    if o.block_size is not None and not o.lowbit:
+        out.append(f"optim.block_size={o.block_size} sets the blocks of low-bit moments: "
+                   "drop it, or pick optim=adamw8bit / optim=adamw4bit")
+    elif o.block_size is not None and (o.block_size < 2
+                                          or o.block_size & (o.block_size - 1)):
+        out.append(f"optim.block_size={o.block_size} must be a power of two (so every "
+                   "row of a Llama weight splits in whole blocks), e.g. the default "
+                   f"{OPTIMIZERS[o.name].default_block}")
+    if o.fused is True and (o.lowbit or o.bf16_stochastic_round):
+        what = f"optim={o.name}" if o.lowbit else "optim.bf16_stochastic_round=true"
+        out.append(f"optim.fused=true is torch's fused AdamW, but {what} steps with "
+                   "torchao's AdamW: drop optim.fused, or use optim=adamw without "
+                   "bf16_stochastic_round")
+    if o.bf16_stochastic_round and param_dtype != "bfloat16":
+        out.append(f"optim.bf16_stochastic_round=true rounds bf16 parameters, but they are "
+                   f"{param_dtype} here: use precision=bf16, or drop it")
+    if o.lowbit and cpu_offload:
+        out.append(f"optim={o.name} with sharding.cpu_offload=true: torchao would step "
+                   "every parameter on the host CPU, one at a time (on CPU 14-27x slower than "
+                   "AdamW's step), and low-bit moments already save most of the state "
+                   "offload would move: drop sharding.cpu_offload, or use optim=adamw")
+    if o.lowbit and full_state_dict:
+        out.append(f"optim={o.name} with save.full_state_dict=true: torchao's low-bit "
+                   "moments cannot be gathered into one file: drop save.full_state_dict "
+                   "(sharded checkpoints reshard on load; `python -m llama_fsdp.convert` "
+                   "makes the consolidated model)")
+    return out
+
+
+def tracking_option_problems(t: TrackingConfig) -> list[str]:
+    # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
+    checks = [out_of_range("tracking.final_delivery_s", t.final_delivery_s, low=0),
+              out_of_range("tracking.system_metrics_interval_s",
+                           t.system_metrics_interval_s, low=0, low_open=True)]
+    out = [c for c in checks if c]
+    if has_line_break(t.run_name):
+        out.append(line_break("tracking.run_name", t.run_name))
+    return out
+
+
+# --- choices, counts and shapes ---------------------------------------------------------------
 
 
 def check_choices(cfg: Config, problems: list[str]) -> None:
@@ -34,7 +301,6 @@ def check_choices(cfg: Config, problems: list[str]) -> None:
         ("sharding.strategy", cfg.sharding.strategy, strategies.CHOICES),
         ("precision.name", cfg.precision.name, PRECISIONS),
         ("checkpointing.mode", cfg.checkpointing.mode, AC_MODES),
-        ("cluster.kind", cfg.cluster.kind, CLUSTERS),
         ("cluster.device", cfg.cluster.device, DEVICES),
         ("finetune.method", cfg.finetune.method, FinetuneConfig.METHODS),
         ("optim.name", cfg.optim.name, tuple(OPTIMIZERS)),
@@ -128,44 +394,34 @@ def field_type(schema: type, name: str) -> Any:
     return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
 
 
-def check_devices(cfg: Config, device: str, nproc: int, problems: list[str]) -> None:
+# --- devices ----------------------------------------------------------------------------------
+
+
+def check_devices(cfg: Config, place: Placement, problems: list[str]) -> None:
+    """The ranks' devices and the cluster's numbers, whatever launcher starts them (what a
+    launcher cannot do is in ``place.problems``)."""
     c = cfg.cluster
-    if nproc < 1:
-        problems.append(f"cluster.nproc_per_node={nproc} must be >= 1")
-    if c.kind == "local" and c.nodes != 1:
-        problems.append(
-            f"cluster.nodes={c.nodes} with cluster=local: a local run uses this host only; "
-            "use cluster=slurm for several nodes, or sharding.shard_size to emulate them"
-        )
-    if device == "cuda" and c.kind in ("local", "torchrun") and not cfg.dry_run:
-        # (torchrun: this node's GPUs; a dry run plans for GPUs it need not have)
-        have = devices.local_cuda_count()
-        if have == 0:
-            problems.append("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu")
-        elif nproc > have:
-            problems.append(
-                f"cluster.nproc_per_node={nproc} but only {have} GPU(s) are visible: "
-                f"use cluster.nproc_per_node<={have}"
-            )
-    if c.kind == "slurm" and device == "cuda" and c.gpus_per_node and nproc > c.gpus_per_node:
-        problems.append(
-            f"cluster.nproc_per_node={nproc} exceeds cluster.gpus_per_node={c.gpus_per_node}"
-        )
-    if c.kind == "slurm" and c.timeout_min is None:
-        problems.append("cluster.timeout_min is required with cluster=slurm (the job's --time, in "
-                        "minutes): set cluster.timeout_min=<minutes>")
+    if place.nproc_per_node < 1:
+        problems.append(f"cluster.nproc_per_node={place.nproc_per_node} must be >= 1")
     for key in ("signal_delay_s", "max_requeues", "max_restarts"):
         if getattr(c, key) < 0:
             problems.append(f"cluster.{key}={getattr(c, key)} must be >= 0")
     if min(c.init_timeout_s, c.train_timeout_s) < 1:
         problems.append("cluster.init_timeout_s and cluster.train_timeout_s must be >= 1 second")
-    precision = resolve_precision(cfg.precision.name, device)
-    # (a machine with no GPU at all is told so by the launcher's preflight, not this)
-    if device == "cuda" and precision in ("bf16", "mixed") and c.kind in ("local", "torchrun") \
-            and devices.local_cuda_count() > 0 and not devices.local_bf16():
+    precision = resolve_precision(cfg.precision.name, place.device)
+    # (a machine with no GPU at all is told so by the launcher, not this)
+    if place.device == "cuda" and precision in ("bf16", "mixed") and place.gpu_bf16 is False:
         problems.append(f"precision={precision} computes in bf16, which this GPU does not "
                         "support: use precision=fp32")
-    check_offload(cfg, device, problems)
+    check_offload(cfg, place.device, problems)
+
+
+def gpu_type_problems(c: ClusterConfig, device: str) -> list[str]:
+    """cluster.gpu_type names a row of the accelerator table (config/devices.py)."""
+    if device != "cuda" or c.gpu_type is None or c.gpu_type in devices.BY_KEY:
+        return []
+    return [f"cluster.gpu_type={c.gpu_type!r} is not one of {', '.join(devices.BY_KEY)}: pick "
+            "one, or set cluster.peak_tflops and cluster.device_memory_gb"]
 
 
 def check_offload(cfg: Config, device: str, problems: list[str]) -> None:
@@ -190,11 +446,14 @@ def check_offload(cfg: Config, device: str, problems: list[str]) -> None:
             "checkpointed; use checkpointing=full (or selective) with it, or drop it")
 
 
+# --- adapters ---------------------------------------------------------------------------------
+
+
 def check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
     """finetune's options, and for qlora the NF4 shapes over this shard group (nf4.py).
     ``cfg``: a Config, or a RunSpec (spec.variant_problems; the same fields)."""
     ft = cfg.finetune
-    own = ft.problems()
+    own = finetune_option_problems(ft)
     problems.extend(own)
     if ft.adapters and cfg.optim.lowbit:
         problems.append(
@@ -218,3 +477,294 @@ def check_finetune(cfg: Config, mesh: MeshSpec, problems: list[str]) -> None:
         problems.append("finetune=qlora with sharding.cpu_offload=true: the NF4 base is a "
                         "quarter of a 16-bit one and is not offloaded (untested with FSDP2's "
                         "CPU offload); drop sharding.cpu_offload, or use finetune=lora with it")
+
+
+def target_problems(ft: Any, m: Any, shard: int) -> list[str]:
+    """finetune=qlora: each target projection of model ``m`` that cannot be NF4 over a shard
+    group of ``shard`` ranks, with the fixes (the shard sizes that work, lora, fewer targets)."""
+    def bad_at(n: int) -> dict[str, str]:
+        out = {}
+        for name in ft.target_modules:
+            why = shard_problems(shapes[name], n, ft.nf4_block_size, ft.nf4_scaler_block_size)
+            if why:
+                out[name] = why
+        return out
+
+    shapes = projection_shapes(m)
+    bad = bad_at(shard)
+    if not bad:
+        return []
+    first = next(iter(bad))
+    ok = [n for n in range(1, 65) if not bad_at(n)]
+    fixes = [f"a shard group of {', '.join(map(str, ok[:8]))} rank(s) (cluster.nproc_per_node, "
+             "cluster.nodes, sharding.shard_size)"] if ok else []
+    fixes += ["finetune=lora (a 16-bit base shards any way)",
+              f"leave {', '.join(bad)} out of finetune.target_modules"
+              if len(bad) < len(ft.target_modules) else ""]
+    return [f"finetune=qlora: {', '.join(bad)} cannot be stored in NF4 over {shard} shard(s) "
+            f"({first} {shapes[first][0]} x {shapes[first][1]}: {bad[first]}). Use "
+            + "; or ".join(f for f in fixes if f)]
+
+
+# --- weights in and out -----------------------------------------------------------------------
+
+
+def _override(field: str, value: Any) -> str:
+    if field == "rope_scaling":
+        return "model.rope_scaling=null" if value is None else (
+            "model.rope_scaling={" + ",".join(f"{k}:{v}" for k, v in value.items()) + "}")
+    return f"model.{field}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def suggest_model_option(hf: dict[str, Any]) -> str:
+    """The model= option (plus overrides) whose shape equals a config.json."""
+    shape = {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+             "vocab_size"}
+    best = None
+    for name, node in model_presets().items():
+        diff = shape_diff(node, hf)
+        if not shape & set(diff) and (best is None or len(diff) < len(best[1])):
+            best = (name, diff)
+    if best is not None:
+        return " ".join([f"model={best[0]}", *(_override(k, v[1]) for k, v in best[1].items())])
+    return " ".join(_override(k, v) for k, v in hf_shape(hf).items() if v is not None)
+
+
+def _local_hf_problems(path: Path) -> list[str]:
+    if not (path / "config.json").is_file():
+        return [f"model.path={path} has no config.json: point it at a Hugging Face model "
+                "directory (config.json + *.safetensors) or a hub name"]
+    if not any(path.glob("*.safetensors")):
+        return [f"model.path={path} has no *.safetensors files (only safetensors weights are "
+                "read; convert .bin checkpoints with transformers' save_pretrained first)"]
+    return [f"model.path: {p}" for p in model_file_problems(path)]
+
+
+def model_path_problems(m: ModelConfig) -> list[str]:
+    """model.path must be an HF Llama directory or hub name whose config.json matches the group."""
+    if not m.path:
+        return []
+    local = Path(m.path).expanduser()
+    if local.is_dir():
+        problems = _local_hf_problems(local)
+        if problems:
+            return problems
+        hf = read_config_json(local)
+    elif local.exists() or m.path.startswith((".", "/", "~")) or m.path.count("/") != 1:
+        return [f"model.path={m.path} is neither a directory nor a hub name (org/name)"]
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            hf = read_config_json(Path(hf_hub_download(m.path, "config.json")).parent)
+        except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report
+            return [f"model.path={m.path}: not a local directory, and the hub lookup of its "
+                    f"config.json failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
+    if hf.get("model_type", "llama") != "llama":
+        return [f"model.path={m.path} is a {hf.get('model_type')!r} model; only Llama loads here"]
+    diff = shape_diff(m, hf)
+    if not diff:
+        return []
+    fields = ", ".join(f"{k}: model.{k}={ours} but config.json has {theirs}"
+                       for k, (ours, theirs) in diff.items())
+    return [f"model={m.name} does not match model.path={m.path} ({fields}): use "
+            f"{suggest_model_option(hf)}"]
+
+
+def resume_problems(resume: str, output_dir: str) -> list[str]:
+    """resume=auto and resume=none always work; a path must be a checkpoint or a run directory
+    with complete checkpoints."""
+    if resume in ("auto", "none"):
+        return []
+    if not Path(resume).exists():
+        return [f"resume={resume!r} does not exist: use resume=auto, resume=none or an existing "
+                "checkpoint directory"]
+    try:
+        resolve_resume(resume, output_dir)
+    except FileNotFoundError as e:
+        return [f"{e}: use resume=auto, resume=none or a checkpoint directory"]
+    return []
+
+
+def resume_pickle_problems(cfg: Config) -> list[str]:
+    """A checkpoint this run may resume from whose .metadata would load more than DCP's
+    metadata classes (pickles.py): refused before any process starts."""
+    try:
+        candidates = resume_candidates(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    return [why for path in candidates if (path / METADATA).is_file()
+            and (why := check_file(path / METADATA)) is not None]
+
+
+def resume_optim_problems(cfg: Config) -> list[str]:
+    """The checkpoint to resume from holds another optimizer's state, or what another finetune
+    method trains (optim_meta.py)."""
+    try:
+        path = resolve_resume(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    if path is None or verify(path) is not None:  # a damaged one: the ranks skip it, saying so
+        return []
+    try:
+        why = optim_mismatch(path, cfg.optim, cfg.finetune)
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{path / OPTIM_META} is unreadable ({type(e).__name__}: {e}): resume from "
+                "another checkpoint with resume=<path>, or start afresh with resume=none"]
+    return [why] if why else []
+
+
+def export_problems(cfg: Config) -> list[str]:
+    """The run's export would replace a directory that is not wholly an earlier export of
+    llama_fsdp's (the user's files in <run>/export): refused now, not after training."""
+    run = RunDir(cfg.output_dir)
+    if claim_problem(run.root) is not None:  # not a run's directory: refused as a whole at launch
+        return []
+    outs = []
+    if cfg.finetune.adapters or cfg.save.export_hf:
+        outs.append(run.export)
+    if cfg.finetune.adapters and cfg.finetune.export_merged:
+        outs.append(run.export_merged)
+    return [f"this run's export would replace what is there: {why}" for p in outs
+            if (why := export_problem(p)) is not None]
+
+
+def checkpoint_problems(cfg: Config) -> list[str]:
+    """Everything about weights in and out that can be wrong before any process starts."""
+    problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
+    problems += resume_pickle_problems(cfg) + resume_optim_problems(cfg) + export_problems(cfg)
+    s, stop = cfg.save, cfg.train.stop_after
+    if s.async_save and s.full_state_dict:
+        problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "
+                        "is gathered and written by rank 0 synchronously; drop one of them")
+    if stop is not None and not 1 <= stop <= cfg.train.max_steps:
+        problems.append(f"train.stop_after={stop} must be in [1, train.max_steps="
+                        f"{cfg.train.max_steps}] (or null)")
+    return problems
+
+
+# --- the mesh, attention, the data's form, callbacks -----------------------------------------
+
+
+def check_mesh(strategy: str, shard_size: Optional[int], world: int, nproc: int,
+               problems: list[str]) -> None:
+    """sharding.shard_size against the strategy and the world size (config/strategies.py's
+    mesh_for maps them)."""
+    s = strategies.STRATEGIES.get(strategy)
+    if s is None:  # auto plans as full until it is chosen; an unknown name: check_choices
+        return
+    if s.ddp and shard_size not in (None, 1):
+        problems.append(
+            f"sharding.shard_size={shard_size} with sharding={strategy}: no_shard keeps a "
+            "full replica per rank; drop sharding.shard_size or use sharding=hybrid")
+    elif not s.ddp and not s.hybrid and shard_size not in (None, world):
+        problems.append(
+            f"sharding.shard_size={shard_size} with sharding={strategy} (which shards over "
+            f"all {world} ranks): use sharding=hybrid to shard in groups of {shard_size}, or "
+            "drop sharding.shard_size")
+    elif s.hybrid:
+        shard = shard_size if shard_size is not None else nproc
+        if shard < 1 or world % shard:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            problems.append(
+                f"world size {world} is not divisible by sharding.shard_size={shard}: set "
+                f"sharding.shard_size to one of {divisors}, or change cluster.nodes / "
+                "cluster.nproc_per_node")
+
+
+def attention_problems(name: str, *, device: str, compute_dtype: str) -> list[str]:
+    """An explicit model.attn_implementation=varlen on CUDA runs flash attention: 16-bit only.
+    (torch.nn.attention.varlen is in every torch llama_fsdp runs on: versions.FLOORS.)"""
+    if device != "cuda" or name != VARLEN or compute_dtype in SIXTEEN_BIT:
+        return []
+    return [f"model.attn_implementation=varlen needs 16-bit compute on CUDA (flash), but the "
+            f"compute dtype is {compute_dtype}: use precision=mixed or precision=bf16, or "
+            "model.attn_implementation=sdpa"]
+
+
+def pair_data_problems(d: DataConfig) -> list[str]:
+    """Data options that mean nothing for preference pairs (an objective whose rows hold
+    pairs: config/objectives.py)."""
+    out = []
+    if d.train_on_prompt:
+        out.append(f"data.train_on_prompt=true with objective={DPO}: DPO compares the answers' "
+                   "log-probs, the prompt is never a target: drop it")
+    if d.name != "synthetic" and d.format != "auto":
+        out.append(f"data.format={d.format} names an SFT record format; objective={DPO} reads "
+                   "pairs by their columns (prompt / chosen / rejected): drop data.format")
+    return out
+
+
+def callback_problems(paths: list[str]) -> list[str]:
+    """Each train.callbacks entry that cannot be resolved, with why (its module is imported:
+    its top-level code runs here as it will on the ranks). Called by the job's preparation,
+    once, in the process that prepares the job."""
+    out = []
+    for path in paths:
+        try:
+            resolve(path)
+        except Exception as e:  # noqa: BLE001 - a module that raises on import is a bad one too
+            out.append(str(e) if isinstance(e, ValueError) else
+                       f"train.callbacks: importing {path!r} raised {type(e).__name__}: {e}")
+    return out
+
+
+# --- a run, all at once ----------------------------------------------------------------------
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """What the typed config says wrong on its own (``cfg.output_dir``: the run directory this
+    launch writes to, where resume=auto looks)."""
+    problems: list[str] = []
+    check_choices(cfg, problems)
+    check_positive(cfg, problems)
+    check_model(cfg.model, cfg.train, problems)
+    problems += checkpoint_problems(cfg)
+    problems += (data_option_problems(cfg.data) + model_number_problems(cfg.model)
+                 + train_option_problems(cfg.train) + eval_option_problems(cfg.eval)
+                 + cluster_option_problems(cfg.cluster) + tracking_option_problems(cfg.tracking)
+                 + objective_option_problems(cfg.objective))
+    if OBJECTIVES.get(cfg.objective.name) is not None and OBJECTIVES[cfg.objective.name].pairs:
+        problems += pair_data_problems(cfg.data)
+    return problems
+
+
+def derived_problems(cfg: Any, *, place: Placement, mesh: MeshSpec, world: int,
+                     param_dtype: Optional[str], compute_dtype: Optional[str]) -> list[str]:
+    """What is wrong with the run's derived values: its devices and the launcher's answers, its
+    mesh, adapters over it, activation checkpointing, the optimizer, attention (dtypes: None
+    for a precision that is not one, which ``check_choices`` reports). ``cfg``: a Config, or a
+    RunSpec (the same fields)."""
+    problems = list(place.problems)
+    check_devices(cfg, place, problems)
+    problems += gpu_type_problems(cfg.cluster, place.device)
+    check_mesh(cfg.sharding.strategy, cfg.sharding.shard_size, world, place.nproc_per_node,
+               problems)
+    check_finetune(cfg, mesh, problems)
+    ac = cfg.checkpointing
+    if ac.mode == "selective" and ac.every_k > cfg.model.num_layers:
+        problems.append(f"checkpointing.every_k={ac.every_k} exceeds model.num_layers="
+                        f"{cfg.model.num_layers}: nothing would be checkpointed")
+    if param_dtype is not None:
+        problems += optim_option_problems(cfg.optim, param_dtype=param_dtype,
+                                          cpu_offload=cfg.sharding.cpu_offload,
+                                          full_state_dict=cfg.save.full_state_dict)
+        problems += attention_problems(cfg.model.attn_implementation, device=place.device,
+                                       compute_dtype=compute_dtype)
+    return problems
+
+
+def variant_problems(spec: Any) -> list[str]:
+    """The rules between a run's choices, asked again of a RunSpec the planner changed (another
+    strategy, node count, optimizer, method, offload or sequence length): what build_spec would
+    say of the same choices."""
+    problems: list[str] = []
+    check_model(spec.model, spec.train, problems)
+    check_mesh(spec.strategy, spec.sharding.shard_size, spec.world_size, spec.nproc_per_node,
+               problems)
+    check_finetune(spec, spec.mesh, problems)
+    check_offload(spec, spec.device, problems)
+    problems += optim_option_problems(spec.optim, param_dtype=spec.policy.param_dtype,
+                                      cpu_offload=spec.sharding.cpu_offload,
+                                      full_state_dict=spec.save.full_state_dict)
+    return problems

@@ -15,6 +15,18 @@ FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 QUIET_ENV = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
+def resolve_tracking_uri(uri: str, base: Path) -> str:
+    """Make relative sqlite/file stores absolute so every rank and node writes the same one."""
+    for scheme in ("sqlite:///", "file://"):
+        if uri.startswith(scheme):
+            path = uri[len(scheme):]
+            if not os.path.isabs(path):
+                return scheme + str((base / path).resolve())
+    if "://" not in uri:  # a plain directory
+        return str((base / uri).resolve())
+    return uri
+
+
 def open_client(uri: str) -> Any:
     """An MlflowClient. Opening a sqlite store creates or migrates its schema, and two
     processes doing that at once leave it broken (a half-applied migration), as parallel sweep

@@ -30,7 +30,7 @@ from ..config import metrics as names
 from ..config.schema import TrackingConfig
 from ..config.status import FINISHED, STATUSES, mlflow_status
 from ..config.credentials import export_credentials
-from ..run.spec import resolve_tracking_uri
+from .store import resolve_tracking_uri
 from . import (
     START_DELIVERY_S,
     Spool,

@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from llama_fsdp.plan import make_plan
-from llama_fsdp.run.spec import build_spec
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, compose, spec_of
 
 EXAMPLES = REPO / "docs" / "examples"
 
@@ -56,12 +55,12 @@ def test_an_example_composes_into_a_run_that_fits(example, monkeypatch, tmp_path
                        "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
     # the GPUs the launcher's nodes have, stood in (CUDA cannot exist here)
-    monkeypatch.setattr("llama_fsdp.config.devices.local_cuda_count", lambda: gpus)
-    monkeypatch.setattr("llama_fsdp.config.devices.local_bf16", lambda: True)
+    monkeypatch.setattr("llama_fsdp.launchers.hosts.local_cuda_count", lambda: gpus)
+    monkeypatch.setattr("llama_fsdp.launchers.hosts.local_bf16", lambda: True)
     h100 = ("NVIDIA H100 80GB HBM3", 85 * 10**9)
-    monkeypatch.setattr("llama_fsdp.config.devices.local_gpu", lambda: h100)
+    monkeypatch.setattr("llama_fsdp.launchers.hosts.local_gpu", lambda: h100)
     out = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
-    spec = build_spec(compose(overrides), launch_dir=Path(tmp_path))
+    spec = spec_of(compose(overrides), launch_dir=Path(tmp_path))
     assert (spec.device, spec.nodes, spec.nproc_per_node, spec.world_size) == (
         "cuda", nodes, gpus, world)
     assert spec.gpu == "h100" and spec.output_dir == out

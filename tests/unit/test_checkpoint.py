@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llama_fsdp.run import checkpoint_checks as checks
+from llama_fsdp.run import checks
 from llama_fsdp.checkpoint import hf, layout
 from llama_fsdp.checkpoint import dcp as ckpt_dcp
 from llama_fsdp.config import hf_dir

@@ -241,7 +241,7 @@ def test_torchrun_layout_comes_from_the_environment_and_is_checked():
     """cluster=torchrun: nodes and ranks per node from torchrun's (or an operator's)
     environment; a config that says otherwise, a missing variable, an uneven world: refused."""
     from llama_fsdp.config.schema import ClusterConfig
-    from llama_fsdp.run.spec import torchrun_layout
+    from llama_fsdp.launchers.torchrun import torchrun_layout
 
     base = {"RANK": "3", "WORLD_SIZE": "16", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
     c = ClusterConfig(kind="torchrun", nodes=None, nproc_per_node=None)

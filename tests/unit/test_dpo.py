@@ -56,11 +56,13 @@ def test_a_policy_equal_to_its_reference_loses_ln2():
 
 
 def test_objective_options_are_checked():
-    assert ObjectiveConfig(name="dpo", beta=0).problems() == ["objective.beta=0 must be > 0"]
+    from llama_fsdp.run.checks import objective_option_problems as problems
+
+    assert problems(ObjectiveConfig(name="dpo", beta=0)) == ["objective.beta=0 must be > 0"]
     assert "objective.label_smoothing applies to objective.loss=sigmoid" in " ".join(
-        ObjectiveConfig(name="dpo", loss="ipo", label_smoothing=0.1).problems())
-    assert "objective.beta set with objective=sft" in ObjectiveConfig(beta=0.5).problems()[0]
-    assert "not one of sigmoid, ipo" in ObjectiveConfig(name="dpo", loss="hinge").problems()[0]
+        problems(ObjectiveConfig(name="dpo", loss="ipo", label_smoothing=0.1)))
+    assert "objective.beta set with objective=sft" in problems(ObjectiveConfig(beta=0.5))[0]
+    assert "not one of sigmoid, ipo" in problems(ObjectiveConfig(name="dpo", loss="hinge"))[0]
 
 
 # --- TRL's DPOTrainer as the oracle --------------------------------------------------------------

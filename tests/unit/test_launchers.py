@@ -191,11 +191,11 @@ def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
 
 
 def test_more_local_ranks_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
-    from llama_fsdp.config import devices
+    from llama_fsdp.launchers import hosts
     from llama_fsdp.run.spec import ConfigError
 
-    monkeypatch.setattr(devices, "local_cuda_count", lambda: 2)
-    monkeypatch.setattr(devices, "local_bf16", lambda: True)
+    monkeypatch.setattr(hosts, "local_cuda_count", lambda: 2)
+    monkeypatch.setattr(hosts, "local_bf16", lambda: True)
     with pytest.raises(ConfigError, match=r"cluster.nproc_per_node=4 but only 2 GPU\(s\) are "
                                           r"visible: use cluster.nproc_per_node<=2"):
         make_spec(["cluster.device=cuda", "cluster.nproc_per_node=4"], output_dir=tmp_path)
@@ -393,15 +393,14 @@ def test_every_value_in_the_job_script_is_quoted(tmp_path):
     and hands the ranks the path as it is. Before: `export TORCH_FR_DUMP_TEMP_FILE=...` was
     written unquoted (the apostrophe broke the script; $(...) ran on the node)."""
     from llama_fsdp.launchers.slurm import sbatch_preview
-    from llama_fsdp.run.spec import build_spec
-    from tests.conftest import compose
+    from tests.conftest import compose, spec_of
 
     marker = tmp_path / "marker"
     run = tmp_path / HOSTILE.format(marker=marker)
     cfg = compose(["output_dir=/tmp/unused", "cluster=slurm", "cluster.device=cpu",
                    "cluster.max_restarts=1",
                    "cluster.setup=[echo setup ran]"])
-    script = sbatch_preview(build_spec(cfg, output_dir=str(run)))
+    script = sbatch_preview(spec_of(cfg, output_dir=str(run)))
     path = tmp_path / "job.sh"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
@@ -426,8 +425,8 @@ def test_a_line_break_in_anything_that_reaches_sbatch_is_refused_naming_the_key(
     own in the job script, which ran, and the #SBATCH lines after it were ignored."""
     from omegaconf import open_dict
 
-    from llama_fsdp.run.spec import ConfigError, build_spec
-    from tests.conftest import compose
+    from llama_fsdp.run.spec import ConfigError
+    from tests.conftest import compose, spec_of
 
     cfg = compose([f"output_dir={tmp_path}/run", "cluster=slurm", "cluster.device=cpu"])
     evil = "debug\ntouch /tmp/pwned"
@@ -443,7 +442,7 @@ def test_a_line_break_in_anything_that_reaches_sbatch_is_refused_naming_the_key(
                 section, field = key.split(".")
                 cfg[section][field] = evil
     with pytest.raises(ConfigError) as e:
-        build_spec(cfg)
+        spec_of(cfg)
     assert f"{key}" in str(e.value) and "holds a line break" in str(e.value)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llama_fsdp.config import nf4 as nf4_layout
 from llama_fsdp.model import nf4
 
 GROUP = 64 * 256  # torchao's default block x scaler block: the smallest chunk
@@ -29,14 +30,14 @@ def _forward_backward(fn, q, x_dtype, seed=1):
 
 # (shape, chunk): rows of 384 columns do not fit a chunk of two groups evenly, and 3 groups
 # leave a last chunk of one; 1,088 x 1,024 is two chunks of 2^20, the last one short.
-CASES = [((256, 64), nf4.DEQUANT_CHUNK), ((128, 384), 2 * GROUP), ((96, 512), 2 * GROUP),
+CASES = [((256, 64), nf4_layout.DEQUANT_CHUNK), ((128, 384), 2 * GROUP), ((96, 512), 2 * GROUP),
          ((1088, 1024), 1 << 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,chunk", CASES)
 def test_linear_is_torchaos_bit_for_bit(monkeypatch, dtype, shape, chunk):
-    monkeypatch.setattr(nf4, "DEQUANT_CHUNK", chunk)
+    monkeypatch.setattr(nf4_layout, "DEQUANT_CHUNK", chunk)
     q = _weight(shape, dtype)
     assert torch.equal(nf4.dequantize(q, dtype), q.get_original_weight())
     want = _forward_backward(nf4.nf4_module().linear_nf4, q, dtype)
@@ -83,7 +84,7 @@ def test_one_call_holds_its_result_and_one_chunk(monkeypatch, dtype):
     chunk's, and at most one weight plus (8 + 2c) bytes a chunk element is alive at once
     (torchao's get_original_weight, seen by the same count: (8 + 3c) bytes a weight)."""
     chunk = 2 * GROUP
-    monkeypatch.setattr(nf4, "DEQUANT_CHUNK", chunk)
+    monkeypatch.setattr(nf4_layout, "DEQUANT_CHUNK", chunk)
     q = _weight((1024, 256), dtype)  # 8 groups: 4 chunks
     n, c = q.numel(), torch.finfo(dtype).bits // 8
     x = torch.randn(2, 256, dtype=dtype, requires_grad=True)
@@ -96,7 +97,7 @@ def test_one_call_holds_its_result_and_one_chunk(monkeypatch, dtype):
             big = sorted(b for b, _, _ in seen.made)
             if lean:
                 assert big[-1] == n * c and big[-2] <= 8 * chunk, (dtype, big[-3:])
-                assert n * c < seen.peak <= nf4.dequantize_bytes(
+                assert n * c < seen.peak <= nf4_layout.dequantize_bytes(
                     n, dtype_bytes=c, block_size=64, scaler_block_size=256) + 4096, seen.peak
                 assert not [d for b, d, _ in seen.made if d == torch.int64 and b >= 8 * n]
             else:  # the instrument sees torchao's whole-weight int64 codes

@@ -308,12 +308,10 @@ def test_resume_auto_checks_the_run_directory_the_launch_writes_to(tmp_path):
     """Under torchrun the caller names the run directory (build_spec's output_dir), not the
     config: resume=auto's optimizer check looks there; an unreadable optimizer.json is named
     before launch instead of raising from the spec."""
-    from llama_fsdp.run.spec import build_spec
-
     ckpt = _fake_checkpoint(tmp_path / "torchrun-job", OptimConfig(name="adamw8bit"))
     cfg = conftest.compose([f"output_dir={tmp_path / 'elsewhere'}", *conftest.CPU, "optim=adamw"])
     with pytest.raises(ConfigError, match="cannot read"):
-        build_spec(cfg, launch_dir=tmp_path, output_dir=str(tmp_path / "torchrun-job"))
+        conftest.spec_of(cfg, launch_dir=tmp_path, output_dir=str(tmp_path / "torchrun-job"))
     (ckpt / "optimizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"optimizer.json is unreadable \(JSONDecodeError"):
         make_spec(f"resume={ckpt}")

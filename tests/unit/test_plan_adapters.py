@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from llama_fsdp.config import nf4 as nf4_layout
 from llama_fsdp.model import nf4
+from llama_fsdp.run.checks import target_problems
 from llama_fsdp import plan as P
 from llama_fsdp.config.schema import FinetuneConfig, ModelConfig, model_preset
 from llama_fsdp.plan import lora as PA
@@ -158,10 +160,10 @@ def test_flops_per_token_is_4n_plus_6na_and_matches_torch_flop_counter():
 def test_nf4_bytes_include_the_scales_and_match_torchao():
     for shape in [(256, 256), (1024, 4096), (14336, 4096)]:
         t = nf4.nf4_module().to_nf4(torch.zeros(shape, dtype=torch.bfloat16), 64, 256)
-        assert nf4.tensor_bytes(t) == nf4.shard_bytes(math.prod(shape), dtype_bytes=2,
+        assert nf4.tensor_bytes(t) == nf4_layout.shard_bytes(math.prod(shape), dtype_bytes=2,
                                                       block_size=64, scaler_block_size=256)
     # 0.5 byte per code + 1/64 per int8 scale + a bf16 factor per 16384: 0.5157 bytes a weight
-    assert nf4.shard_bytes(2**24, dtype_bytes=2, block_size=64, scaler_block_size=256) / 2**24 \
+    assert nf4_layout.shard_bytes(2**24, dtype_bytes=2, block_size=64, scaler_block_size=256) / 2**24 \
         == pytest.approx(0.515749, abs=1e-6)
 
 
@@ -196,9 +198,9 @@ def test_nf4_shard_rule_for_llama_shapes(name):
     binding ones); none over 3 or 6 ranks."""
     ft, m = FinetuneConfig(method="qlora"), model_preset(name)
     for world in (1, 2, 4, 8, 16, 32, 64):
-        assert nf4.target_problems(ft, m, world) == [], (name, world)
+        assert target_problems(ft, m, world) == [], (name, world)
     for world in (3, 6):
-        assert nf4.target_problems(ft, m, world), (name, world)
+        assert target_problems(ft, m, world), (name, world)
 
 
 # --- refusals, with the fix ---------------------------------------------------------------------
@@ -274,7 +276,7 @@ def test_70b_qlora_fits_four_rtx_4090s_at_under_20_gb():
     # the NF4 base (64.4B projection weights at 0.5157 B) + the bf16 embedding and head, / 4
     assert mem.params == pytest.approx(10.08e9, rel=1e-3)
     assert mem.grads == 207_093_760 * 4 // 4 and mem.optimizer == 2 * mem.grads  # fp32 adapters
-    assert plan.peak_phase == "loss"  # (the dequantized weight: nf4.dequantize_bytes)
+    assert plan.peak_phase == "loss"  # (the dequantized weight: nf4_layout.dequantize_bytes)
     full = P.make_plan(make_spec("model=70b", "cluster.nproc_per_node=4", *GPU4090))
     lora = P.make_plan(make_spec("model=70b", "finetune=lora", "cluster.nproc_per_node=4",
                                  *GPU4090))
