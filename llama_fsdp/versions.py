@@ -40,15 +40,3 @@ def check_versions() -> None:
     problems = version_problems()
     if problems:
         raise SystemExit("llama_fsdp cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def cache_kwarg() -> str:
-    """The keyword LlamaForCausalLM takes its KV cache by: ``cache`` from transformers 5.24 on
-    (``past_key_values`` is deprecated there and warns on every rank), ``past_key_values``
-    before."""
-    import inspect
-
-    from transformers import LlamaForCausalLM
-
-    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
-        else "past_key_values"

@@ -10,17 +10,29 @@ start (``TRAINABLE_PARAMS``, ``BASE_PARAMS``: the model's own weights, adapters 
 from __future__ import annotations
 
 LOSS = "loss"
-EVAL_LOSS = "eval_loss"
 LR = "lr"
 GRAD_NORM = "grad_norm"
 TOKENS_PER_SEC = "tokens_per_sec"
+TOKENS_PER_SEC_PER_DEVICE = "tokens_per_sec_per_device"
 STEP_TIME = "step_time_s"
 PEAK_MEMORY = "peak_memory_gb"
+PEAK_MEMORY_RESERVED = "peak_memory_reserved_gb"  # CUDA's caching allocator's
 MFU = "mfu"
+RESTART = "restart"  # at the first step of a restarted or requeued run: how many times
 
+# at eval steps: the held-out numbers, each a per-step name (or the task metric) after EVAL_PREFIX
+EVAL_PREFIX = "eval_"
+EVAL_LOSS = "eval_loss"
+EXACT_MATCH = "exact_match"  # greedy answers to held-out prompts; per task kind after "/"
+EVAL_EXACT_MATCH = "eval_exact_match"
+
+# at step 0: what the run is
 TRAINABLE_PARAMS = "trainable_params"
 BASE_PARAMS = "base_params"
 TOTAL_PARAMS = "total_params"
+GLOBAL_BATCH = "global_batch"
+TOKENS_PER_STEP = "tokens_per_step"
+LOCAL_PARAMS_RANK0 = "local_params_rank0"
 
 SUMMARY_PREFIX = "summary/"
 SUMMARY_TOKENS_PER_SEC = "summary/tokens_per_sec"
@@ -35,11 +47,19 @@ SUMMARY_EVAL_EXACT_MATCH = "summary/eval_exact_match"
 
 # objective=dpo (TRL's names): per log step, means over the step's pairs, and with "eval_" before
 # them at eval steps; at the end, the last values the runs table shows
-DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
-               "logps/chosen", "logps/rejected")
+REWARDS_CHOSEN = "rewards/chosen"
+REWARDS_REJECTED = "rewards/rejected"
+REWARDS_MARGIN = "rewards/margin"
+REWARDS_ACCURACY = "rewards/accuracy"
+LOGPS_CHOSEN = "logps/chosen"
+LOGPS_REJECTED = "logps/rejected"
+DPO_METRICS = (REWARDS_CHOSEN, REWARDS_REJECTED, REWARDS_MARGIN, REWARDS_ACCURACY, LOGPS_CHOSEN,
+               LOGPS_REJECTED)
+EVAL_REWARDS_ACCURACY = "eval_rewards/accuracy"
+EVAL_REWARDS_MARGIN = "eval_rewards/margin"
 SUMMARY_REWARD_ACCURACY = "summary/reward_accuracy"
 SUMMARY_EVAL_REWARD_ACCURACY = "summary/eval_reward_accuracy"
-DPO_SUMMARY = {SUMMARY_REWARD_ACCURACY: "rewards/accuracy",
-               "summary/reward_margin": "rewards/margin",
-               SUMMARY_EVAL_REWARD_ACCURACY: "eval_rewards/accuracy",
-               "summary/eval_reward_margin": "eval_rewards/margin"}
+DPO_SUMMARY = {SUMMARY_REWARD_ACCURACY: REWARDS_ACCURACY,
+               "summary/reward_margin": REWARDS_MARGIN,
+               SUMMARY_EVAL_REWARD_ACCURACY: EVAL_REWARDS_ACCURACY,
+               "summary/eval_reward_margin": EVAL_REWARDS_MARGIN}

@@ -13,8 +13,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from . import metrics as names
 from .kernels import AUTO as AUTO_KERNEL
+from .objectives import DEFAULT as DEFAULT_OBJECTIVE
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
 from .placement import LOCAL
@@ -312,27 +312,26 @@ class FinetuneConfig:
 @dataclass
 class ObjectiveConfig:
     """What the weights train for (conf/objective/), beside which weights train (finetune):
-    next-token cross-entropy on the answers (sft), or Direct Preference Optimization on
-    prompt / chosen / rejected pairs (dpo: llama_fsdp/objective/dpo.py, docs/dpo.md)."""
+    a name of config/objectives.py's table -- next-token cross-entropy on the answers (sft), or
+    Direct Preference Optimization on prompt / chosen / rejected pairs (dpo:
+    llama_fsdp/objective/dpo.py, docs/dpo.md). The other keys are DPO's."""
 
     # Valid values (class attributes, not config keys).
-    NAMES = ("sft", "dpo")
     # sigmoid: DPO's -log sigmoid(beta * margin), with label_smoothing the conservative cDPO;
     # ipo: (margin per answer token - 1 / (2 beta))^2, TRL's IPO.
-    LOSSES = ("sigmoid", "ipo")
+    SIGMOID, IPO = "sigmoid", "ipo"
+    LOSSES = (SIGMOID, IPO)
     # model: the policy with its adapters off (lora / qlora: nothing added), or a frozen copy
     # sharded per layer like it (full); cached: the reference's log-probs computed once, before
     # the first step, and kept on disk beside the tokenized data (no reference in memory).
-    REFERENCES = ("model", "cached")
-    # What a dpo run logs (metric_names.py, TRL's names) and the runs table's columns of it.
-    METRICS = names.DPO_METRICS
-    SUMMARY = names.DPO_SUMMARY
+    MODEL, CACHED = "model", "cached"
+    REFERENCES = (MODEL, CACHED)
 
-    name: str = "sft"
+    name: str = DEFAULT_OBJECTIVE
     beta: float = 0.1
-    loss: str = "sigmoid"
+    loss: str = SIGMOID
     label_smoothing: float = 0.0
-    reference: str = "model"
+    reference: str = MODEL
 
 
 @dataclass

@@ -28,15 +28,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import metrics as m
+from ..config.objectives import DPO, OBJECTIVES
+from ..config.schema import EvalConfig, ObjectiveConfig
 from ..model.attention import model_inputs
-from ..config.schema import ObjectiveConfig
-from .loss import packed_sequence_logprobs
-from .dpo_reference import LiveReference, cached_logps, frozen_copy, reshard
 from ..run.spec import RunSpec
+from .dpo_reference import LiveReference, cached_logps, frozen_copy, reshard
+from .loss import packed_sequence_logprobs
 
 log = logging.getLogger(__name__)
 
-METRICS, SUMMARY = ObjectiveConfig.METRICS, ObjectiveConfig.SUMMARY
+METRICS, SUMMARY = OBJECTIVES[DPO].metrics, OBJECTIVES[DPO].summary
+SIGMOID, IPO = ObjectiveConfig.SIGMOID, ObjectiveConfig.IPO  # objective.loss
 
 
 def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, cfg: ObjectiveConfig,
@@ -48,11 +51,11 @@ def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, cfg: ObjectiveConfi
     pc, pr = policy[0::2], policy[1::2]
     ratio_c, ratio_r = pc - reference[0::2], pr - reference[1::2]
     match cfg.loss:
-        case "sigmoid":
+        case ObjectiveConfig.SIGMOID:
             d = cfg.beta * (ratio_c - ratio_r)
             e = cfg.label_smoothing
             losses = -F.logsigmoid(d) * (1 - e) - (F.logsigmoid(-d) * e if e else 0.0)
-        case "ipo":
+        case ObjectiveConfig.IPO:
             assert tokens is not None, "ipo normalizes by the answers' tokens"
             d = ratio_c / tokens[0::2].clamp(min=1) - ratio_r / tokens[1::2].clamp(min=1)
             losses = (d - 1 / (2 * cfg.beta)) ** 2
@@ -60,9 +63,9 @@ def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, cfg: ObjectiveConfi
             raise ValueError(f"objective.loss={cfg.loss!r} is not one of "
                              f"{', '.join(ObjectiveConfig.LOSSES)}")
     rc, rr = cfg.beta * ratio_c.detach(), cfg.beta * ratio_r.detach()
-    metrics = {"rewards/chosen": rc, "rewards/rejected": rr, "rewards/margin": rc - rr,
-               "rewards/accuracy": (rc > rr).float(), "logps/chosen": pc.detach(),
-               "logps/rejected": pr.detach()}
+    metrics = {m.REWARDS_CHOSEN: rc, m.REWARDS_REJECTED: rr, m.REWARDS_MARGIN: rc - rr,
+               m.REWARDS_ACCURACY: (rc > rr).float(), m.LOGPS_CHOSEN: pc.detach(),
+               m.LOGPS_REJECTED: pr.detach()}
     return losses, metrics
 
 
@@ -89,7 +92,7 @@ class PreferenceLoss:
         """(train_step's ``rows`` and ``grad_scale`` are the token loss's: a pair's sequences
         are summed over its own ``target_index``, and the loss is no sum of token terms.)"""
         policy = packed_sequence_logprobs(model, batch)
-        tokens = answer_tokens(batch) if self.cfg.loss == "ipo" else None
+        tokens = answer_tokens(batch) if self.cfg.loss == IPO else None
         losses, metrics = dpo_terms(policy, batch["ref_logps"], self.cfg, tokens)
         return losses.sum(), {k: v.sum() for k, v in metrics.items()}
 
@@ -111,19 +114,18 @@ class Preference:
             yield batch if self.reference is None else self.reference.attach(batch)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, data: Any, *, max_batches: int,
-                 task_prompts: int, max_new_tokens: Optional[int]) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, data: Any, ev: EvalConfig) -> dict[str, float]:
         """DPO loss and ``METRICS`` over every rank's held-out pairs ("eval_" names), and the
         exact match of greedy answers to the held-out prompts against the chosen answers."""
         sums = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=self.device)
         was_training = model.training
         model.eval()
         try:
-            for batch in self.batches(iter(data.eval_batches(max_batches))):
+            for batch in self.batches(iter(data.eval_batches(ev.max_batches))):
                 inputs = model_inputs(model, batch, self.device)
                 losses, metrics = dpo_terms(
                     packed_sequence_logprobs(model, inputs), inputs["ref_logps"], self.cfg,
-                    answer_tokens(inputs) if self.cfg.loss == "ipo" else None)
+                    answer_tokens(inputs) if self.cfg.loss == IPO else None)
                 sums += torch.stack([losses.sum(), *(metrics[k].sum() for k in METRICS),
                                      torch.tensor(float(len(losses)), device=self.device)]).double()
         finally:
@@ -131,9 +133,10 @@ class Preference:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
         values = (sums[:-1] / sums[-1].clamp(min=1)).tolist()
-        out = {"eval_loss": values[0], **{f"eval_{k}": v for k, v in zip(METRICS, values[1:])}}
-        if task_prompts:
-            out.update(self._exact_match(model, data, task_prompts, max_new_tokens))
+        out = {m.EVAL_LOSS: values[0],
+               **{m.EVAL_PREFIX + k: v for k, v in zip(METRICS, values[1:])}}
+        if ev.task_prompts:
+            out.update(self._exact_match(model, data, ev.task_prompts, ev.max_new_tokens))
         return out
 
     def _exact_match(self, model: nn.Module, data: Any, prompts: int,
@@ -147,7 +150,7 @@ class Preference:
         with torch.compiler.set_stance("force_eager"):
             scores = exact_match(model, chosen, device=self.device, max_prompts=prompts,
                                  max_new_tokens=max_new_tokens)
-        return {f"eval_{k}": v for k, v in scores.items()}
+        return {m.EVAL_PREFIX + k: v for k, v in scores.items()}
 
     @staticmethod
     def summary(logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
@@ -156,13 +159,13 @@ class Preference:
         return {name: float(last[key]) for name, key in SUMMARY.items() if key in last}
 
 
-def build_preference(spec: RunSpec, model: nn.Module, data: Any, device: torch.device, *,
-                     rank: int, world: int, resuming: bool) -> Preference:
+def build(spec: RunSpec, model: nn.Module, data: Any, device: torch.device, *, rank: int,
+          world: int, resuming: bool) -> Preference:
     """The reference of this run (reference.py), before the policy trains or its checkpoint is
     loaded: with objective.reference=cached, the data's splits get the cached log-probs (made
     now, collectively, if the cache has none)."""
     cfg, adapters = spec.objective, spec.finetune.adapters
-    if cfg.reference == "model":
+    if cfg.reference == ObjectiveConfig.MODEL:
         ref_model = model if adapters else frozen_copy(spec, model, device)
         return Preference(cfg, PreferenceLoss(cfg),
                           LiveReference(ref_model, adapters_off=adapters, device=device), device)

@@ -1,21 +1,47 @@
-"""Held-out evaluation: token-mean eval loss, and greedy answers scored by exact match.
+"""objective=sft: next-token cross-entropy on the answers, and its held-out evaluation (the
+token-mean eval loss, and greedy answers scored by exact match).
 
-Both are collective under FSDP: every rank runs the same number of forward calls (ranks with
-fewer batches or prompts run stand-ins that are not counted), and the counts are summed across
-ranks, so the numbers are the same on every rank and independent of the world size.
+The loss is summed over a micro-batch's target tokens (loss.loss_sum) and divided by the step's
+global target count (train/loop.py), so N ranks compute exactly the 1-rank gradient. The
+evaluation is collective under FSDP: every rank runs the same number of forward calls (ranks
+with fewer batches or prompts run stand-ins that are not counted), and the counts are summed
+across ranks, so the numbers are the same on every rank and independent of the world size.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.attention import model_inputs, standard_attention
+from ..config import metrics as m
+from ..config.schema import EvalConfig
+from ..data.packing import IGNORE_INDEX
+from ..model.attention import model_inputs
+from ..model.generate import greedy_generate
 from .loss import loss_sum, target_rows
+
+
+class TokenLoss:
+    """SFT's loss for ``train_step``: summed over a micro-batch's target tokens (loss.loss_sum,
+    by train.loss's path); the step divides by the global target count (``count`` summed over
+    micro-batches and ranks). Another objective gives the same two methods (dpo.PreferenceLoss:
+    pairs), and metrics of its own: sums normalized and reduced like the loss. ``rows``: the
+    target tokens' flat indices on the device; ``grad_scale``: what the step multiplies the sum
+    by before backward (loss.chunked_cross_entropy says why it helps)."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], *, rows: torch.Tensor,
+                 grad_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return loss_sum(model, batch, rows=rows, grad_scale=grad_scale), {}
+
+
+TOKEN_LOSS = TokenLoss()
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -96,44 +122,42 @@ def exact_match(model: nn.Module, data: Any, *, device: torch.device,
     finally:
         model.train(was_training)
     counts = _all_reduce(counts.to(device)).cpu()
-    out = {"exact_match": float(counts[0].sum() / counts[1].sum())}
+    out = {m.EXACT_MATCH: float(counts[0].sum() / counts[1].sum())}
     if len(kinds) > 1:
-        out.update({f"exact_match/{k}": float(counts[0, i] / counts[1, i])
+        out.update({f"{m.EXACT_MATCH}/{k}": float(counts[0, i] / counts[1, i])
                     for i, k in enumerate(kinds) if counts[1, i] > 0})
     return out
 
 
-def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
-                    device: torch.device, steps: int) -> list[str]:
-    """Left-padded batched greedy decoding with a KV cache, for exactly ``steps`` forward calls
-    (one over the prompts, then one per new token), so ranks stay in lockstep under FSDP."""
-    from transformers import DynamicCache
+class SFT:
+    """objective=sft for a rank's run (objective/__init__.py's interface): the token loss, the
+    data's rows as they are, and the held-out eval loss and exact match."""
 
-    from ..versions import cache_kwarg
+    loss = TOKEN_LOSS
 
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.from_numpy(p.astype(np.int64))
-        mask[i, longest - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = {cache_kwarg(): DynamicCache()}
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    new = []
-    for _ in range(steps):
-        with standard_attention(model):  # a padding mask and a KV cache: not varlen's inputs
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1]
-        nxt = logits.argmax(-1).masked_fill(done, tok.pad_token_id)
-        done |= nxt == tok.eos_token_id
-        new.append(nxt)
-        ids, pos = nxt[:, None], pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], 1)
-    out = []
-    for row in torch.stack(new, 1).cpu().tolist():
-        if tok.eos_token_id in row:
-            row = row[:row.index(tok.eos_token_id)]
-        out.append(tok.decode(row, skip_special_tokens=True).strip())
-    return out
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def batches(self, it: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        return it
+
+    def evaluate(self, model: nn.Module, data: Any, ev: EvalConfig) -> dict[str, float]:
+        """Eval loss on the held-out batches, and exact match of greedy answers (collective)."""
+        out = {m.EVAL_LOSS: eval_loss(model, data.eval_batches(ev.max_batches),
+                                      device=self.device)}
+        if ev.task_prompts:
+            # Generation grows the sequence one token at a time: eager, not recompiled per
+            # length.
+            with torch.compiler.set_stance("force_eager"):
+                scores = exact_match(model, data, device=self.device, max_prompts=ev.task_prompts,
+                                     max_new_tokens=ev.max_new_tokens)
+            out.update({m.EVAL_PREFIX + k: v for k, v in scores.items()})
+        return out
+
+    def summary(self, logged: list[dict[str, float]], final: dict[str, float]
+                ) -> dict[str, float]:
+        return {}
+
+
+def build(spec: Any, model: nn.Module, data: Any, device: torch.device, **_: Any) -> SFT:
+    return SFT(device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.schema import ModelConfig, TrainConfig
+from ..config.objectives import OBJECTIVES
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec
 
@@ -72,7 +73,7 @@ def chunk_bytes(m: ModelConfig, *, tokens: int, chunk: int, c: int) -> int:
 def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
     """The terms of spec.train.loss for one micro-batch of this spec (objective=dpo: the
     per-token log-probs', ``logprob_bytes``)."""
-    if spec.objective.name == "dpo":
+    if OBJECTIVES[spec.objective.name].pairs:
         return logprob_bytes(spec, head_trains=head_trains)
     return _summed_loss_bytes(spec, head_trains=head_trains)
 

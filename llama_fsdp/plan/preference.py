@@ -23,7 +23,9 @@ logits). The bound is the "reference" phase; every other phase gains the copy's 
 """
 from __future__ import annotations
 
+from ..config.objectives import OBJECTIVES
 from ..config.precision import DTYPE_BYTES
+from ..config.schema import ObjectiveConfig
 from ..run.spec import RunSpec
 from .loss import reference_logprob_bytes
 from .shapes import count_params, layer_shapes, n_matmul, numel, param_shapes, sharded_numel
@@ -31,10 +33,16 @@ from .shapes import count_params, layer_shapes, n_matmul, numel, param_shapes, s
 NPY_HEADER = 128  # bytes before the values of each split's .npy file
 
 
+def pairs(spec: RunSpec) -> bool:
+    """The objective's rows hold preference pairs, and it compares them with a reference
+    (config/objectives.py: dpo)."""
+    return OBJECTIVES[spec.objective.name].pairs
+
+
 def reference_copy(spec: RunSpec) -> bool:
     """A frozen copy of the model sits beside the policy (full fine-tuning, reference=model)."""
     o = spec.objective
-    return o.name == "dpo" and o.reference == "model" and not spec.finetune.adapters
+    return pairs(spec) and o.reference == ObjectiveConfig.MODEL and not spec.finetune.adapters
 
 
 def reference_bytes(spec: RunSpec) -> int:
@@ -59,11 +67,11 @@ def phase_peaks(spec: RunSpec, policy: dict[str, int]) -> dict[str, int]:
     """The policy's phases (``policy``: fit.py's, by the phase models), each with the copy's
     shards, and the reference's forward (bounded by the policy's forward phase: see the
     module's docstring); the policy's phases as they are for objective=sft."""
-    if spec.objective.name != "dpo":
+    if not pairs(spec):
         return policy
     held = reference_bytes(spec)
     out = {name: b + held for name, b in policy.items()}
-    if spec.objective.reference == "model":
+    if spec.objective.reference == ObjectiveConfig.MODEL:
         out = {"reference": out["forward"] + reference_forward_bytes(spec)
                + reference_logprob_bytes(spec), **out}
     return out
@@ -72,7 +80,7 @@ def phase_peaks(spec: RunSpec, policy: dict[str, int]) -> dict[str, int]:
 def reference_flops_per_token(spec: RunSpec) -> float:
     """The reference's forward per token: 2 N_matmul + 4 L H Q T (a third of 6 N + 12 L H Q T;
     adapters off: the base alone); 0 when cached."""
-    if spec.objective.name != "dpo" or spec.objective.reference == "cached":
+    if not pairs(spec) or spec.objective.reference == ObjectiveConfig.CACHED:
         return 0.0
     m = spec.model
     return 2.0 * n_matmul(m) + 4.0 * m.num_layers * m.hidden_size * spec.train.seq_len
@@ -87,21 +95,21 @@ def cache_bytes(pairs: int) -> int:
 def plan_lines(spec: RunSpec) -> list[str]:
     """The plan table's lines about the objective (none for sft)."""
     o, d = spec.objective, spec.data
-    if o.name != "dpo":
+    if not pairs(spec):
         return []
-    if o.reference == "cached":
+    if o.reference == ObjectiveConfig.CACHED:
         where = "log-probs computed once, cached on disk (nothing in memory)"
     elif spec.finetune.adapters:
         where = "the policy with its adapters off (nothing added)"
     else:
         where = (f"a frozen copy sharded like the policy, {reference_bytes(spec) / 1e9:.2f} GB "
                  "per device")
-    out = [f"objective    dpo ({o.loss}, beta {o.beta:g}): rows of {spec.train.seq_len} tokens "
+    out = [f"objective    {o.name} ({o.loss}, beta {o.beta:g}): rows of {spec.train.seq_len} tokens "
            f"hold whole pairs, chosen and rejected each a document; reference: {where}"]
-    if o.reference == "model":
+    if o.reference == ObjectiveConfig.MODEL:
         out.append("             its forward adds 2*N_matmul + 4*L*H*Q*T FLOPs per token "
                    f"({reference_flops_per_token(spec) / 1e9:.2f} GFLOP, counted above)")
-    if o.reference == "cached":
+    if o.reference == ObjectiveConfig.CACHED:
         size = (f", {cache_bytes(d.num_records) / 1e6:.3f} MB for the {d.num_records} training "
                 "pairs" if d.name == "synthetic" else "")
         out.append(f"             reference cache on disk: 8 bytes per pair{size} "

@@ -242,7 +242,7 @@ def objective_option_problems(o: ObjectiveConfig) -> list[str]:
         out.append(f"objective.beta={o.beta} must be > 0")
     if not 0 <= o.label_smoothing < 0.5:
         out.append(f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
-    if o.label_smoothing and o.loss != "sigmoid":
+    if o.label_smoothing and o.loss != ObjectiveConfig.SIGMOID:
         out.append(f"objective.label_smoothing applies to objective.loss=sigmoid, not "
                    f"{o.loss}: drop it")
     return out

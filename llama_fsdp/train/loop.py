@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.attention import model_inputs
-from ..config.schema import EvalConfig, TrainConfig
-from ..data.packing import IGNORE_INDEX
-from ..objective.loss import loss_sum, target_rows
-from ..model.parallelize import clip_grad_norm, uses_ddp
 from ..checkpoint.state import TrainState
+from ..config import metrics as m
+from ..config.schema import EvalConfig, TrainConfig
+from ..model.attention import model_inputs
+from ..model.parallelize import clip_grad_norm, uses_ddp
+from ..objective.loss import target_rows
+from ..objective.sft import TOKEN_LOSS, TokenLoss
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +48,6 @@ def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.l
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup=t.warmup_steps, max_steps=t.max_steps,
                                  min_ratio=t.min_lr_ratio))
-
-
-class TokenLoss:
-    """SFT's loss for ``train_step``: summed over a micro-batch's target tokens (loss.loss_sum,
-    by train.loss's path); the step divides by the global target count (``count`` summed over
-    micro-batches and ranks). Another objective gives the same two methods (dpo.PreferenceLoss:
-    pairs), and metrics of its own: sums normalized and reduced like the loss. ``rows``: the
-    target tokens' flat indices on the device; ``grad_scale``: what the step multiplies the sum
-    by before backward (loss.chunked_cross_entropy says why it helps)."""
-
-    def count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != IGNORE_INDEX).sum())
-
-    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], *, rows: torch.Tensor,
-                 grad_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return loss_sum(model, batch, rows=rows, grad_scale=grad_scale), {}
-
-
-TOKEN_LOSS = TokenLoss()
 
 
 def _world() -> int:
@@ -136,10 +118,10 @@ class MemoryMeter:
 
     def read_gb(self) -> dict[str, float]:
         if self.device.type == "cuda":
-            return {"peak_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
-                    "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9}
+            return {m.PEAK_MEMORY: torch.cuda.max_memory_allocated(self.device) / 1e9,
+                    m.PEAK_MEMORY_RESERVED: torch.cuda.max_memory_reserved(self.device) / 1e9}
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"peak_memory_gb": rss_kb * 1024 / 1e9}
+        return {m.PEAK_MEMORY: rss_kb * 1024 / 1e9}
 
 
 class StopRequested(Exception):
@@ -247,11 +229,12 @@ def step_metrics(*, loss: float, grad_norm: float, lr: float, window: _Window, n
                  peak_flops: Optional[float]) -> dict[str, float]:
     dt = max(now - window.start - window.excluded, 1e-9)
     tps = window.tokens / dt
-    m = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
-         "tokens_per_sec_per_device": tps / world, "step_time_s": dt / max(window.steps, 1), **mem}
+    out = {m.LOSS: loss, m.LR: lr, m.GRAD_NORM: grad_norm, m.TOKENS_PER_SEC: tps,
+           m.TOKENS_PER_SEC_PER_DEVICE: tps / world, m.STEP_TIME: dt / max(window.steps, 1),
+           **mem}
     if flops_per_token and peak_flops:
-        m["mfu"] = flops_per_token * (tps / world) / peak_flops
-    return m
+        out[m.MFU] = flops_per_token * (tps / world) / peak_flops
+    return out
 
 
 @dataclass
@@ -270,8 +253,8 @@ def steady_median(logged: list[dict[str, float]], key: str, *,
         return None
     first, last = logged[0]["step"], logged[-1]["step"]
     cut = first + skip_fraction * (last - first)
-    vals = [m[key] for m in logged[1:] if m["step"] >= cut and key in m] or \
-        [m[key] for m in logged if key in m]
+    vals = [row[key] for row in logged[1:] if row["step"] >= cut and key in row] or \
+        [row[key] for row in logged if key in row]
     return statistics.median(vals) if vals else None
 
 
@@ -300,12 +283,12 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
             raise FloatingPointError(f"loss is {loss} at step {reduce.step}: lower train.lr "
                                      "or use precision=mixed")
         state.losses.append(loss)
-        last = {**{k: v for k, v in last.items() if k.startswith("eval_")},
+        last = {**{k: v for k, v in last.items() if k.startswith(m.EVAL_PREFIX)},
                 **step_metrics(loss=loss, grad_norm=grad_norm, lr=reduce.lr, window=reduce.window,
                                now=now, world=world, mem=mem,
                                flops_per_token=ctx.flops_per_token, peak_flops=ctx.peak_flops),
                 **extras}
-        step_only = {k: v for k, v in last.items() if not k.startswith("eval_")}
+        step_only = {k: v for k, v in last.items() if not k.startswith(m.EVAL_PREFIX)}
         logged.append({"step": reduce.step, **step_only})
         ctx.tracker.log_metrics(step_only, step=reduce.step)
         ctx.console.update(reduce.step, last)

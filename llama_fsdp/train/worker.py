@@ -52,7 +52,6 @@ from ..checkpoint.layout import resume_candidates
 from ..config.schema import TrainConfig
 from ..data import DataModule, build_data
 from .distributed import DistEnv, process_group
-from ..objective.sft import eval_loss, exact_match
 from ..config.hf_dir import hub_name
 from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from ..objective.loss import install as install_loss_head
@@ -73,7 +72,8 @@ from ..run.spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from ..tracking import Console, NullConsole, NullTracker, open_tracker
 from ..tracking.view import STATUS_TAG, model_name, shown_metrics, status_text
-from .loop import TOKEN_LOSS, LoopContext, StopRequested, build_scheduler, run_loop, steady_median
+from ..objective import build_objective
+from .loop import LoopContext, StopRequested, build_scheduler, run_loop, steady_median
 from ..checkpoint.state import TrainState
 from .watchdog import HangWatch, set_train_timeout
 
@@ -136,18 +136,6 @@ def load_callbacks(spec: RunSpec, rank: int) -> list[Any]:
             for path in spec.train.callbacks]
 
 
-def evaluate(model: nn.Module, data: DataModule, spec: RunSpec, device: torch.device) -> dict:
-    """Eval loss on the held-out batches, and exact match of greedy answers (all ranks call it)."""
-    out = {"eval_loss": eval_loss(model, data.eval_batches(spec.eval.max_batches), device=device)}
-    if spec.eval.task_prompts:
-        # Generation grows the sequence one token at a time: eager, not recompiled per length.
-        with torch.compiler.set_stance("force_eager"):
-            scores = exact_match(model, data, device=device, max_prompts=spec.eval.task_prompts,
-                                 max_new_tokens=spec.eval.max_new_tokens)
-        out.update({f"eval_{k}": v for k, v in scores.items()})
-    return out
-
-
 @dataclass
 class RankRun:
     """One rank's run, built: the pieces the loop needs, and what it reports."""
@@ -166,7 +154,7 @@ class RankRun:
     state: TrainState
     resumed_from: Optional[Path] = None
     counts: dict[str, int] = field(default_factory=dict)  # trainable, base, total parameters
-    preference: Any = None  # objective=dpo: dpo.Preference (its reference, loss and eval)
+    objective: Any = None  # what it trains for: its loss, batches and evaluation (objective/)
 
     @classmethod
     def build(cls, spec: RunSpec, env: DistEnv, device: torch.device) -> "RankRun":
@@ -178,12 +166,9 @@ class RankRun:
             ckpt_io.load_hf_weights(model, spec.model.path)  # each rank reads only its shards
         # the driver announced the data's notes already
         data = build_data(spec.data, **spec.data_kwargs(dp_rank=env.rank, announce=False))
-        preference = None
-        if spec.objective.name == "dpo":  # its reference, from the weights not yet trained
-            from ..objective.dpo import build_preference
-
-            preference = build_preference(spec, model, data, device, rank=env.rank,
-                                          world=env.world_size, resuming=bool(resume))
+        # (DPO's reference: from the weights not yet trained)
+        objective = build_objective(spec, model, data, device, rank=env.rank,
+                                    world=env.world_size, resuming=bool(resume))
         optimizer = build_optimizer(model, spec.train, spec.optim,
                                     compile_dir=compile_cache(spec, model, env.rank))
         scheduler = build_scheduler(optimizer, spec.train)
@@ -198,7 +183,7 @@ class RankRun:
             tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
             finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
-                  console, checkpointer, state, preference=preference)
+                  console, checkpointer, state, objective=objective)
         run.resumed_from = checkpointer.resume(resume)
         run.console.set_initial(state.step)
         run.record_start()
@@ -225,29 +210,23 @@ class RankRun:
         self.tracker.log_text(self.plan.table(), "plan.txt")
         self.tracker.log_start_metrics({
             names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
-            "global_batch": spec.global_batch, "tokens_per_step": spec.tokens_per_step,
-            "local_params_rank0": local_numel(self.model), **self.counts, **self.data.stats,
+            names.GLOBAL_BATCH: spec.global_batch, names.TOKENS_PER_STEP: spec.tokens_per_step,
+            names.LOCAL_PARAMS_RANK0: local_numel(self.model), **self.counts, **self.data.stats,
             **self.plan.metrics()})
         if spec.restart:
-            self.tracker.log_metrics({"restart": float(spec.restart)}, step=self.state.step)
+            self.tracker.log_metrics({names.RESTART: float(spec.restart)}, step=self.state.step)
 
     def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
-        spec, pref = self.spec, self.preference
-        eval_fn = (lambda step: evaluate(self.model, self.data, spec, self.device)) \
-            if pref is None else (lambda step: pref.evaluate(
-                self.model, self.data, max_batches=spec.eval.max_batches,
-                task_prompts=spec.eval.task_prompts, max_new_tokens=spec.eval.max_new_tokens))
+        spec, objective = self.spec, self.objective
         return LoopContext(
             device=self.device, train=spec.train, eval=spec.eval,
-            batches=self.data.train_batches() if pref is None
-            else pref.batches(self.data.train_batches()),
-            loss_fn=TOKEN_LOSS if pref is None else pref.loss,
+            batches=objective.batches(self.data.train_batches()), loss_fn=objective.loss,
             tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
                          hang.arm],
             saves_at=self.checkpointer.saves_at,
-            evaluate=eval_fn,
+            evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,
                                  save_on_user_stop=spec.save.every_steps > 0),
@@ -323,7 +302,7 @@ class RankRun:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""
         med = lambda key: steady_median(logged, key)  # noqa: E731
         out = {names.SUMMARY_TOKENS_PER_SEC: med(names.TOKENS_PER_SEC),
-               names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE: med("tokens_per_sec_per_device"),
+               names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE: med(names.TOKENS_PER_SEC_PER_DEVICE),
                names.SUMMARY_STEP_TIME: med(names.STEP_TIME),
                names.SUMMARY_MFU: med(names.MFU),
                names.SUMMARY_PEAK_MEMORY: max((m[names.PEAK_MEMORY] for m in logged),
@@ -331,9 +310,8 @@ class RankRun:
                names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
                names.SUMMARY_FINAL_LOSS: final.get(names.LOSS),
                names.SUMMARY_EVAL_LOSS: final.get(names.EVAL_LOSS),
-               names.SUMMARY_EVAL_EXACT_MATCH: final.get("eval_exact_match")}
-        if self.preference is not None:
-            out.update(self.preference.summary(logged, final))
+               names.SUMMARY_EVAL_EXACT_MATCH: final.get(names.EVAL_EXACT_MATCH)}
+        out.update(self.objective.summary(logged, final))
         return {k: float(v) for k, v in out.items() if v is not None}
 
     def final_metrics(self, summary: dict[str, float]) -> dict[str, float]:
