@@ -91,7 +91,7 @@ def _build(specs: dict, rank: int, world: int) -> dict:
     import torch
 
     from llama_fsdp.data import build_data
-    from llama_fsdp.objective.dpo import build_preference
+    from llama_fsdp.objective.dpo import build as build_preference
     from llama_fsdp.train.optimizer import build_optimizer
     from llama_fsdp.train.loop import TOKEN_LOSS, build_scheduler
     from llama_fsdp.train.worker import build_model
@@ -165,7 +165,7 @@ def peak_on_rank(rank: int, world: int, spec) -> dict:
     model = build_model(spec, cpu)
     loss_fn, batches = TOKEN_LOSS, data.train_batches()
     if spec.objective.name == "dpo":
-        from llama_fsdp.objective.dpo import build_preference
+        from llama_fsdp.objective.dpo import build as build_preference
 
         pref = build_preference(spec, model, data, cpu, rank=rank, world=world, resuming=False)
         loss_fn, batches = pref.loss, pref.batches(batches)

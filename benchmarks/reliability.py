@@ -199,7 +199,7 @@ def server_outage() -> dict:
 
 
 def unreachable() -> dict:
-    from llama_fsdp.launchers.common import free_port
+    from llama_fsdp.launchers.environment import free_port
 
     code, _, seconds = run_cli(_tmp(), f"tracking.uri=http://127.0.0.1:{free_port()}")
     return {"code": code, "seconds": seconds}
@@ -277,7 +277,7 @@ def _scenarios() -> list[tuple]:
         return [f"output_dir={mine}", "save.export_hf=true"]
 
     def password(cwd, mine):
-        from llama_fsdp.launchers.common import free_port
+        from llama_fsdp.launchers.environment import free_port
 
         return [f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{free_port()}",
                 "tracking.enabled=true"]

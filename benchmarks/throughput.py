@@ -252,7 +252,7 @@ def notes(bench: Bench, summaries: list[Summary], clock: bool, titan_version: st
     if bench.device == "cpu":
         out.append("llama_fsdp's CPU ranks run with the glibc malloc settings its launchers "
                    "give them (`MALLOC_MMAP_THRESHOLD_` 32 MiB, `MALLOC_TRIM_THRESHOLD_` 256 MiB: "
-                   "launchers/common.py), the peers with glibc's defaults, as each is launched "
+                   "launchers/environment.py), the peers with glibc's defaults, as each is launched "
                    "for its users. Measured on this shape, the settings take rank 0's page "
                    "faults from 3,100-4,200 to 280-460 per step and its system time from 33-38 "
                    "to 24-31 ms per step, about 1.5% of a step.")

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 LAUNCHERS = {LOCAL: ("local", "LocalLauncher"), SLURM: ("slurm", "SlurmLauncher"),
              TORCHRUN: ("torchrun", "TorchrunLauncher")}
 
-_WHERE = {"Launcher": "base", "Entry": "program", "Interrupted": "common",
-          "LaunchError": "common", "RankFailure": "common"}
+_WHERE = {"Launcher": "base", "Entry": "process", "Interrupted": "errors",
+          "LaunchError": "errors", "RankFailure": "errors"}
 __all__ = sorted([*_WHERE, "LAUNCHERS", "launcher_for"])
 
 

@@ -7,21 +7,15 @@ import shlex
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .base import Launcher
-from .common import (
-    RankFailure,
-    SignalGuard,
-    free_port,
-    rank_entry,
-    scoped_environ,
-    streaming,
-    watch,
-    worker_env,
-)
+from .environment import free_port, scoped_environ, worker_env
+from .errors import RankFailure
+from .signals import SignalGuard
+from .watch import streaming, watch
 from ..config.placement import Placement
 from ..config.rundir import RunDir
 from .forked import PRELOAD_ENV
 from .hosts import this_host
-from .rank import ATTEMPT_ENV, RUN_DIR_ENV
+from .rank import ATTEMPT_ENV, RUN_DIR_ENV, rank_entry
 
 if TYPE_CHECKING:
     from ..run.spec import RunSpec

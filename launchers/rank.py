@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from . import forked
 from .worker_process import main as child_main  # the worker, forked
 from ..config.status import FAILED, PREEMPTED, mlflow_status
-from ..config.rundir import RunDir, exchange_files, report_path
+from ..config.rundir import RunDir, exchange_files, private_dir, report_path
+from .process import Entry
 
 if TYPE_CHECKING:
     from ..run.spec import RunSpec
@@ -104,6 +105,9 @@ class RankEntry:
     payload: bytes
     master_addr: Optional[str] = None  # None: the first node of the job
     master_port: Optional[int] = None  # None: derived from the job id (same on every node)
+    # a launcher waits for the job and closes its tracking after it (Launcher.waits); else rank
+    # 0's supervisor closes a failed run, and ends its sweep point
+    watched: bool = True
 
     def __call__(self) -> Any:
         import submitit
@@ -122,7 +126,8 @@ class RankEntry:
             dist_env.master_addr = self.master_addr
         dist_env.export(set_cuda_visible_devices=False, overwrite=True)
         return Supervisor(self.payload, job.job_id.split("_")[0], dist_env.rank,
-                          [Path(job.paths.stderr), Path(job.paths.stdout)]).run()
+                          [Path(job.paths.stderr), Path(job.paths.stdout)],
+                          watched=self.watched).run()
 
     def checkpoint(self) -> Any:
         """submitit calls this on rank 0 to requeue after a preemption: the same task again
@@ -135,8 +140,10 @@ class RankEntry:
 class Supervisor:
     """Runs the worker child, forwards stop signals, reports how the child ended."""
 
-    def __init__(self, payload: bytes, job_id: str, rank: int, logs: list[Path]):
+    def __init__(self, payload: bytes, job_id: str, rank: int, logs: list[Path], *,
+                 watched: bool = True):
         self.payload, self.job_id, self.rank, self.logs = payload, job_id, rank, logs
+        self.watched = watched
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         self.child: Optional[subprocess.Popen | forked.Forked] = None
@@ -161,9 +168,7 @@ class Supervisor:
                                           preexec_fn=_dies_with_parent)
         code = self._wait()
         files["in"].unlink(missing_ok=True)
-        from . import launcher_for  # (the package imports this module first)
-
-        unwatched = self.rank == 0 and not launcher_for(spec.cluster).waits  # no one waits
+        unwatched = self.rank == 0 and not self.watched  # no launcher waits for the job
         if code == 0 and files["out"].exists():
             result = pickle.loads(files["out"].read_bytes())
             files["out"].unlink()
@@ -223,9 +228,7 @@ def _dies_with_parent() -> None:
 def _close_mlflow_run(spec: RunSpec) -> None:
     """Mark the run FAILED in MLflow when no launcher waits to do it (a SLURM job that
     returned at submission: launchers/base.py); what rank 0 spooled is delivered with it."""
-    from . import launcher_for  # (the package imports this module first)
-
-    if not spec.tracking.enabled or launcher_for(spec.cluster).waits:
+    if not spec.tracking.enabled:
         return
     try:
         from llama_fsdp.tracking import close_run
@@ -261,3 +264,18 @@ def _tail(paths: list[Path], n: int) -> list[str]:
             continue
         lines += [x for x in text.splitlines() if x.strip() and not x.startswith("submitit ")][-n:]
     return lines[-n:]
+
+
+def entry_ref(entry: Entry) -> str:
+    """A module-level function as "module:qualname": the rank supervisor passes it on unread."""
+    return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+
+def rank_entry(spec: RunSpec, entry: Entry, **kw: Any) -> RankEntry:
+    """The task submitit pickles into the run's submitit/ folder (and each rank into launch/):
+    both folders are the user's alone (rundir.private_dir)."""
+    run = RunDir(spec.output_dir)
+    private_dir(run.submitit)
+    private_dir(run.launch)
+    return RankEntry(pickle.dumps((entry_ref(entry), spec)), **kw)
+

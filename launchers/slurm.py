@@ -9,11 +9,14 @@ import shlex
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .base import Launcher
-from .common import LaunchError, SignalGuard, rank_entry, streaming, watch, worker_env
+from .environment import worker_env
+from .errors import LaunchError
+from .signals import SignalGuard
+from .watch import streaming, watch
 from ..config.placement import Placement
 from ..config.rundir import RunDir
 from ..run.checks import has_line_break, line_break
-from .rank import ATTEMPT_ENV
+from .rank import ATTEMPT_ENV, rank_entry
 from .submitit_compat import restarting_slurm_executor, sbatch_text
 
 if TYPE_CHECKING:
@@ -149,7 +152,7 @@ class SlurmLauncher(Launcher):
         has it."""
         executor = make_executor(spec)
         try:
-            job = executor.submit(rank_entry(spec, self.entry))
+            job = executor.submit(rank_entry(spec, self.entry, watched=self.waits))
         except Exception as e:  # sbatch's own message: invalid partition, account, qos, limits
             msg = re.sub(r"\s+", " ", str(e)).strip()
             raise LaunchError(f"SLURM refused the job: {msg}") from e

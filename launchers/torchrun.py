@@ -34,7 +34,7 @@ from ..config.status import FINISHED
 from ..config.rundir import RUNS, name_problem
 from ..run.spec import ConfigError
 from .base import Launcher
-from .common import scoped_environ, worker_env
+from .environment import scoped_environ, worker_env
 from .hosts import this_host
 from .process import load_entry
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
-from llama_fsdp.launchers.common import free_port, skip_final_collection
+from llama_fsdp.launchers.environment import free_port
+from llama_fsdp.launchers.process import skip_final_collection
 
 # what every rank imports anyway; the forkserver imports them once
 PRELOAD = ["torch", "torch.distributed", "transformers", "llama_fsdp.train.worker", "tests.distributed"]

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from ..versions import check_versions
 from ..config.schema import register_configs
 from ..launchers import Interrupted, LaunchError, Launcher, launcher_for
-from ..launchers.common import skip_final_collection
+from ..launchers.process import skip_final_collection
 from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
 from ..run.ownership import RunDirBusy

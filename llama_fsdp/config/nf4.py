@@ -15,7 +15,7 @@ FSDP2 shards the first three along the flat row-major order and cannot pad them:
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 
 # The inner tensors of an NF4Tensor (FSDP2 shards the first three).

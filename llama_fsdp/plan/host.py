@@ -18,7 +18,6 @@ from ..config import nf4
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec
 from .activations import checkpointed_inputs
-from .device import GB
 from .shapes import param_shapes, projection_shapes
 
 FILE_BYTES = 2  # HF Llama checkpoints are bf16

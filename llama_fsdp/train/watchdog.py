@@ -1,7 +1,7 @@
 """Hangs named, not waited out: from the first step on a collective slower than
 cluster.train_timeout_s fails the process group, and a step that outlives it leaves every
 thread's stack in <run>/hang/rank<r>.txt (NCCL's flight recorder adds the collectives' view on
-CUDA: launchers/common.py)."""
+CUDA: launchers/environment.py)."""
 from __future__ import annotations
 
 import datetime
@@ -21,7 +21,7 @@ def set_train_timeout(spec: RunSpec) -> None:
 
 class HangWatch:
     """Every thread's stack to <run>/hang/rank<r>.txt when a step outlives the training
-    timeout (NCCL's flight recorder adds the collectives' view on CUDA: launchers/common.py)."""
+    timeout (NCCL's flight recorder adds the collectives' view on CUDA: launchers/environment.py)."""
 
     def __init__(self, spec: RunSpec, rank: int):
         self._path = RunDir(spec.output_dir).hang_file(rank)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import pytest
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 
 FAST = ["cluster.device=cpu", "eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 from llama_fsdp.tracking import read_run_file
 from tests.faults import hooks
 from tests.faults.conftest import logged_steps, run_cli, run_dir, start_cli, wait_for_step

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 
 
 @pytest.fixture(scope="module")

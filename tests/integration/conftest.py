@@ -186,7 +186,7 @@ class SlurmCluster:
     def activate(self):
         """Apply ``env`` to os.environ for the block (restored after): sbatch / sacct and
         submitit in this process then talk to this cluster."""
-        from llama_fsdp.launchers.common import scoped_environ
+        from llama_fsdp.launchers.environment import scoped_environ
 
         with scoped_environ(self.env):
             yield self

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 from tests import docs_commands as docs
 
 pytestmark = [pytest.mark.slow]

@@ -40,7 +40,7 @@ def _runs(server: MlflowServer) -> list:
     """The server's runs, asked with the admin's credentials (as the tests' own client)."""
     from mlflow.tracking import MlflowClient
 
-    from llama_fsdp.launchers.common import scoped_environ
+    from llama_fsdp.launchers.environment import scoped_environ
 
     with scoped_environ({"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": PASSWORD}):
         client = MlflowClient(server.uri)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 from llama_fsdp.tracking import Spool, events, read_run_file
 from tests.faults import hooks
 

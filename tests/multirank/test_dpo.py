@@ -71,7 +71,7 @@ def _session(rank, world, specs):
         run = RankRun.build(spec, env, cpu)
         if isinstance(run.tracker, NullTracker):
             run.tracker = Recorder()
-        ref = run.preference.reference
+        ref = run.objective.reference
         ref_model = ref.model if ref is not None and ref.model is not run.model else None
         before = _local(ref_model) if ref_model is not None else None
         trained = {id(p) for p in run.model.parameters() if p.requires_grad}

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from llama_fsdp.launchers.common import free_port
+from llama_fsdp.launchers.environment import free_port
 from tests.conftest import make_spec
 from tests.distributed import run_ranks
 

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from llama_fsdp.launchers.common import failure_message, worker_env
+from llama_fsdp.launchers.errors import failure_message
+from llama_fsdp.launchers.environment import worker_env
 from llama_fsdp.launchers.local import NO_TIME_LIMIT_MIN, local_parameters
 from llama_fsdp.launchers.rank import read_reports, report_path
 from llama_fsdp.launchers.slurm import executor_parameters, with_restarts
@@ -113,7 +114,7 @@ def test_ranks_never_reach_a_hub():
 def test_cpu_ranks_keep_their_heap_unless_the_user_set_the_allocator(user, users_own):
     """CPU ranks get both malloc settings (one without the other is worse than neither); a
     user's own allocator or glibc malloc setting is left as it is; GPU ranks get neither."""
-    from llama_fsdp.launchers.common import CPU_MALLOC_ENV
+    from llama_fsdp.launchers.environment import CPU_MALLOC_ENV
 
     ours = set(CPU_MALLOC_ENV)
     assert ours == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
@@ -139,7 +140,7 @@ def test_a_cpu_slurm_job_exports_the_malloc_settings_before_the_users_setup(monk
 def test_the_ranks_environment_does_not_stay_in_the_launching_process(monkeypatch):
     """A CPU run's malloc settings must not reach a later (GPU) run's ranks from a sweep in
     the same process, nor look like the user's own to it."""
-    from llama_fsdp.launchers.common import scoped_environ
+    from llama_fsdp.launchers.environment import scoped_environ
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
@@ -154,7 +155,7 @@ def test_glibc_honours_the_cpu_malloc_settings(tmp_path):
     """The variables are spelled as this glibc reads them: a 24 MiB buffer is mmapped (and
     unmapped on free) by default, and with the settings comes from the heap and stays there
     after it is freed, for the next step's tensors."""
-    from llama_fsdp.launchers.common import CPU_MALLOC_ENV
+    from llama_fsdp.launchers.environment import CPU_MALLOC_ENV
 
     libc, version = platform.libc_ver()
     if libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 33):

@@ -52,7 +52,7 @@ def test_a_run_that_does_not_launch_leaves_the_users_directories_and_removes_its
     a dry run with output_dir= left an empty outputs/runs/<date>/<time> behind."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    from llama_fsdp.launchers.common import free_port
+    from llama_fsdp.launchers.environment import free_port
 
     # refused after it took the directory (the store is reached after the lock is taken)
     code, log = _cli(tmp_path, f"output_dir={empty}", "tracking.enabled=true",

@@ -1,0 +1,133 @@
+"""Watching a submitted job: rank 0's log on this terminal, and its ranks' reports, so that the
+first rank to fail stops every rank at once and is named (``watch``)."""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..config.rundir import RunDir
+from .errors import LaunchError, RankFailure, failure_message
+from .rank import read_reports
+from .signals import stop_job
+from .submitit_compat import local_controller, slurm_job_done
+
+log = logging.getLogger(__name__)
+
+
+REPORT_GRACE_S = 1.5  # after the first report, how long the other ranks' reports may take
+
+
+class LogStreamer(threading.Thread):
+    """Copy new bytes of rank 0's stdout/stderr files to this terminal while the job runs."""
+
+    def __init__(self, paths: list[tuple[Path, Any]], interval: float = 0.3):
+        super().__init__(daemon=True)
+        self.paths, self.interval = paths, interval
+        self.offsets = {p: 0 for p, _ in paths}
+        self._halt = threading.Event()
+
+    def pump(self) -> None:
+        for path, sink in self.paths:
+            if not path.exists():
+                continue
+            with path.open("rb") as f:
+                f.seek(self.offsets[path])
+                chunk = f.read()
+            if chunk:
+                self.offsets[path] += len(chunk)
+                if hasattr(sink, "buffer"):  # raw bytes keep tqdm's carriage returns intact
+                    sink.buffer.write(chunk)
+                else:
+                    sink.write(chunk.decode(errors="replace"))
+                sink.flush()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.pump()
+            self._halt.wait(self.interval)
+        self.pump()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+@contextmanager
+def streaming(job: Any, enabled: bool) -> Iterator[None]:
+    """Rank 0's log on this terminal while the block runs."""
+    if not enabled:
+        yield
+        return
+    paths = job.paths if not hasattr(job, "task") else job.task(0).paths
+    streamer = LogStreamer([(Path(paths.stdout), sys.stdout), (Path(paths.stderr), sys.stderr)])
+    streamer.start()
+    try:
+        yield
+    finally:
+        streamer.stop()
+
+
+def attempt_dirs(output_dir: str, job_id: str) -> list[Path]:
+    """This job's per-attempt report folders, in order (requeue, attempt)."""
+    root = RunDir(output_dir).launch
+    found = [p for p in root.glob(f"{job_id}.*.*") if p.is_dir()]
+    return sorted(found, key=lambda p: tuple(int(x) for x in p.name.split(".")[1:]))
+
+
+def watch(job: Any, output_dir: str, *, max_restarts: int = 0, restarts_inside: bool = False,
+          poll_s: float = 0.5, timeout_s: Optional[float] = None) -> list[Any]:
+    """Wait for a submitit job; when a rank fails, stop every rank and raise RankFailure.
+
+    A rank's supervisor leaves its report before the other ranks notice anything; they would
+    then wait in a collective, so the job is stopped at once. With ``restarts_inside`` (SLURM,
+    whose batch script restarts the ranks itself) an attempt that may still be restarted is
+    logged and the watch goes on.
+    """
+    job_id = str(job.job_id).split("_")[0]
+    start, seen = time.monotonic(), set()
+    while not _finished(job, restarts_inside):
+        for d in attempt_dirs(output_dir, job_id):
+            if d.name in seen or not read_reports(d):
+                continue
+            time.sleep(REPORT_GRACE_S)  # let the other ranks' reports land too
+            reports, seen = read_reports(d), seen | {d.name}
+            if restarts_inside and reports[0]["attempt"] < max_restarts:
+                log.warning("%s\nthe job restarts its ranks from the newest checkpoint "
+                            "(restart %d of %d)", failure_message(job_id, reports),
+                            reports[0]["attempt"] + 1, max_restarts)
+                continue
+            stop_job(job)
+            raise RankFailure(job_id, reports)
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            stop_job(job)
+            raise LaunchError(f"job {job_id} exceeded {timeout_s:.0f}s and was cancelled")
+        time.sleep(poll_s)
+    dirs = attempt_dirs(output_dir, job_id)
+    last = read_reports(dirs[-1]) if dirs and dirs[-1].name not in seen else []
+    if last:
+        raise RankFailure(job_id, last)
+    controller = local_controller(job)
+    if controller is not None and (code := controller.poll()) is not None and code < 0:
+        raise LaunchError(f"job {job_id}'s controller (pid {controller.pid} on "
+                          f"{socket.gethostname()}) was killed by signal {-code} "
+                          f"({signal.Signals(-code).name}); its ranks went with it")
+    try:
+        return job.results()
+    except Exception as e:  # submitit raises with the task's traceback or the job state
+        raise LaunchError(f"job {job_id} failed: {e}") from e
+
+
+def _finished(job: Any, restarts_inside: bool) -> bool:
+    """Whether the job is over. When the batch script restarts ranks itself, a failed attempt
+    leaves every task's result file behind (which submitit reads as done): ask SLURM."""
+    if restarts_inside:
+        return slurm_job_done(job)
+    return job.done()
+
