@@ -15,9 +15,9 @@ from ..lazy import lazy_names
 if TYPE_CHECKING:
     from .base import Launcher
 
-# cluster.kind (config/placement.py's LAUNCH_MODES) -> the module and class of its launcher
-LAUNCHERS = {LOCAL: ("local", "LocalLauncher"), SLURM: ("slurm", "SlurmLauncher"),
-             TORCHRUN: ("torchrun", "TorchrunLauncher")}
+# cluster.kind (config/placement.py's LAUNCH_MODES) -> "module:class" of its launcher
+LAUNCHERS = {LOCAL: "local:LocalLauncher", SLURM: "slurm:SlurmLauncher",
+             TORCHRUN: "torchrun:TorchrunLauncher"}
 
 _WHERE = {"Launcher": "base", "Entry": "process", "Interrupted": "errors",
           "LaunchError": "errors", "RankFailure": "errors"}
@@ -33,7 +33,7 @@ def launcher_for(cluster: Any, entry: str = "") -> Launcher:
 
         raise ConfigError([f"cluster.kind={cluster.kind!r} is not one of "
                            f"{', '.join(LAUNCHERS)}"])
-    module, name = LAUNCHERS[cluster.kind]
+    module, _, name = LAUNCHERS[cluster.kind].partition(":")
     return getattr(importlib.import_module(f".{module}", __name__), name)(cluster, entry)
 
 

@@ -28,7 +28,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..prepare.job import prepare_data, prepare_job, resolve_model
+from ..prepare.data import prepare_data
+from ..prepare.job import prepare_job
+from ..prepare.model import resolve_model
 from ..config.placement import Placement
 from ..config.status import FINISHED
 from ..config.rundir import RUNS, name_problem

@@ -40,3 +40,18 @@ def check_versions() -> None:
     problems = version_problems()
     if problems:
         raise SystemExit("llama_fsdp cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# torch.nn.attention.varlen.varlen_attn takes grouped-query k/v (enable_gqa) from this release on;
+# before, llama_fsdp repeats k/v to every query head (llama_fsdp/model/attention.py reads the
+# signature; tests/unit/test_imports.py holds the two together).
+VARLEN_GQA_TORCH = (2, 12)
+
+
+def varlen_takes_gqa() -> bool:
+    """Whether the installed torch's varlen_attn takes grouped-query k/v, from its version
+    (the planner's question, asked without importing torch)."""
+    try:
+        return _release(version("torch")) >= VARLEN_GQA_TORCH
+    except PackageNotFoundError:
+        return True

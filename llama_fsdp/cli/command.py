@@ -28,13 +28,13 @@ from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
 from ..run.ownership import RunDirBusy
 from ..plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
-from ..prepare.job import PrepareError
+from ..prepare.errors import PrepareError
 from ..config.status import FAILED, FINISHED, USER_STOPPED
 from ..config.rundir import Footprint
 from ..config.credentials import export_credentials
 from ..run.spec import ConfigError, RunSpec, build_spec
 from ..config.strategies import one_group_warning
-from .report import summary_lines
+from .report import report_lines
 
 log = logging.getLogger("llama_fsdp")
 
@@ -80,7 +80,7 @@ def run_one(cfg: DictConfig, launcher: Launcher, run_dir: str,
     results = launcher.launch(spec, held=held, command=command_line(point=point))
     rank0 = next((r for r in results or [] if r is not None and r.rank == 0), None)
     if launcher.waits and rank0 is not None:
-        log.info("done\n  %s", "\n  ".join(summary_lines(spec, rank0)))
+        log.info("done\n  %s", "\n  ".join(report_lines(spec, rank0)))
     return results
 
 

@@ -1,5 +1,6 @@
-"""What the command line prints when a run ends: rank 0's result read back (status, steps,
-losses, throughput, peak memory), where the run is, how to continue it, and its MLflow run."""
+"""What the command line prints when a run ends (its report): rank 0's result read back
+(status, steps, losses, throughput, peak memory), where the run is, how to continue it, and its
+MLflow run."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,18 +12,19 @@ from ..run.spec import RunSpec
 from ..tracking import read_run_file, runs_page
 
 
-def summary_lines(spec: RunSpec, rank0: Any) -> list[str]:
-    """The summary printed when a run ends, from rank 0's result."""
+def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
+    """What is printed when a run ends, from rank 0's result."""
     s, final = rank0.summary, rank0.final
     lines = [f"status         {rank0.status}", f"steps          {rank0.steps}"]
-    if "loss" in final:
-        lines.append(f"final loss     {final['loss']:.4f}"
-                     + (f"   eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
-                     + (f"   exact match {final['eval_exact_match']:.2f}"
-                        if "eval_exact_match" in final else ""))
-    if "eval_rewards/accuracy" in final:  # objective=dpo: how often held-out pairs agree
-        lines.append(f"rewards        held-out accuracy {final['eval_rewards/accuracy']:.2f} "
-                     f"(chance 0.5), margin {final['eval_rewards/margin']:.3f}")
+    if names.LOSS in final:
+        lines.append(f"final loss     {final[names.LOSS]:.4f}"
+                     + (f"   eval loss {final[names.EVAL_LOSS]:.4f}"
+                        if names.EVAL_LOSS in final else "")
+                     + (f"   exact match {final[names.EVAL_EXACT_MATCH]:.2f}"
+                        if names.EVAL_EXACT_MATCH in final else ""))
+    if names.EVAL_REWARDS_ACCURACY in final:  # pairs: how often held-out pairs agree
+        lines.append(f"rewards        held-out accuracy {final[names.EVAL_REWARDS_ACCURACY]:.2f} "
+                     f"(chance 0.5), margin {final[names.EVAL_REWARDS_MARGIN]:.3f}")
     if names.SUMMARY_TOKENS_PER_SEC in s:
         lines.append(f"tokens/s       {s[names.SUMMARY_TOKENS_PER_SEC]:.0f} global, "
                      f"{s[names.SUMMARY_TOKENS_PER_SEC_PER_DEVICE]:.0f} per device (median of the "

@@ -1,7 +1,8 @@
-"""What a rank hands back to the launcher, in a module that imports nothing heavy: the rank's
-supervisor and the launcher unpickle it without importing torch or transformers. With it, the
-table of how a run ends (``STATUSES``); the names of the metrics it ends with are
-metric_names.py's."""
+"""How a run ends, and what a rank hands back to the launcher, in a module that imports nothing
+heavy: the rank's supervisor and the launcher unpickle it without importing torch or
+transformers. One table of the statuses (``STATUSES``: how a rank's run ended, and the MLflow
+run status each is recorded with) and the words the runs table's status column says
+(``STATUS_WORDS``); the names of the metrics a run ends with are metrics.py's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +15,23 @@ FINISHED = "finished"
 USER_STOPPED = "stopped by the user"
 PREEMPTED = "preempted"
 FAILED = "FAILED"
-STATUSES = {FINISHED: "FINISHED", USER_STOPPED: "KILLED", PREEMPTED: "KILLED", FAILED: "FAILED"}
+
+# MLflow's run statuses
+MLFLOW_RUNNING = "RUNNING"
+MLFLOW_SCHEDULED = "SCHEDULED"
+MLFLOW_FINISHED = "FINISHED"
+MLFLOW_FAILED = "FAILED"
+MLFLOW_KILLED = "KILLED"
+
+STATUSES = {FINISHED: MLFLOW_FINISHED, USER_STOPPED: MLFLOW_KILLED, PREEMPTED: MLFLOW_KILLED,
+            FAILED: MLFLOW_FAILED}
+
+# The runs table's status column (the "status" tag): a run's MLflow status as words, and the
+# words before MLflow has one (a run created, its job queued or its ranks starting)
+QUEUED = "queued"
+STARTING = "starting"
+STATUS_WORDS = {MLFLOW_RUNNING: "running", MLFLOW_SCHEDULED: QUEUED, MLFLOW_FINISHED: "finished",
+                MLFLOW_FAILED: "failed", MLFLOW_KILLED: "stopped"}
 
 
 def mlflow_status(status: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..config.kernels import SDPA, VARLEN
 from ..config.schema import CheckpointingConfig, ModelConfig
 
 
@@ -82,16 +83,16 @@ def checkpointed_inputs(ac: CheckpointingConfig, num_layers: int, device: str) -
 
 
 def _varlen_repeats_kv() -> bool:
-    from ..model.attention import VARLEN_GQA
+    from ..versions import varlen_takes_gqa
 
-    return not VARLEN_GQA
+    return not varlen_takes_gqa()
 
 
-def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sdpa",
+def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = SDPA,
                       device: str = "cuda") -> int:
     """Extra saved-for-backward bytes per token of one layer when sequences are packed."""
     h, g = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
-    if attention == "varlen":
+    if attention == VARLEN:
         if device != "cuda":
             return c * h  # block-sparse SDPA: the chunks' outputs beside their concatenation
         return 2 * c * (h - g) if _varlen_repeats_kv() else 0
@@ -101,7 +102,7 @@ def packed_mask_bytes(m: ModelConfig, seq_len: int, c: int, attention: str = "sd
 def varlen_mask_bytes(m: ModelConfig, seq_len: int, c: int, device: str) -> int:
     """Per token, once per micro-batch: the block-sparse chunks' additive masks (varlen off
     CUDA), at their bound."""
-    if m.attn_implementation != "varlen" or device == "cuda":
+    if m.attn_implementation != VARLEN or device == "cuda":
         return 0
     return c * (seq_len // 2 + min(seq_len, 2048) // 2 + 1)
 
@@ -125,7 +126,7 @@ VARLEN_BWD_PAD = 128
 def flash_varlen_runs(m: ModelConfig, device: str) -> bool:
     """Whether attention is torch's flash varlen_attn (model.attn_implementation=varlen on
     CUDA; off CUDA varlen is the block-sparse SDPA)."""
-    return m.attn_implementation == "varlen" and device == "cuda"
+    return m.attn_implementation == VARLEN and device == "cuda"
 
 
 def varlen_backward_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, device: str,
@@ -161,7 +162,7 @@ def saved_layer_bytes(m: ModelConfig, *, seq_len: int, c: int, packing: bool = F
                       device: str = "cuda") -> int:
     """Saved-for-backward bytes per token of one (not checkpointed) layer, with the packed
     sequences' term when ``packing`` (that of ``m.attn_implementation`` on ``device``)."""
-    varlen = m.attn_implementation == "varlen"  # its bounds are made for unpacked rows too
+    varlen = m.attn_implementation == VARLEN  # its bounds are made for unpacked rows too
     extra = (packed_mask_bytes(m, seq_len, c, m.attn_implementation, device)
              if packing or varlen else 0)
     return layer_activation_bytes(m, c) + extra

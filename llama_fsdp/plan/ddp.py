@@ -8,6 +8,7 @@ from ..config.strategies import DDP_BUCKET_MB
 from .activations import checkpointed_inputs
 from .loss import LossBytes
 from .shapes import count_params, layer_shapes, numel
+from .phases import FORWARD, LAYERS, LOSS, OPTIMIZER, ROOT
 
 
 def ddp_bucket_bytes(spec: RunSpec) -> int:
@@ -48,10 +49,10 @@ def ddp_phase_peaks(spec: RunSpec, *, params: int, grads: int, acts: int, saved:
     layer = numel(layer_shapes(m))
     before = state + saved + loss.head_grad
     return {
-        "forward": before + loss.at_head,
-        "loss": before + loss.peak,
-        "layers": state + max(saved + loss.head_grad + loss.head_backward,
+        FORWARD: before + loss.at_head,
+        LOSS: before + loss.peak,
+        LAYERS: state + max(saved + loss.head_grad + loss.head_backward,
                               acts + layer * c + bucket),
-        "root": state + bucket,
-        "optimizer": state + step,
+        ROOT: state + bucket,
+        OPTIMIZER: state + step,
     }

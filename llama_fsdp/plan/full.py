@@ -12,7 +12,7 @@ from .activations import activation_bytes, saved_layer_bytes, varlen_backward_ex
 from .ddp import ddp_bucket_bytes, ddp_kept_bytes, ddp_phase_peaks
 from .loss import LossBytes, loss_bytes
 from .optimizer import optimizer_state_bytes, optimizer_step_bytes
-from .phases import Memory, alone, reduce_scatter_copies
+from .phases import FORWARD, LAYERS, LOSS, Memory, OPTIMIZER, ROOT, alone, reduce_scatter_copies
 from .shapes import count_params, layer_shapes, numel, param_shapes, root_shapes, sharded_numel
 
 
@@ -182,15 +182,15 @@ def _tied_phase_peaks(spec: RunSpec, s: _Step) -> dict[str, int]:
     new_root_shard = sharded_numel(root_shapes(m), mesh.shard) * r if s.accumulated else 0
     before = s.state + s.accumulated + s.saved + s.kept + root_unsharded + lb.head_grad
     return {
-        "forward": before + s.in_flight + lb.at_head,
-        "loss": before + lb.peak,
-        "layers": s.state + s.kept + vocab * hidden * c + max(
+        FORWARD: before + s.in_flight + lb.at_head,
+        LOSS: before + lb.peak,
+        LAYERS: s.state + s.kept + vocab * hidden * c + max(
             s.saved + s.accumulated + root_unsharded + lb.head_backward,
             s.acts + root_unsharded + (s.accumulated or layer_grads) + s.in_flight + layer * c
             + s.rs_copies * layer * r),
-        "root": s.state + s.grads + max(2 * root * c + tied_grad,
+        ROOT: s.state + s.grads + max(2 * root * c + tied_grad,
                                         root * c + s.rs_copies * root * r + new_root_shard),
-        "optimizer": s.state + s.grads + s.step,
+        OPTIMIZER: s.state + s.grads + s.step,
     }
 
 
@@ -234,9 +234,9 @@ def _grouped_phase_peaks(spec: RunSpec, s: _Step) -> dict[str, int]:
     # group of one gathers nothing (``alone``)
     gathered = 0 if alone(spec) else head * c
     return {
-        "forward": before + gathered + lb.at_head,
-        "loss": before + (gathered if lb.in_head_forward else 0) + lb.peak,
-        "layers": s.state + max(
+        FORWARD: before + gathered + lb.at_head,
+        LOSS: before + (gathered if lb.in_head_forward else 0) + lb.peak,
+        LAYERS: s.state + max(
             # the head's backward: its unsharded grad beside the loss's gradients
             s.kept + s.saved + s.accumulated + head_kept + head * c + lb.head_backward,
             # its reduce-scatter (the grad is still referenced beside the input, gloo's copy
@@ -250,7 +250,7 @@ def _grouped_phase_peaks(spec: RunSpec, s: _Step) -> dict[str, int]:
         # reduce-scatter input and gloo's copy, beside the sharded grads (``grads`` holds the
         # new shard already) and the unidentified buffer; with accumulation the new shard is
         # added to the old one out of place
-        "root": s.state + s.grads + embed * c + s.rs_copies * embed * r
+        ROOT: s.state + s.grads + embed * c + s.rs_copies * embed * r
         + embed_shard * (UNIDENTIFIED_ROOT_SHARDS + (1 if s.accumulated else 0)),
-        "optimizer": s.state + s.grads + s.step,
+        OPTIMIZER: s.state + s.grads + s.step,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..config import nf4
+from ..config.kernels import VARLEN
 from ..config.schema import FinetuneConfig, ModelConfig
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec
@@ -25,7 +26,7 @@ from .activations import (
     varlen_mask_bytes,
 )
 from .loss import LossBytes, loss_bytes
-from .phases import Memory, alone, reduce_scatter_copies
+from .phases import FORWARD, LAYERS, LOSS, Memory, OPTIMIZER, ROOT, alone, reduce_scatter_copies
 from .shapes import count_params, n_matmul, numel, projection_shapes, root_shapes, sharded_numel
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -130,7 +131,7 @@ def lora_saved_layer_bytes(m: ModelConfig, ft: FinetuneConfig, *, seq_len: int, 
                            packing: bool, device: str) -> int:
     """Saved-for-backward bytes per token of one (not checkpointed) layer with adapters, with
     the packed sequences' terms (activations.saved_layer_bytes' with a frozen base)."""
-    varlen = m.attn_implementation == "varlen"
+    varlen = m.attn_implementation == VARLEN
     extra = (packed_mask_bytes(m, seq_len, c, m.attn_implementation, device)
              if packing or varlen else 0)
     return lora_layer_activation_bytes(m, ft, c, device) + extra
@@ -246,21 +247,21 @@ def lora_phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
         root_kept = root_u if resharded else 0
         before = state + accumulated + saved + kept + root_kept
         return {
-            "forward": max(start, in_layer + root_kept, before + in_flight + lb.at_head),
-            "loss": before + lb.peak,
-            "layers": state + kept + root_kept + max(
+            FORWARD: max(start, in_layer + root_kept, before + in_flight + lb.at_head),
+            LOSS: before + lb.peak,
+            LAYERS: state + kept + root_kept + max(
                 saved + accumulated + lb.head_backward, layer_bwd),
-            "root": root + root_kept, "optimizer": state + grads + adapters}
+            ROOT: root + root_kept, OPTIMIZER: state + grads + adapters}
     head = (m.vocab_size * hidden + hidden) * c
     head_kept = head if resharded else 0
     after_head = kept - (0 if resharded else head)
     before = state + accumulated + saved + kept + head_kept
     gathered = 0 if alone(spec) else head  # the head's all-gather output, held (full.py)
     return {
-        "forward": max(start, in_layer, before + gathered + lb.at_head),
-        "loss": before + (gathered if lb.in_head_forward else 0) + lb.peak,
-        "layers": state + max(before - state + lb.head_backward, after_head + layer_bwd),
-        "root": root, "optimizer": state + grads + adapters}
+        FORWARD: max(start, in_layer, before + gathered + lb.at_head),
+        LOSS: before + (gathered if lb.in_head_forward else 0) + lb.peak,
+        LAYERS: state + max(before - state + lb.head_backward, after_head + layer_bwd),
+        ROOT: root, OPTIMIZER: state + grads + adapters}
 
 
 def _lora_ddp_phase_peaks(spec: RunSpec, *, state: int, grads: int, adapters: int, acts: int,
@@ -274,11 +275,11 @@ def _lora_ddp_phase_peaks(spec: RunSpec, *, state: int, grads: int, adapters: in
     kept = a_layer * m.num_layers * c if pol.compute_dtype != pol.param_dtype else 0
     bucket = min(grads, DDP_BUCKET_MB * 2**20) if gloo else 0
     state += grads + kept
-    return {"forward": state + saved + loss.at_head,
-            "loss": state + saved + loss.peak,
-            "layers": state + max(saved + loss.head_backward,
+    return {FORWARD: state + saved + loss.at_head,
+            LOSS: state + saved + loss.peak,
+            LAYERS: state + max(saved + loss.head_backward,
                                   acts + _dequantized_bytes(spec) + a_layer * c + bucket),
-            "root": state + bucket, "optimizer": state + adapters}
+            ROOT: state + bucket, OPTIMIZER: state + adapters}
 
 
 def lora_memory_breakdown(spec: RunSpec) -> Memory:

@@ -15,21 +15,20 @@ import math
 from typing import Iterable
 
 from ..config.schema import OptimConfig
+from ..config.optimizers import OPTIMIZERS
 from ..config.precision import DTYPE_BYTES
 from ..run.spec import RunSpec
 from .shapes import param_shapes, sharded_numel
 
 # torchao/optim/adam.py: "follow bitsandbytes, only quantize tensors >= 4096 values"
 MIN_NUMEL = 4096
-CODE_BYTES = {"adamw8bit": 1.0, "adamw4bit": 0.5}  # per element
 SCALE_BYTES = 4  # one fp32 absmax scale per block
-QMAP_BYTES = {"adamw8bit": 256 * 4, "adamw4bit": 16 * 4}  # fp32 code table per moment tensor
-# The step's temporary memory, in fp32 copies of the largest local parameter: torchao steps one
-# parameter at a time (fp32 math), torch's foreach AdamW all of them at once (one param-sized
-# temporary). Measured on CPU gloo ranks (benchmarks/plan_vs_measured_cpu.md, optimizer phase
-# less the state), compiled: 8-bit 1.1-1.9, 4-bit 6.0-6.1, AdamW with bf16 stochastic rounding
-# (one fused in-place kernel) none; eager (optim.eager=true) 13.0-13.8. Not measured on CUDA.
-STEP_FP32_COPIES = {"adamw8bit": 2.0, "adamw4bit": 6.5, "adamw": 0.0}
+# The step's temporary memory, in fp32 copies of the largest local parameter, by the moments'
+# bits: torchao steps one parameter at a time (fp32 math), torch's foreach AdamW all of them at
+# once (one param-sized temporary). Measured on CPU gloo ranks (benchmarks/plan_vs_measured_cpu.md,
+# optimizer phase less the state), compiled: 8-bit 1.1-1.9, 4-bit 6.0-6.1, AdamW with bf16
+# stochastic rounding (one fused in-place kernel) none; eager (optim.eager=true) 13.0-13.8.
+STEP_FP32_COPIES = {8: 2.0, 4: 6.5, 0: 0.0}
 EAGER_FP32_COPIES = 14.0
 
 
@@ -51,9 +50,9 @@ def moment_bytes(numel: int, optim: OptimConfig, *, lowbit: bool, param_bytes: i
     """Bytes of one moment tensor (exp_avg or exp_avg_sq) of a local shard of ``numel``."""
     if not lowbit:
         return numel * param_bytes
-    block = optim.block
-    return int(numel * CODE_BYTES[optim.name]) + numel // block * SCALE_BYTES \
-        + QMAP_BYTES[optim.name]
+    bits = OPTIMIZERS[optim.name].moment_bits
+    # codes of ``bits`` each, an fp32 scale per block, and an fp32 code table per tensor
+    return int(numel * bits / 8) + numel // optim.block * SCALE_BYTES + 2**bits * 4
 
 
 def shards(spec: RunSpec) -> list[tuple[int, bool]]:
@@ -94,7 +93,7 @@ def optimizer_step_bytes(spec: RunSpec) -> int:
     if not uses_torchao_step(o, spec.policy.param_dtype):
         return sharded_numel(shapes, spec.mesh.shard) * DTYPE_BYTES[spec.policy.param_dtype]
     largest = max(sharded_numel([s], spec.mesh.shard) for s in shapes)
-    copies = EAGER_FP32_COPIES if o.eager else STEP_FP32_COPIES[o.name]
+    copies = EAGER_FP32_COPIES if o.eager else STEP_FP32_COPIES[OPTIMIZERS[o.name].moment_bits]
     return int(copies * largest * 4)
 
 
@@ -103,5 +102,4 @@ def describe(spec: RunSpec) -> str:
     o, dtype = spec.optim, spec.policy.param_dtype
     if not o.lowbit:
         return f"AdamW 2 moments, {dtype}"
-    bits = "8" if o.name == "adamw8bit" else "4"
-    return f"AdamW {bits}-bit moments, block {o.block}"
+    return f"AdamW {OPTIMIZERS[o.name].moment_bits}-bit moments, block {o.block}"

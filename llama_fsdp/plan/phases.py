@@ -9,7 +9,10 @@ from ..run.spec import RunSpec
 
 # The phases of a training step whose peaks the models give (full.full_phase_peaks says what is
 # live in each), from the second step on (with optimizer state).
-PHASES = ("forward", "loss", "layers", "root", "optimizer")
+FORWARD, LOSS, LAYERS, ROOT, OPTIMIZER = "forward", "loss", "layers", "root", "optimizer"
+PHASES = (FORWARD, LOSS, LAYERS, ROOT, OPTIMIZER)
+# DPO with a live reference: its forward, before the policy's (plan/preference.py)
+REFERENCE = "reference"
 
 
 @dataclass(frozen=True)

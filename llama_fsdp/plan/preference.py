@@ -29,6 +29,7 @@ from ..config.schema import ObjectiveConfig
 from ..run.spec import RunSpec
 from .loss import reference_logprob_bytes
 from .shapes import count_params, layer_shapes, n_matmul, numel, param_shapes, sharded_numel
+from .phases import FORWARD, REFERENCE
 
 NPY_HEADER = 128  # bytes before the values of each split's .npy file
 
@@ -72,7 +73,7 @@ def phase_peaks(spec: RunSpec, policy: dict[str, int]) -> dict[str, int]:
     held = reference_bytes(spec)
     out = {name: b + held for name, b in policy.items()}
     if spec.objective.reference == ObjectiveConfig.MODEL:
-        out = {"reference": out["forward"] + reference_forward_bytes(spec)
+        out = {REFERENCE: out[FORWARD] + reference_forward_bytes(spec)
                + reference_logprob_bytes(spec), **out}
     return out
 

@@ -8,6 +8,8 @@ import logging
 from typing import Callable, Optional
 
 from ..config.schema import PrecisionConfig, TrainConfig
+from ..config.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from ..config.optimizers import OPTIMIZERS
 from ..config.precision import PRECISION_POLICIES
 from ..run.spec import RunSpec
 from ..config.strategies import LEAST_MEMORY
@@ -116,12 +118,13 @@ def _texts(spec: RunSpec, text: str, variant: RunSpec) -> str:
 def _lowbit_variants(spec: RunSpec) -> list[tuple[str, RunSpec]]:
     """Smaller optimizer moments than the spec's (8 bits, then 4), where the validator allows
     them."""
-    smaller = {"adamw": ("adamw8bit", "adamw4bit"), "adamw8bit": ("adamw4bit",)}
+    have = OPTIMIZERS[spec.optim.name].moment_bits or 32
+    smaller = sorted((o for o in OPTIMIZERS.values() if 0 < o.moment_bits < have),
+                     key=lambda o: -o.moment_bits)
     out = []
-    for name in smaller.get(spec.optim.name, ()):
-        if (v := or_none(lambda: with_optim(spec, name))) is not None:
-            bits = "8" if name == "adamw8bit" else "4"
-            out.append((f"optim={name} ({bits}-bit AdamW moments)", v))
+    for o in smaller:
+        if (v := or_none(lambda: with_optim(spec, o.name))) is not None:
+            out.append((f"optim={o.name} ({o.moment_bits}-bit AdamW moments)", v))
     return out
 
 
@@ -218,9 +221,10 @@ def _method_fixes(spec: RunSpec) -> list[str]:
     it), alone and, where that is not enough, with the other changes together."""
     lines = []
     # adapters train with AdamW (the validator refuses low-bit moments with them): say so
-    optim = " optim=adamw" if spec.optim.lowbit else ""
+    optim = f" optim={DEFAULT_OPTIMIZER}" if spec.optim.lowbit else ""
     for method in {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(spec.finetune.method, ()):
-        v = or_none(lambda: with_method(with_optim(spec, "adamw") if optim else spec, method))
+        v = or_none(lambda: with_method(with_optim(spec, DEFAULT_OPTIMIZER) if optim else spec,
+                                        method))
         if v is None:
             continue
         p = make_plan(v)

@@ -225,11 +225,11 @@ def finetune_option_problems(ft: FinetuneConfig) -> list[str]:
 def objective_option_problems(o: ObjectiveConfig) -> list[str]:
     """What is wrong with the options themselves, for RunSpec's all-at-once report."""
     out = []
-    for key, value, valid in (("name", o.name, tuple(OBJECTIVES)),
-                              ("loss", o.loss, ObjectiveConfig.LOSSES),
-                              ("reference", o.reference, ObjectiveConfig.REFERENCES)):
+    for key, value, valid in (("objective.name", o.name, tuple(OBJECTIVES)),
+                              ("objective.loss", o.loss, ObjectiveConfig.LOSSES),
+                              ("objective.reference", o.reference, ObjectiveConfig.REFERENCES)):
         if value not in valid:
-            out.append(f"objective.{key}={value!r} is not one of {', '.join(valid)}")
+            out.append(f"{key}={value!r} is not one of {', '.join(valid)}")
     if o.name != DPO:
         changed = [f"objective.{k}" for k, v in vars(o).items()
                    if k != "name" and v != getattr(ObjectiveConfig, k)]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import credentials, devices, kernels, strategies
+from ..config import credentials, devices, kernels, metrics, strategies
 from ..config.objectives import DEFAULT as DEFAULT_OBJECTIVE
 from ..config.objectives import OBJECTIVES
 from ..config.optimizers import DEFAULT as DEFAULT_OPTIMIZER
@@ -143,7 +143,7 @@ class RunSpec:
                 f"{self.train.batch_size} x {self.train.grad_accum} x {self.dp_size}"
                 f" = {self.global_batch}"
             ),
-            "tokens_per_step": self.tokens_per_step,
+            metrics.TOKENS_PER_STEP: self.tokens_per_step,
             "output_dir": self.output_dir,
             "tracking": self.tracking_uri if self.tracking.enabled else "disabled",
         }

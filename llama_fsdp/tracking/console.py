@@ -5,6 +5,8 @@ import logging
 import sys
 from typing import Any
 
+from ..config import metrics as m
+
 log = logging.getLogger(__name__)
 
 
@@ -23,8 +25,8 @@ class Console:
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.n = step
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                             tok_s=f"{metrics['tokens_per_sec']:.0f}", refresh=False)
+        self.bar.set_postfix(loss=f"{metrics[m.LOSS]:.4f}", lr=f"{metrics[m.LR]:.2e}",
+                             tok_s=f"{metrics[m.TOKENS_PER_SEC]:.0f}", refresh=False)
         self.bar.refresh()
 
     def info(self, msg: str, *args: Any) -> None:

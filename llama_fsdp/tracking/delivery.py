@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from . import events as ev
+from ..config.status import MLFLOW_RUNNING
 from .spool import Spool, read_run_file, write_run_file
 from .store import FAST_FAIL_ENV, artifact_location, open_client
 from .view import STATUS_TAG, VIEW_TAG, experiment_tags, status_text, view_is_current
@@ -97,8 +98,8 @@ class Delivery:
                 c.set_tag(self.run_id, STATUS_TAG, status_text(e.status))
                 c.set_terminated(self.run_id, status=e.status, end_time=e.ts)
             case ev.Running():
-                c.update_run(self.run_id, status="RUNNING")
-                c.set_tag(self.run_id, STATUS_TAG, status_text("RUNNING"))
+                c.update_run(self.run_id, status=MLFLOW_RUNNING)
+                c.set_tag(self.run_id, STATUS_TAG, status_text(MLFLOW_RUNNING))
 
     def _log_model(self, e: ev.Model) -> None:
         """An exported directory as the run's logged model (its Models column and tab):

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 
 from ..config import metrics as names
 from ..config.schema import TrackingConfig
-from ..config.status import FINISHED, STATUSES, mlflow_status
+from ..config.status import FINISHED, MLFLOW_RUNNING, STATUSES, mlflow_status
 from ..config.credentials import export_credentials
 from .store import resolve_tracking_uri
 from . import (
@@ -40,7 +40,7 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import STATUS_TAG, command_note
+from .view import STATUS_TAG, command_note, status_text
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
     write_run_file(sweep_dir, {"tracking_uri": uri, "swept": list(swept)})
     spool = Spool(sweep_dir)
     name = "sweep " + " ".join(f"{k}={v}" for k, v in swept.items()) if swept else sweep_id
-    tags = {"sweep_id": sweep_id, KIND_TAG: "sweep", STATUS_TAG: "running",
+    tags = {"sweep_id": sweep_id, KIND_TAG: "sweep", STATUS_TAG: status_text(MLFLOW_RUNNING),
             "mlflow.note.content": command_note(command, f"Sweep {sweep_id}:")}
     if points is not None:
         tags[POINTS_TAG] = str(points)
@@ -230,7 +230,8 @@ class Progress:
         """The parent's status column: "running 1/3", "finished", "1/3 failed"."""
         if not self.complete:
             return f"running {self.ended}/{self.total}"
-        return f"{self.failed}/{self.total} failed" if self.failed else "finished"
+        return (f"{self.failed}/{self.total} failed" if self.failed
+                else status_text(mlflow_status(FINISHED)))
 
 
 def progress(statuses: list[str], refused: int, points: Optional[int]) -> Progress:
@@ -330,8 +331,8 @@ def _log_summary(client: Any, parent: Any, sweep_id: str, table: str, keys: list
     client.log_batch(parent_id, metrics=metrics, tags=tags)
     if state.complete:
         client.set_terminated(parent_id, status=mlflow_status(FINISHED))
-    elif parent.info.status != "RUNNING":
-        client.update_run(parent_id, status="RUNNING")
+    elif parent.info.status != MLFLOW_RUNNING:
+        client.update_run(parent_id, status=MLFLOW_RUNNING)
 
 
 def point_ended(spec: Any) -> None:

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.status import MLFLOW_FINISHED
 from . import events as ev
 from .delivery import Shipper
 from .spool import Spool, read_run_file
@@ -142,7 +143,7 @@ class Tracker:
                                    ev.now_ms()))
         return True
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = MLFLOW_FINISHED) -> None:
         if self.sampler is not None:
             self.sampler.stop()
         self._log_start_metrics()
@@ -173,7 +174,7 @@ class NullTracker:
                       model_type: str = "transformers-llama",
                       metrics: Optional[dict[str, float]] = None) -> bool:
         return False
-    def finish(self, status: str = "FINISHED") -> None: ...
+    def finish(self, status: str = MLFLOW_FINISHED) -> None: ...
 
 
 def open_tracker(spec: Any) -> Any:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from ..config import metrics as m
+from ..config.objectives import DPO, SFT
+from ..config.status import STATUS_WORDS
 
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
 VIEW = "llama_fsdp"
@@ -59,9 +61,9 @@ TRAINABLE = (Shown("trainable M", _metric(m.TRAINABLE_PARAMS, 1e-6), 3, 90),
 # what each training objective is judged by; a new objective (DPO: its rewards/accuracy) adds
 # its columns here, and the view shows them all (a run lacking one shows "-")
 BY_OBJECTIVE: dict[str, tuple[Shown, ...]] = {
-    "sft": (Shown("final loss", _metric(m.SUMMARY_FINAL_LOSS), 4, 78),
-            Shown("eval loss", _metric(m.SUMMARY_EVAL_LOSS), 4, 76)),
-    "dpo": (Shown("eval reward acc", _metric(m.SUMMARY_EVAL_REWARD_ACCURACY), 3, 116),),
+    SFT: (Shown("final loss", _metric(m.SUMMARY_FINAL_LOSS), 4, 78),
+          Shown("eval loss", _metric(m.SUMMARY_EVAL_LOSS), 4, 76)),
+    DPO: (Shown("eval reward acc", _metric(m.SUMMARY_EVAL_REWARD_ACCURACY), 3, 116),),
 }
 SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 108),
                 Shown("MFU pct", _metric(m.SUMMARY_MFU, 100.0), 3, 80),
@@ -70,7 +72,7 @@ SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 10
 BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)
 # after the first screen (1600 px holds the columns of every run; a DPO run's reward accuracy
 # is the first column past it)
-LATER = (*BY_OBJECTIVE["dpo"], BASE)
+LATER = (*BY_OBJECTIVE[DPO], BASE)
 SHOWN: tuple[Shown, ...] = (*TRAINABLE, *(s for cols in BY_OBJECTIVE.values() for s in cols),
                             *SPEED_MEMORY, BASE)
 
@@ -182,8 +184,7 @@ def view_is_current(tag: Optional[str]) -> bool:
 
 def status_text(mlflow_status: str) -> str:
     """A run's MLflow status as the status column says it."""
-    return {"RUNNING": "running", "SCHEDULED": "queued", "FINISHED": "finished",
-            "FAILED": "failed", "KILLED": "stopped"}.get(mlflow_status, mlflow_status.lower())
+    return STATUS_WORDS.get(mlflow_status, mlflow_status.lower())
 
 
 _PROGRAMS = (["python", "-m", "llama_fsdp"], ["llama-fsdp"])

@@ -66,7 +66,7 @@ from .optimizer import build_optimizer, compile_cache_dir, use_compile_cache
 from ..model.parallelize import build_mesh, local_numel, parallelize, torch_dtype
 from ..plan import Plan, make_plan
 from ..plan.optimizer import uses_torchao_step
-from ..config.status import FAILED, FINISHED, RunResult, mlflow_status
+from ..config.status import FAILED, FINISHED, MLFLOW_RUNNING, RunResult, mlflow_status
 from ..config.rundir import RunDir, write_run_status
 from ..run.spec import RunSpec
 from .stopping import StopSignals, stop_handler
@@ -205,7 +205,7 @@ class RankRun:
                                "derived.world_size": str(spec.world_size),
                                "derived.mesh": "x".join(map(str, spec.mesh.shape)),
                                "derived.precision": spec.precision.name,
-                               STATUS_TAG: status_text("RUNNING"),
+                               STATUS_TAG: status_text(MLFLOW_RUNNING),
                                **self.data.info.params()})
         self.tracker.log_text(self.plan.table(), "plan.txt")
         self.tracker.log_start_metrics({

@@ -89,7 +89,7 @@ def _job(args) -> None:
     out, uri, name = args
     import dataclasses
 
-    from llama_fsdp.prepare.job import start_run
+    from llama_fsdp.prepare.tracking import start_run
     from llama_fsdp.tracking import Tracker
     from tests.conftest import make_spec
 
@@ -122,7 +122,7 @@ def test_system_metrics_that_cannot_start_do_not_stop_tracking(tmp_path, monkeyp
     on a CI run's rank 0) turn system metrics off with a warning; every metric still lands."""
     import logging
 
-    from llama_fsdp.prepare.job import start_run
+    from llama_fsdp.prepare.tracking import start_run
     from llama_fsdp.tracking import tracker as tracking
     from tests.conftest import make_spec
 

@@ -305,7 +305,8 @@ def _hf_model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
 
 def test_driver_uses_the_model_tokenizer_and_refuses_one_too_large(toks, cache, tmp_path,
                                                                      spec_factory):
-    from llama_fsdp.prepare.job import PrepareError, check_data
+    from llama_fsdp.prepare.errors import PrepareError
+    from llama_fsdp.prepare.data import check_data
 
     f = _jsonl(tmp_path / "chat.jsonl", CHATS)
     model = _hf_model_dir(tmp_path / "m512", toks["bl-chatml"], 512)

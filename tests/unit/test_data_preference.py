@@ -14,7 +14,8 @@ import pytest
 from llama_fsdp.config.schema import DataConfig
 from llama_fsdp.data import build_data
 from llama_fsdp.data.packing import IGNORE_INDEX
-from llama_fsdp.prepare.job import PrepareError, check_data
+from llama_fsdp.prepare.errors import PrepareError
+from llama_fsdp.prepare.data import check_data
 from tests.conftest import REPO
 
 PAIRS = [{"prompt": f"Opposite word {i} =", "chosen": f"cold {i}", "rejected": f"wet {i}"}

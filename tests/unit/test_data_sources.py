@@ -294,7 +294,7 @@ def _spec(spec_factory, cache, *overrides):
 def test_small_alpaca_json_array_trains_with_the_defaults(spec_factory, tmp_path, cache, caplog):
     """102 records, a JSON array, every default (2 ranks x batch 8, seq_len 128): builds, holds
     out a few records for eval, and says what it did."""
-    from llama_fsdp.prepare.job import check_data as driver_prepare
+    from llama_fsdp.prepare.data import check_data as driver_prepare
 
     f = tmp_path / "alpaca_data.json"
     f.write_text(json.dumps(alpaca_records(102), ensure_ascii=False, indent=2))
@@ -345,8 +345,8 @@ SEED_TASKS = [{"id": f"seed_task_{i}", "name": f"task_{i}",
 def test_nested_layout_is_refused_before_launch_with_the_columns_and_the_fix(spec_factory,
                                                                               tmp_path, cache):
     """Self-Instruct's seed_tasks.jsonl: the answers are nested in a list."""
-    from llama_fsdp.prepare.job import PrepareError
-    from llama_fsdp.prepare.job import check_data as driver_prepare
+    from llama_fsdp.prepare.errors import PrepareError
+    from llama_fsdp.prepare.data import check_data as driver_prepare
 
     f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
     spec = _spec(spec_factory, cache, "data=jsonl", f"data.path={f}")
@@ -362,7 +362,7 @@ def test_nested_layout_is_refused_before_launch_with_the_columns_and_the_fix(spe
 
 
 def test_preprocess_hook_flattens_nested_records(spec_factory, tmp_path, cache):
-    from llama_fsdp.prepare.job import check_data as driver_prepare
+    from llama_fsdp.prepare.data import check_data as driver_prepare
 
     f = _jsonl(tmp_path / "seed_tasks.jsonl", SEED_TASKS)
     hook = tmp_path / "hooks.py"

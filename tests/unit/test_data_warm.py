@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from llama_fsdp.data.check_record import WarmData
-from llama_fsdp.prepare.job import prepare_data
+from llama_fsdp.prepare.data import prepare_data
 from tests.conftest import REPO
 
 
@@ -58,7 +58,7 @@ def test_a_warm_check_loads_neither_transformers_nor_datasets(data_spec, tmp_pat
     spec, overrides, _ = data_spec
     prepare_data(spec)  # the first check: builds the data and records it
     probe = (f"import sys\nfrom tests.conftest import make_spec\n"
-             f"from llama_fsdp.prepare.job import prepare_data\n"
+             f"from llama_fsdp.prepare.data import prepare_data\n"
              f"data = prepare_data(make_spec({overrides!r}, output_dir={str(tmp_path / 'run')!r}))\n"
              "print('LOADED', type(data).__name__, sorted(m for m in "
              "('transformers', 'datasets', 'torch') if m in sys.modules))\n")

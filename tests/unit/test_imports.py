@@ -1,8 +1,10 @@
-"""Imports run one way (docs/architecture.md): no two parts of the package import each other,
-even through deferred (function-level) or type-only imports.
+"""Imports run one way (docs/architecture.md): the package's folders are its stages, in the order
+``FOLDERS`` lists them, and no folder imports one above it; no two parts import each other, even
+through deferred (function-level) or type-only imports; the command line, config/, run/ and
+plan/ never import model/, train/ or torch; the root holds at most ``MAX_ROOT_MODULES``.
 
-A part is a top-level module of llama_fsdp, or a subpackage as a whole (plan/, data/,
-checkpoint/, tracking/, launchers/). Run as a script for the counts docs and notes cite:
+A part is a top-level module of llama_fsdp, or a subpackage as a whole (config/, plan/, ...,
+launchers/). Run as a script for the counts docs and notes cite:
 
     python tests/unit/test_imports.py [checkout]
 
@@ -18,9 +20,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# file-level circles inside plan/ that its own restructuring removes (issue 39): drop the entry
-# with the circle
-KNOWN_CIRCLES: list[set[str]] = []
+KNOWN_CIRCLES: list[set[str]] = []  # (none: a circle found fails)
+
+# The folders, lowest first: each imports only those before it (and the root's leaves).
+FOLDERS = ("config", "data", "tracking", "model", "checkpoint", "run", "plan", "objective",
+           "prepare", "train", "launchers", "cli")
+# Modules at the root: the package's plumbing (lazy, versions, import_noise), below every folder,
+# and its commands (python -m llama_fsdp[.convert|.sweep|...]), above them.
+ROOT_LEAVES = ("lazy", "versions", "import_noise")
+MAX_ROOT_MODULES = 12
+# Never imported by these, at any depth of a function: what the command line needs to check and
+# plan a run in well under a second (tests/unit/test_cli_imports.py runs it).
+TORCH_FREE = ("cli", "config", "run", "plan")
+HEAVY = ("model", "train")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -133,6 +145,58 @@ def test_no_two_parts_of_the_package_import_each_other():
 def test_no_two_modules_import_each_other():
     found = [c for c in circles(import_graph(ROOT)[0]) if c not in KNOWN_CIRCLES]
     assert not found, f"modules that import each other (a deferred import counts): {found}"
+
+
+def _folder(mod: str) -> str:
+    """The folder of a module (llama_fsdp.<folder>.x), or "" for a root module."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 2 or mod.removeprefix("llama_fsdp.") in FOLDERS else ""
+
+
+def test_the_folders_are_the_stages_and_none_imports_one_above_it():
+    edges = import_graph(ROOT)[0]
+    mods = modules(ROOT)
+    folders = {_folder(m) for m in mods} - {""}
+    assert folders == set(FOLDERS), f"folders not in FOLDERS (or gone): {folders ^ set(FOLDERS)}"
+    wrong = []
+    for a, targets in edges.items():
+        fa = _folder(a)
+        for b in targets:
+            fb = _folder(b)
+            leaf = b.rsplit(".", 1)[-1] in ROOT_LEAVES and fb == ""
+            if fa and fb and FOLDERS.index(fb) > FOLDERS.index(fa):
+                wrong.append(f"{a} -> {b} ({fb}/ is above {fa}/)")
+            elif fa and not fb and not leaf and b != "llama_fsdp":
+                wrong.append(f"{a} -> {b} (a command at the root)")
+    assert not wrong, "imports running up the folders:\n  " + "\n  ".join(sorted(wrong))
+
+
+def _imports_of(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_command_line_config_run_and_plan_never_import_the_model_the_trainer_or_torch():
+    edges = import_graph(ROOT)[0]
+    mods = modules(ROOT)
+    wrong = []
+    for mod, path in mods.items():
+        if _folder(mod) not in TORCH_FREE:
+            continue
+        wrong += [f"{mod} -> {b}" for b in edges.get(mod, ()) if _folder(b) in HEAVY]
+        wrong += [f"{mod} imports {n}" for n in _imports_of(path)
+                  if n.split(".")[0] == "torch"]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_root_holds_few_modules():
+    root = sorted(p.name for p in (ROOT / "llama_fsdp").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
 
 
 if __name__ == "__main__":

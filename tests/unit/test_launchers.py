@@ -366,7 +366,7 @@ def test_the_local_launcher_delivers_rank_0s_spool_while_it_waits(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from llama_fsdp.launchers import launcher_for
-    from llama_fsdp.prepare.job import start_run
+    from llama_fsdp.prepare.tracking import start_run
     from llama_fsdp.tracking import read_run_file
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
