@@ -23,10 +23,9 @@ def exit_now(code: Union[int, str, None]) -> NoReturn:
     Finalization can only lose here. A C++ thread that comes back into Python while the
     interpreter finalizes (a gloo worker dropping a work's tensors, a store wait timing out) is
     ended by CPython with a forced unwind that C++ turns into std::terminate: "terminate called
-    without an active exception", SIGABRT, and a rank that finished is reported killed. The
-    suite's 4-rank hybrid run lost its rank 1 so, after its last step (pytorch/pytorch#179291
-    names the gloo case; tests/unit/test_launchers.py makes it happen). Module teardown of what
-    torch, transformers and mlflow loaded goes with it."""
+    without an active exception", SIGABRT, and a rank that finished is reported killed
+    (pytorch/pytorch#179291; tests/unit/test_launchers.py makes it happen). Module teardown of
+    what torch, transformers and mlflow loaded goes with it."""
     if isinstance(code, str):
         sys.stderr.write(code + "\n")
         code = 1

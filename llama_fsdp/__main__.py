@@ -1,4 +1,4 @@
-"""`python -m llama_fsdp [overrides]`: the command line lives in cli.py."""
+"""`python -m llama_fsdp [overrides]`: the command line lives in cli/."""
 from .cli import main
 from .launchers.process import exit_now
 

@@ -10,12 +10,12 @@ Three formats, three jobs:
   ``LlamaForCausalLM.from_pretrained`` reads; ``python -m llama_fsdp.convert`` makes the same
   files from any DCP checkpoint.
 
-``checks.py`` holds what can be checked before any process starts; ``peft.py`` does the
-same jobs for a LoRA / QLoRA model (its base in per shard, NF4 included; the PEFT adapter and
-the merged model out).
+``peft.py`` does the same jobs for a LoRA / QLoRA model (its base in per shard, NF4 included;
+the PEFT adapter and the merged model out); ``state.py`` is the loop's counters a checkpoint
+carries; ``convert.py`` is ``python -m llama_fsdp.convert``.
 
-The package's names are imported on first use (PEP 562): ``checks``, ``layout`` and
-``optim_meta`` stay torch-free for the command line, which checks a run before any process
+The package's names are imported on first use (PEP 562): ``layout``, ``optim_meta`` and
+``pickles`` stay torch-free for run/checks.py, which checks resume targets before any process
 starts without importing torch or transformers.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ it and the same finetune method and adapters (a lora checkpoint holds the adapte
 full one every weight). torchao's low-bit moments (OptimState8bit /
 4bit codes of one block size) load only into the same kind and block size, and its optimizers
 keep the learning rate as a tensor where torch's AdamW keeps a float (the LR scheduler's state
-differs). Torch-free: checks.py compares before launch, the Checkpointer again on resume.
+differs). Torch-free: run/checks.py compares before launch, the Checkpointer again on resume.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The command line, `python -m llama_fsdp [overrides]` (or `llama-fsdp`):
 
-    overrides checked -> Hydra composes conf/ -> RunSpec (spec.py) -> plan (plan/, printed)
-    -> prepare (prepare.py: tracking store, weights, data, the MLflow run)
-    -> launch (launchers/: local ranks or SLURM) -> summary
+    overrides checked -> Hydra composes conf/ -> the launcher of cluster.kind (launchers/)
+    -> RunSpec with its placement (run/spec.py) -> plan (plan/, printed)
+    -> launch (the job's once-only duties: prepare/; then the ranks) -> the report (report.py)
 
 A sweep (``-m``) runs this once per point; multirun.py's ``SweepCallback`` makes the sweep's
 parent run when it starts, collects the points' outcomes, and writes the summary when it ends.
@@ -50,7 +50,7 @@ def plan_run(cfg: DictConfig, launcher: Launcher, run_dir: str) -> tuple[RunSpec
     spec = resolve_auto(build_spec(cfg, placement=launcher.placement, output_dir=run_dir,
                                    launch_dir=Path.cwd(), **sweep_kwargs()))
     export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
-    for key, value in spec.summary().items():
+    for key, value in spec.overview().items():
         log.info("%-30s %s", key, value)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
         log.warning("%s", warning)

@@ -1,7 +1,7 @@
 """A ``-m`` sweep as Hydra runs it: each point's sweep arguments, a point skipped because it
 finished in an earlier run of the sweep, a point's failure handed back instead of ending the
 process, and ``SweepCallback`` (conf/config.yaml names it), which makes the sweep's parent run
-when it starts, collects the points' outcomes and writes the summary when it ends (sweep.py
+when it starts, collects the points' outcomes and writes the summary when it ends (tracking/sweep.py
 holds the MLflow side)."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 its config.json in the model group's terms (the fields where the two differ).
 
 The command line resolves ``model.path`` and checks it against the model group before any
-process starts (prepare.py, checkpoint/checks.py) without importing torch or transformers;
+process starts (prepare/, run/checks.py) without importing torch or transformers;
 model.py builds the LlamaConfig from the same table.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The attention kernels (``model.attn_implementation``): one table that config, validation,
-the spec and attention.py read (attention.py's docstring says how ``varlen`` works).
+the spec and model/attention.py read (its docstring says how ``varlen`` works).
 
 | name              | what runs                                                            |
 |-------------------|----------------------------------------------------------------------|

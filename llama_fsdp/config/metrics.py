@@ -1,7 +1,7 @@
 """The names of the metrics a run logs that other code reads back (the sweep summary, the MLflow
 view, the printed summary): one table, so a renamed metric is renamed everywhere.
 
-Per logged step (train.py): ``LOSS``, ``TOKENS_PER_SEC``, ``PEAK_MEMORY``, ... ; per eval:
+Per logged step (train/loop.py): ``LOSS``, ``TOKENS_PER_SEC``, ``PEAK_MEMORY``, ... ; per eval:
 ``EVAL_LOSS``. At the end of a run, the steady-state figures under ``summary/`` (worker.py),
 logged at step 0 so that MLflow charts them as one bar per run; the parameter counts at the
 start (``TRAINABLE_PARAMS``, ``BASE_PARAMS``: the model's own weights, adapters not counted;

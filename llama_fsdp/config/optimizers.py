@@ -1,5 +1,5 @@
 """The optimizers (``optim=``): one table that config, validation, the spec, the checkpoint's
-optimizer record and optim.py read.
+optimizer record and train/optimizer.py read.
 
 | name      | moments (exp_avg, exp_avg_sq)                                  | default block |
 |-----------|----------------------------------------------------------------|---------------|

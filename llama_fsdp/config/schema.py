@@ -95,7 +95,7 @@ class CheckpointingConfig:
     offload: bool = False
 
     def wrapped_layers(self, num_layers: int) -> range:
-        """Indices of the decoder layers activation checkpointing wraps (parallel.py wraps
+        """Indices of the decoder layers activation checkpointing wraps (model/parallelize.py wraps
         them, plan.py counts them)."""
         match self.mode:
             case "none":
@@ -349,8 +349,7 @@ class OptimConfig:
     eager: bool = False
     # adamw only: torch's fused AdamW (one kernel over every parameter, no param-sized
     # temporary; torchtitan's default on CUDA) instead of foreach (the same math). null: fused
-    # on CUDA (an H200 step of 1b at seq 2048 took 19 ms less: benchmarks/gpu.md), foreach on
-    # the CPU (what the CPU benchmarks measured).
+    # on CUDA, where it is the faster step (benchmarks/gpu.md), foreach on the CPU.
     fused: Optional[bool] = None
 
     def fused_on(self, device: str) -> bool:

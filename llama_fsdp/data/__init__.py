@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..lazy import lazy_names
 
 # The package's names are imported on first use (PEP 562): the driver's check of data the cache
-# already holds (warm.py) loads neither transformers nor datasets.
+# already holds (check_record.py) loads neither transformers nor datasets.
 _WHERE = {
     "build_data": "build",
     "Tokenized": "cache", "as_config": "cache", "build_tokenizer": "cache",

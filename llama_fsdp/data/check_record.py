@@ -1,6 +1,6 @@
 """The driver's check of data the cache already holds, without transformers or datasets.
 
-The driver reads, checks, tokenizes and packs the data once (``build_data``, from prepare.py)
+The driver reads, checks, tokenizes and packs the data once (``build_data``, from prepare/data.py)
 and then ``record``s what it found, under a key of everything the result depends on: the data
 options, the run's shapes (seq_len, micro-batch, ranks, seed, vocabulary), the source files'
 and the preprocess hook's stamps, and the data code itself. A later launch with the same inputs

@@ -1,4 +1,4 @@
-"""Llama from transformers, built on the meta device. No parallelism here (see parallel.py)."""
+"""Llama from transformers, built on the meta device. No parallelism here (see parallelize.py)."""
 from __future__ import annotations
 
 import json
@@ -128,8 +128,8 @@ def _normal_rows(shape: tuple[int, ...], start: int, rows: int, *, seed: int,
     """Rows [start, start + rows) of a standard-normal tensor of ``shape`` defined block by
     block (see init_weights); drawn on the CPU, so the values do not depend on the device.
     The blocks are drawn on torch's intra-op threads at once (each has its own generator, so
-    the values are the same for any thread count): an 8B model's init took 55 s drawn one
-    block after another on the H200 host (benchmarks/gpu.md)."""
+    the values are the same for any thread count): drawn one after another, an 8B model's init
+    takes most of a minute (benchmarks/gpu.md)."""
     row_numel = math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_NUMEL // max(row_numel, 1))
     total_rows = shape[0] if shape else 1

@@ -4,7 +4,7 @@ or DDP.
 Order matters and follows torchtitan: activation checkpointing -> compile -> fully_shard on the
 embedding, each decoder layer, [final norm, head], then the root (``apply_fsdp`` has the groups
 and why; a tied embedding stays in the root). sharding=no_shard replicates with composable DDP
-instead (``apply_ddp``). No model definitions here (see model.py).
+instead (``apply_ddp``). No model definitions here (see llama.py).
 """
 from __future__ import annotations
 

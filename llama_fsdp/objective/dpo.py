@@ -161,7 +161,7 @@ class Preference:
 
 def build(spec: RunSpec, model: nn.Module, data: Any, device: torch.device, *, rank: int,
           world: int, resuming: bool) -> Preference:
-    """The reference of this run (reference.py), before the policy trains or its checkpoint is
+    """The reference of this run (dpo_reference.py), before the policy trains or its checkpoint is
     loaded: with objective.reference=cached, the data's splits get the cached log-probs (made
     now, collectively, if the cache has none)."""
     cfg, adapters = spec.objective, spec.finetune.adapters

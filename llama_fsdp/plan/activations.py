@@ -33,7 +33,7 @@ from ..config.schema import CheckpointingConfig, ModelConfig
 # int64 input ids kept by the embedding (8) and RoPE cos/sin (2·s·Q·c per sequence).
 # tests/unit/test_plan.py checks all of this against the bytes autograd really saves.
 # Full activation checkpointing keeps only each layer's input (c·h); layer-selective wraps
-# every k-th layer (floor(L/k) layers, as parallel.py). Backward recomputes one wrapped layer
+# every k-th layer (floor(L/k) layers, as model/parallelize.py). Backward recomputes one wrapped layer
 # at a time, so one layer's full activations are added back while any layer is wrapped.
 # checkpointing.offload (llama_fsdp/model/offload.py) keeps those inputs in pinned host memory on
 # CUDA: on the device stay the input being recomputed and the next one, brought back ahead.

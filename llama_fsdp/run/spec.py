@@ -120,8 +120,8 @@ class RunSpec:
                 "model_path": self.model.path, "announce": announce,
                 "preference": OBJECTIVES[self.objective.name].pairs}
 
-    def summary(self) -> dict[str, Any]:
-        """The values a user checks before launching."""
+    def overview(self) -> dict[str, Any]:
+        """The values a user checks before launching (printed before the plan)."""
         return {
             "model": self.model.name,
             "strategy": self.strategy,

@@ -12,7 +12,7 @@ or later with
 
 so nothing is lost. Delivery is at least once, in order; ``<run>/tracking/shipped`` holds how
 much of the spool has been delivered. The MLflow run itself is created before launch by the
-driver (prepare.py), through the same spool, so an unreachable store is reported in seconds.
+driver (prepare/tracking.py), through the same spool, so an unreachable store is reported in seconds.
 
 Every other rank holds ``NullTracker`` and ``NullConsole`` (``tracker.py``, ``console.py``),
 with the same methods doing nothing, so training code never asks which rank it is on.

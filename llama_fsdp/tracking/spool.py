@@ -1,6 +1,6 @@
 """The spool: append-only JSON lines of tracking events in the run directory
 (``<run>/tracking/spool.jsonl``), how far they have been delivered (``shipped``), and the run
-file (``run.json``: the store and, once created, the MLflow run id); rundir.py names them."""
+file (``run.json``: the store and, once created, the MLflow run id); config/rundir.py names them."""
 from __future__ import annotations
 
 import contextlib

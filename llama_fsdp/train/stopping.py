@@ -3,7 +3,7 @@
 SLURM sends SIGUSR2 to every task ``cluster.signal_delay_s`` before it preempts a job or its
 time runs out; the launcher forwards a user's first Ctrl-C to every rank as SIGINT. A sharded
 checkpoint is a collective, so a signal only records a request here. At the next log step the
-ranks agree on it (it rides on the log step's one reduction, train.py; on CUDA that is read
+ranks agree on it (it rides on the log step's one reduction, train/loop.py; on CUDA that is read
 one step later), save a published
 checkpoint together and stop: after a preemption the rank's supervisor requeues the job, which
 resumes from that checkpoint (launchers/rank.py); after a user's stop the run ends, resumable

@@ -1,35 +1,38 @@
 """What every rank runs: process group -> mesh -> sharded model -> data -> loop -> result.
 
-From the command line to one optimizer step, the functions on the way:
+From the command line to one optimizer step, the functions on the way (folder/module):
 
-    python -m llama_fsdp                       __main__.py -> cli.main
-      cli._hydra_main -> cli._run_and_report   compose conf/; launchers.launcher_for picks the
-                                               launcher of cluster.kind, then cli.run_one:
-        cli.plan_run                           spec.build_spec (the validated RunSpec),
-                                               plan.make_plan (memory and FLOPs, printed)
-        plan.check_fits, Launcher.preflight    refused here if it cannot fit or launch
-        Launcher.launch                        launchers/base.py:
-          prepare.prepare_job                  own the run dir; tracking store, weights, data
-                                               cache (prepare_data), MLflow run
+    python -m llama_fsdp                         __main__.py -> cli/command.py main
+      command._hydra_main -> _run_and_report     compose conf/; launchers.launcher_for picks
+                                                 the launcher of cluster.kind, then run_one:
+        command.plan_run                         run/spec.py build_spec (the validated RunSpec,
+                                                 with the launcher's placement), plan/
+                                                 make_plan (memory and FLOPs, printed)
+        plan.check_fits, Launcher.preflight      refused here if it cannot fit or launch
+        Launcher.launch                          launchers/base.py:
+          prepare/job.py prepare_job             own the run dir; tracking store, weights,
+                                                 data cache (prepare/data.py), MLflow run
           LocalLauncher.start / SlurmLauncher.start
-            launchers.rank.RankEntry           per rank: a supervisor (submitit's task) ...
-              launchers.child.main             ... starts this worker process, which calls
-    worker.run_worker(spec)                    (here) with RANK / WORLD_SIZE in the environment
-      distributed.process_group                process group (gloo, or nccl + gloo); under
-                                               cluster=torchrun TorchrunLauncher.launch opened
-                                               it, did the job's duties and called this
-      train_on_rank -> RankRun.build           build_model (model.build_meta_model,
-                                               [lora.apply_adapters,] parallel.parallelize,
-                                               model.init_weights or
-                                               checkpoint.load_hf_weights; adapters: their
-                                               base from checkpoint.load_hf_base or
-                                               lora.init_base), data.build_data,
-                                               optim.build_optimizer, checkpoint.Checkpointer
-                                               (resume), tracking.open_tracker
-        RankRun.train -> train.run_loop        the loop; each step is
-          train.train_step                     micro-batches: attention.model_inputs,
-                                               loss.loss_sum, backward;
-                                               parallel.clip_grad_norm, optimizer.step
+            launchers/rank.py RankEntry          per rank: a supervisor (submitit's task) ...
+              launchers/worker_process.py main   ... starts this worker process, which calls
+    train/worker.py run_worker(spec)             (here) with RANK / WORLD_SIZE set
+      train/distributed.py process_group         process group (gloo, or nccl + gloo); under
+                                                 cluster=torchrun TorchrunLauncher.launch
+                                                 opened it, did the job's duties, called this
+      train_on_rank -> RankRun.build             build_model (model/llama.py build_meta_model,
+                                                 [model/lora.py apply_adapters,]
+                                                 model/parallelize.py parallelize, init_weights
+                                                 or checkpoint.load_hf_weights; adapters: their
+                                                 base from checkpoint.load_hf_base or
+                                                 lora.init_base), data.build_data,
+                                                 objective.build_objective,
+                                                 train/optimizer.py build_optimizer,
+                                                 checkpoint.Checkpointer (resume),
+                                                 tracking.open_tracker
+        RankRun.train -> train/loop.py run_loop  the loop; each step is
+          train_step                             micro-batches: model_inputs, the objective's
+                                                 loss (objective/loss.py loss_sum for SFT),
+                                                 backward; clip_grad_norm, optimizer.step
 
 The driver has already prepared everything that needs no process group (tokenized data in the
 cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never touch a hub.

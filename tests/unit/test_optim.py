@@ -205,7 +205,7 @@ def test_valid_settings_pass():
         assert spec.optim.name == o[0].split("=")[1]
     spec = make_spec("optim=adamw4bit", "optim.block_size=64")
     assert spec.optim.block == 64 and "adamw4bit" in spec.run_name
-    assert spec.summary()["optimizer"] == "adamw4bit"
+    assert spec.overview()["optimizer"] == "adamw4bit"
 
 
 def _fake_checkpoint(root, optim: OptimConfig | None, finetune=None):
