@@ -93,7 +93,8 @@ def _build(specs: dict, rank: int, world: int) -> dict:
     from llama_fsdp.data import build_data
     from llama_fsdp.objective.dpo import build as build_preference
     from llama_fsdp.train.optimizer import build_optimizer
-    from llama_fsdp.train.loop import TOKEN_LOSS, build_scheduler
+    from llama_fsdp.objective.sft import TOKEN_LOSS
+    from llama_fsdp.train.loop import build_scheduler
     from llama_fsdp.train.worker import build_model
 
     cpu, out = torch.device("cpu"), {}
@@ -154,7 +155,8 @@ def peak_on_rank(rank: int, world: int, spec) -> dict:
     from benchmarks.plan_vs_measured import Heap, small_state_bytes
     from llama_fsdp.data import build_data
     from llama_fsdp.train.optimizer import build_optimizer
-    from llama_fsdp.train.loop import TOKEN_LOSS, build_scheduler
+    from llama_fsdp.objective.sft import TOKEN_LOSS
+    from llama_fsdp.train.loop import build_scheduler
     from llama_fsdp.train.worker import build_model
 
     torch.set_num_threads(1)

@@ -262,7 +262,7 @@ def _resume_crafted(rank, world, ckpt):
 
     from llama_fsdp.checkpoint.pickles import UnsafeCheckpoint
     from llama_fsdp.config.schema import SaveConfig
-    from llama_fsdp.train.loop import TrainState
+    from llama_fsdp.checkpoint.state import TrainState
 
     model = nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

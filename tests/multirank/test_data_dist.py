@@ -19,7 +19,8 @@ def _on_rank(rank, world, cache):
 
     from llama_fsdp.config.schema import DataConfig, ModelConfig
     from llama_fsdp.data import build_data
-    from llama_fsdp.objective.sft import exact_match, greedy_generate, task_prompts
+    from llama_fsdp.model.generate import greedy_generate
+    from llama_fsdp.objective.sft import exact_match, task_prompts
     from llama_fsdp.model.llama import llama_config
 
     # every rank builds at once into an empty cache

@@ -112,7 +112,7 @@ def _grouping(rank, world, specs):
 
     from llama_fsdp.model.parallelize import fsdp_units
     from llama_fsdp.model.attention import model_inputs
-    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.objective.loss import loss_sum
     from llama_fsdp.train.worker import build_model
 
     out = {}
@@ -194,7 +194,7 @@ def _clip_against_full_gradient(rank, world, specs):
     """clip_grad_norm on the local shards vs the norm of the gathered full gradient."""
     from llama_fsdp.model.parallelize import clip_grad_norm
     from llama_fsdp.model.attention import model_inputs
-    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.objective.loss import loss_sum
     from llama_fsdp.train.worker import build_model
 
     def full(g):

@@ -32,7 +32,7 @@ def _state_bytes(rank, world, specs):
 
     from llama_fsdp.model.attention import model_inputs
     from llama_fsdp.train.optimizer import build_optimizer
-    from llama_fsdp.train.loop import loss_sum
+    from llama_fsdp.objective.loss import loss_sum
     from llama_fsdp.train.worker import build_model
 
     out = {}

@@ -10,7 +10,8 @@ from transformers import LlamaForCausalLM
 
 from llama_fsdp.config.schema import DataConfig, ModelConfig
 from llama_fsdp.data import SYNTHETIC_TASKS, build_data
-from llama_fsdp.objective.sft import exact_match, greedy_generate
+from llama_fsdp.model.generate import greedy_generate
+from llama_fsdp.objective.sft import exact_match
 from llama_fsdp.model.llama import llama_config
 
 
