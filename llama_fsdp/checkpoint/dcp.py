@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config.schema import FinetuneConfig, OptimConfig, SaveConfig
 from ..config.manifest import write_manifest
-from ..config.rundir import HF_META, RunDir
+from ..config.rundir import HF_META, RunDir, read_identity
 from .state import TrainState
 from .hf import write_hf_meta
 from .optim_meta import optim_mismatch, write_optim_meta
@@ -51,6 +51,7 @@ from .layout import (
     latest_checkpoint,
     step_dir,
     verify,
+    write_checkpoint_run,
 )
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,9 @@ class Checkpointer:
         self.root = RunDir(output_dir).checkpoints
         self.hf_config, self.tokenizer, self.tracker = hf_config, tokenizer, tracker
         self.rank = dist.get_rank()
+        # the run that trains here (prepare wrote it): its checkpoints carry it, and retention
+        # prunes only its own
+        self.identity = read_identity(output_dir)
         self.last_saved: Optional[int] = None
         self.resumed_from: Optional[Path] = None
         self._pending: Optional[tuple[Any, int, Path, float]] = None
@@ -264,7 +268,8 @@ class Checkpointer:
         else:
             raise CheckpointError(
                 f"no checkpoint of {candidates[0].parent} can be read ({'; '.join(skipped)}). "
-                "Start again with resume=none (or point resume= at a good checkpoint); the "
+                "Start again with resume=retire, which moves them aside (or point resume= at a "
+                "good checkpoint); the "
                 "unreadable ones are left as they are")
         step = self.app.train_state.step
         own = path.resolve().parent == self.root.resolve()
@@ -354,6 +359,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
             self._write_hf_meta(tmp / HF_META)
             write_optim_meta(tmp, self.optim, self.finetune)
+            if self.identity:
+                write_checkpoint_run(tmp, self.identity)
         dist.barrier()
         t0 = time.perf_counter()
         writer = dcp.FileSystemWriter(str(tmp))
@@ -414,8 +421,8 @@ class Checkpointer:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")
             write_manifest(tmp)
-            # a fresh run (resume=none) reusing a run dir replaces its own checkpoint of the
-            # same step; one holding what llama_fsdp did not write is kept and this save fails
+            # a run saving a step again (resumed from an earlier one) replaces its own checkpoint
+            # of that step; one holding what llama_fsdp did not write is kept and this save fails
             if final.exists() and not _remove(final, self.root, published=True):
                 raise CheckpointError(f"checkpoint step {step} could not be published: {final} "
                                       "holds what llama_fsdp did not write (see the warning); "
@@ -423,7 +430,8 @@ class Checkpointer:
             tmp.rename(final)
             _fsync_dir(self.root)
             size = dir_bytes(final)
-            for old in expired(self.output_dir, self.cfg.keep_last):
+            for old in expired(self.output_dir, self.cfg.keep_last,
+                               run=self.identity.get("run")):
                 _remove(old, self.root, published=True)
             log.info("checkpoint step %d: %s (%.1f MB, written in %.2fs)", step, final,
                      size / 1e6, written)

@@ -4,18 +4,26 @@ listing and deleting them).
 Saves are write-then-publish: ranks write ``step_N.tmp``; after every rank has finished, rank 0
 renames it to ``step_N``. Only directories named ``step_N`` that hold DCP's ``.metadata`` count
 as checkpoints, so a run killed mid-save leaves the previous one to resume from.
+
+Each checkpoint names the run that saved it (``run.json``: the id in the run directory's
+run_identity.json). Retention prunes only the run's own checkpoints, and resume=auto continues
+the run of the newest one; an earlier run's are never deleted by a later one (a new run into a
+directory that holds them is refused before launch, or moves them aside: ``retire``).
+Checkpoints written before runs had ids belong to whichever run continues them.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
 from ..config import manifest
 from ..config.manifest import MANIFEST  # noqa: F401 - a checkpoint's file list, written last
-from ..config.rundir import CHECKPOINTS, RunDir
+from ..config.rundir import CHECKPOINT_RUN, CHECKPOINTS, RunDir, replace_text
 
 METADATA = ".metadata"  # DCP writes it last, on rank 0: its presence marks a complete write
 TMP_SUFFIX = ".tmp"
@@ -31,13 +39,31 @@ def is_checkpoint(path: Path) -> bool:
     return bool(_STEP_RE.match(path.name)) and (path / METADATA).is_file()
 
 
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first."""
+def checkpoint_run(path: Path) -> Optional[str]:
+    """The id of the run that saved a checkpoint (None for one saved before runs had ids)."""
+    try:
+        run = json.loads((path / CHECKPOINT_RUN).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def write_checkpoint_run(path: Path, identity: dict) -> None:
+    """Name the run that saves the checkpoint being written at ``path``."""
+    replace_text(path / CHECKPOINT_RUN, json.dumps(identity))
+
+
+def list_checkpoints(output_dir: str | Path, *, run: Optional[str] = None
+                     ) -> list[tuple[int, Path]]:
+    """Complete checkpoints in a run directory, oldest first; with ``run``, only that run's (and
+    those saved before runs had ids)."""
     root = RunDir(output_dir).checkpoints
     if not root.is_dir():
         return []
     found = [(int(_STEP_RE.match(p.name).group(1)), p) for p in root.iterdir()  # type: ignore[union-attr]
              if is_checkpoint(p)]
+    if run is not None:
+        found = [(s, p) for s, p in found if checkpoint_run(p) in (run, None)]
     return sorted(found)
 
 
@@ -51,7 +77,7 @@ def resolve_resume(resume: str, output_dir: str | Path, *, named: str = "resume=
     directory, or a run directory whose newest checkpoint is taken. ``named``: how the error
     names the argument (the convert command's is a positional path)."""
     match resume:
-        case "none":
+        case "none" | "retire":
             return None
         case "auto":
             return latest_checkpoint(output_dir)
@@ -70,9 +96,45 @@ def resume_candidates(resume: str, output_dir: str | Path) -> list[Path]:
     complete checkpoint of the run, newest first (an unreadable newest one falls back to the one
     before); otherwise the one checkpoint resolve_resume names."""
     if resume == "auto":
-        return [p for _, p in reversed(list_checkpoints(output_dir))]
+        newest = latest_checkpoint(output_dir)
+        run = checkpoint_run(newest) if newest is not None else None
+        return [p for _, p in reversed(list_checkpoints(output_dir, run=run))]
     path = resolve_resume(resume, output_dir)
     return [path] if path is not None else []
+
+
+def continued_run(resume: str, output_dir: str | Path) -> Optional[str]:
+    """The id of the run that a launch continues in ``output_dir``: the run of the checkpoint it
+    resumes from, when that checkpoint is this directory's own and has an id; None for a new
+    run (nothing to resume, resume=none / retire, another directory's checkpoint)."""
+    try:
+        candidates = resume_candidates(resume, output_dir)
+    except (FileNotFoundError, OSError):
+        return None
+    own = RunDir(output_dir).checkpoints.resolve()
+    if not candidates or candidates[0].resolve().parent != own:
+        return None
+    return checkpoint_run(candidates[0])
+
+
+def others(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints in a run directory: what a new run there would share it with."""
+    return [p for _, p in list_checkpoints(output_dir)]
+
+
+def retire(output_dir: str | Path) -> Optional[Path]:
+    """Move every checkpoint of ``output_dir`` (complete or not) into checkpoints/retired/<time>/,
+    where nothing of llama_fsdp reads or prunes them; the folder they went to (None: none)."""
+    found = others(output_dir) + interrupted(output_dir)
+    if not found:
+        return None
+    dest = RunDir(output_dir).retired / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "_")
+    dest.mkdir(parents=True)
+    for path in found:
+        path.rename(dest / path.name)
+    return dest
 
 
 def verify(path: Path) -> Optional[str]:
@@ -81,9 +143,11 @@ def verify(path: Path) -> Optional[str]:
     return manifest.verify_manifest(path)
 
 
-def expired(output_dir: str | Path, keep_last: int) -> list[Path]:
-    """Complete checkpoints older than the newest ``keep_last`` (what retention deletes)."""
-    return [p for _, p in list_checkpoints(output_dir)[:-keep_last]] if keep_last > 0 else []
+def expired(output_dir: str | Path, keep_last: int, *, run: Optional[str] = None) -> list[Path]:
+    """The run's complete checkpoints older than its newest ``keep_last`` (what retention
+    deletes); ``run``: its id (another run's checkpoints are never among them)."""
+    own = list_checkpoints(output_dir, run=run)
+    return [p for _, p in own[:-keep_last]] if keep_last > 0 else []
 
 
 def interrupted(output_dir: str | Path) -> list[Path]:

@@ -83,7 +83,8 @@ def finetune_mismatch(checkpoint: Path, ft: FinetuneConfig) -> Optional[str]:
         fix += (f" finetune.rank={saved.rank} "
                 f"finetune.target_modules=[{','.join(saved.target_modules)}]")
     return (f"{checkpoint} holds what finetune {trained(saved)!r} trains, not what "
-            f"{trained(ft)!r} trains: resume with {fix}, or start afresh with resume=none"
+            f"{trained(ft)!r} trains: resume with {fix}, or start afresh with resume=retire "
+            "(which moves its checkpoints aside)"
             + (" (to put adapters on a fully fine-tuned model, export it with "
                "save.export_hf=true and give its directory as model.path)"
                if not saved.adapters else ""))
@@ -100,4 +101,4 @@ def optim_mismatch(checkpoint: Path, o: OptimConfig,
         return None
     return (f"{checkpoint} holds the state of optim {state_format(saved)!r}, which optim "
             f"{state_format(o)!r} cannot read: resume with {_overrides(saved, o)}, or start "
-            "afresh with resume=none")
+            "afresh with resume=retire (which moves its checkpoints aside)")

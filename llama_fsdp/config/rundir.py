@@ -5,9 +5,12 @@ A run directory (``outputs/runs/<date>/<time>``, or ``output_dir=``) holds::
 
     config.yaml         the resolved config of the latest launch
     run_status.json     how the latest attempt ended, with its config's digest
+    run_identity.json   which run trains here (an id made when it started) and its config's
+                        digest; every checkpoint it saves carries the same (run.json)
     owner.json          the live launcher that owns the directory (host, pid, since)
     owner.lock          the lock that launcher holds (kept: it marks the directory as a run's)
-    checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight)
+    checkpoints/        DCP checkpoints: step_000010/ (published), step_000020.tmp/ (in flight);
+                        retired/<time>/: an earlier run's, moved aside by resume=retire
     export/             the consolidated HF directory (save.export_hf), or the PEFT adapter
                         (finetune=lora / qlora)
     export_merged/      the base with the adapters merged in (finetune.export_merged)
@@ -49,13 +52,16 @@ SPOOL, SHIPPED, RUN_FILE, SHIP_LOCK = "spool.jsonl", "shipped", "run.json", "shi
 LAUNCH = "launch"
 SUBMITIT = "submitit"
 HANG = "hang"
+RUN_IDENTITY = "run_identity.json"
+RETIRED = "retired"  # under checkpoints/: an earlier run's checkpoints, moved aside
 HF_META = "hf"  # inside a DCP checkpoint: config.json (+ tokenizer) for convert / export
+CHECKPOINT_RUN = "run.json"  # inside a DCP checkpoint: the run that saved it (its identity)
 OPTIM_META = "optimizer.json"  # inside a DCP checkpoint: the optimizer that wrote its state
 
 
 # What only a run writes: a directory holding one of these is a run directory, which a run may
 # write into (``claim_problem``). config.yaml alone is no proof: users name their files so too.
-RUN_MARKERS = (OWNER_LOCK, OWNER, RUN_STATUS, f"{TRACKING}/run.json")
+RUN_MARKERS = (OWNER_LOCK, OWNER, RUN_STATUS, RUN_IDENTITY, f"{TRACKING}/run.json")
 
 
 class RunDir:
@@ -84,8 +90,16 @@ class RunDir:
         return self.root / OWNER_LOCK
 
     @property
+    def identity(self) -> Path:
+        return self.root / RUN_IDENTITY
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS
+
+    @property
+    def retired(self) -> Path:
+        return self.checkpoints / RETIRED
 
     @property
     def export(self) -> Path:
@@ -171,6 +185,25 @@ def write_run_status(output_dir: str | Path, *, status: str, step: int, config_y
     replace_text(RunDir(output_dir).status,
                  json.dumps({"status": status, "step": step,
                              "config_sha256": config_digest(config_yaml)}))
+
+
+def write_identity(output_dir: str | Path, *, run: str, config_yaml: str) -> None:
+    """The run that trains in ``output_dir``: its id and its config's digest."""
+    replace_text(RunDir(output_dir).identity,
+                 json.dumps({"run": run, "config_sha256": config_digest(config_yaml)}))
+
+
+def read_identity(output_dir: str | Path) -> dict:
+    """The run directory's run_identity.json ({} without one)."""
+    return _read_json(RunDir(output_dir).identity)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def read_run_status(output_dir: str | Path) -> dict:

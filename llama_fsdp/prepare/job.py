@@ -7,10 +7,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config.rundir import RunDir, read_run_status
+from omegaconf import OmegaConf
+
+from ..checkpoint.layout import continued_run, retire
+from ..config.rundir import RunDir, config_digest, read_run_status, write_identity
 from ..config.status import FINISHED
 from ..run.checks import callback_problems
 from ..run.ownership import own
@@ -62,10 +66,47 @@ def finished_run(spec: RunSpec) -> bool:
     target = spec.train.stop_after or spec.train.max_steps
     if status.get("status") != FINISHED or int(status.get("step", 0)) < target:
         return False
+    if status.get("config_sha256") != config_digest(spec.config_yaml) and (
+            changed := config_changes(RunDir(spec.output_dir).config, spec.config_yaml)):
+        raise PrepareError(
+            f"{spec.output_dir} holds a run that finished at step {status['step']} with another "
+            f"config ({'; '.join(changed)}): a finished run is not trained on with another "
+            "config. Give a new output_dir (or raise train.max_steps with the config it had)")
     log.info("this run finished at step %d (train.max_steps=%d) in %s: nothing to train, "
              "nothing launched. Raise train.max_steps to train on from its last checkpoint, or "
              "give a new output_dir", status["step"], spec.train.max_steps, spec.output_dir)
     return True
+
+
+# what a relaunch into a finished run may change without being another run: where it writes, how
+# it resumes, whether it launches, and how long it trains (that is what "finished" is judged by)
+NOT_THE_RUN = ("output_dir", "resume", "dry_run", "force", "train.max_steps", "train.stop_after")
+
+
+def config_changes(old_yaml: Path, new_yaml: str) -> list[str]:
+    """The keys whose values differ between the run directory's config.yaml and a new launch's
+    config ("key: old -> new"), but those in NOT_THE_RUN."""
+    from ..tracking import flatten
+
+    try:
+        old = flatten(OmegaConf.to_container(OmegaConf.load(old_yaml)))  # type: ignore[arg-type]
+    except (OSError, ValueError):
+        return ["its config.yaml cannot be read"]
+    new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml)))  # type: ignore[arg-type]
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new))
+            if k not in NOT_THE_RUN and old.get(k) != new.get(k)]
+
+
+def take_the_run_dir(spec: RunSpec) -> str:
+    """The run that trains in the directory now: the one its resume continues, or a new one
+    (resume=retire first moves the earlier run's checkpoints aside). Recorded in
+    run_identity.json, which every checkpoint it saves carries; returns its id."""
+    if spec.resume == "retire" and (moved := retire(spec.output_dir)) is not None:
+        log.warning("resume=retire: the earlier run's checkpoints moved to %s (nothing deleted); "
+                    "this run starts at step 0", moved)
+    run = continued_run(spec.resume, spec.output_dir) or uuid.uuid4().hex
+    write_identity(spec.output_dir, run=run, config_yaml=spec.config_yaml)
+    return run
 
 
 def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
@@ -76,6 +117,7 @@ def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     data = prepare_data(spec)
     spec = replan_for_records(spec, data.stats)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+    take_the_run_dir(spec)
     RunDir(spec.output_dir).config.write_text(spec.config_yaml)
     if spec.tracking.enabled:
         start_run(spec, command=command, deliver=reachable, datasets=dataset_inputs(spec, data))

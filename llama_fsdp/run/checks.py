@@ -22,6 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from ..checkpoint.layout import METADATA, export_problem, resolve_resume, resume_candidates, verify
+from ..checkpoint.layout import others as checkpoint_others
 from ..checkpoint.optim_meta import optim_mismatch
 from ..checkpoint.pickles import check_file
 from ..config import devices, strategies
@@ -32,7 +33,7 @@ from ..config.objectives import DPO, OBJECTIVES
 from ..config.optimizers import OPTIMIZERS
 from ..config.placement import Placement
 from ..config.precision import resolve_precision
-from ..config.rundir import OPTIM_META, RunDir, claim_problem
+from ..config.rundir import HF_META, OPTIM_META, RunDir, claim_problem
 from ..config.schema import (
     AC_MODES,
     DEVICES,
@@ -571,19 +572,67 @@ def model_path_problems(m: ModelConfig) -> list[str]:
             f"{suggest_model_option(hf)}"]
 
 
+# resume= values that are not a path: continue this directory's run, start a new one (refused
+# where an earlier run's checkpoints are), or move those aside first and start a new one
+RESUME_MODES = ("auto", "none", "retire")
+
+
 def resume_problems(resume: str, output_dir: str) -> list[str]:
-    """resume=auto and resume=none always work; a path must be a checkpoint or a run directory
-    with complete checkpoints."""
-    if resume in ("auto", "none"):
-        return []
-    if not Path(resume).exists():
+    """resume=auto and resume=retire always work, and resume=none where no earlier run left
+    checkpoints; a path must be a checkpoint or a run directory with complete checkpoints."""
+    if resume in RESUME_MODES:
+        return new_run_problems(resume, output_dir)
+    if not Path(resume).expanduser().exists():
         return [f"resume={resume!r} does not exist: use resume=auto, resume=none or an existing "
                 "checkpoint directory"]
     try:
-        resolve_resume(resume, output_dir)
+        path = resolve_resume(resume, output_dir)
     except FileNotFoundError as e:
         return [f"{e}: use resume=auto, resume=none or a checkpoint directory"]
+    own = RunDir(output_dir).checkpoints.resolve()
+    if path is not None and path.resolve().parent != own:
+        return new_run_problems(resume, output_dir)
     return []
+
+
+def new_run_problems(resume: str, output_dir: str) -> list[str]:
+    """A new run (resume=none, or another directory's checkpoint) into a directory that holds an
+    earlier run's checkpoints would train beside them, and its retention would prune them:
+    refused, naming them and the ways out (which never delete them)."""
+    if resume in ("auto", "retire"):
+        return []
+    found = checkpoint_others(output_dir)
+    if not found:
+        return []
+    names = ", ".join(p.name for p in found[-4:]) + (" ..." if len(found) > 4 else "")
+    return [f"resume={resume} starts a new run in {output_dir}, which holds the checkpoints of "
+            f"an earlier run ({names}); the new run's save.keep_last would prune them, and a "
+            "later resume=auto could continue the wrong run. Give a new output_dir, continue "
+            f"that run with resume=auto, or start afresh there with resume=retire (its "
+            f"checkpoints move to {RunDir(output_dir).retired}/<time>/, nothing is deleted)"]
+
+
+def resume_shape_problems(cfg: Config) -> list[str]:
+    """The checkpoint to resume from was saved by a model of another shape (its config.json)."""
+    try:
+        candidates = resume_candidates(cfg.resume, cfg.output_dir)
+    except (FileNotFoundError, OSError):  # resume_problems reports it
+        return []
+    if not candidates or not (config := candidates[0] / HF_META / "config.json").is_file():
+        return []
+    try:
+        hf = read_config_json(config.parent)
+    except ValueError as e:
+        return [f"{config}: {e}"]
+    shape = {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+             "vocab_size", "tie_word_embeddings"}
+    diff = {k: v for k, v in shape_diff(cfg.model, hf).items() if k in shape}
+    if not diff:
+        return []
+    fields = ", ".join(f"{k}: model.{k}={ours} but the checkpoint's is {theirs}"
+                       for k, (ours, theirs) in diff.items())
+    return [f"resume={cfg.resume}: {candidates[0]} was saved by another model shape ({fields}): "
+            f"resume with {suggest_model_option(hf)}, or start afresh with resume=retire"]
 
 
 def resume_pickle_problems(cfg: Config) -> list[str]:
@@ -633,6 +682,7 @@ def checkpoint_problems(cfg: Config) -> list[str]:
     """Everything about weights in and out that can be wrong before any process starts."""
     problems = model_path_problems(cfg.model) + resume_problems(cfg.resume, cfg.output_dir)
     problems += resume_pickle_problems(cfg) + resume_optim_problems(cfg) + export_problems(cfg)
+    problems += resume_shape_problems(cfg)
     s, stop = cfg.save, cfg.train.stop_after
     if s.async_save and s.full_state_dict:
         problems.append("save.async_save=true with save.full_state_dict=true: the full state dict "

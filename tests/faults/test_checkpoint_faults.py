@@ -86,7 +86,7 @@ def test_no_readable_checkpoint_stops_instead_of_training_from_garbage(finished_
             (ckpt / "manifest.json").unlink()  # only DCP's own reading can tell now
     code, log, _ = run_cli(cwd, *STEPS[1:], "train.max_steps=10", f"output_dir={run}")
     assert code == 1, log[-3000:]
-    assert "can be read" in log and "Start again with resume=none" in log
+    assert "can be read" in log and "Start again with resume=retire" in log
     assert logged_steps(run) == list(range(1, 7))  # no step trained: the 6 there, as they were
 
 
@@ -100,3 +100,71 @@ def test_bad_data_is_refused_before_any_rank_starts(tmp_path):
     assert str(bad) in log and "instances" in log and "data.preprocess" in log
     assert not list((tmp_path / "outputs" / "runs").glob("*/*"))  # nothing launched
     print(f"refused in {seconds:.1f}s")
+
+
+# --- checkpoints belong to a run ----------------------------------------------------------------
+
+
+def _files(root) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_new_run_into_an_earlier_runs_folder_is_refused_and_nothing_of_it_goes(finished_run):
+    """Before: resume=none here deleted step_2 and step_4 of the earlier run, pruned its own
+    step_1 against their numbers, and left step_6 for a later resume=auto to continue."""
+    cwd, run = finished_run
+    before = _files(run / "checkpoints")
+    code, log, _ = run_cli(cwd, "resume=none", "save.every_steps=1", "save.keep_last=1",
+                           "train.stop_after=1", f"output_dir={run}")
+    assert code == 2, log[-3000:]
+    assert "holds the checkpoints of an earlier run (step_000002, step_000004, step_000006)" in log
+    assert "resume=retire" in log and "Give a new output_dir" in log
+    assert _files(run / "checkpoints") == before  # byte for byte, nothing moved
+    assert "started" not in log  # refused before any rank
+
+
+def test_retire_moves_an_earlier_runs_checkpoints_aside_and_the_new_run_prunes_only_its_own(
+        finished_run):
+    cwd, run = finished_run
+    old = _files(run / "checkpoints")
+    code, log, _ = run_cli(cwd, "resume=retire", "save.every_steps=1", "save.keep_last=1",
+                           "train.max_steps=6", "train.stop_after=2", f"output_dir={run}")
+    assert code == 0, log[-3000:]
+    retired = [d for d in (run / "checkpoints" / "retired").iterdir()]
+    assert len(retired) == 1 and f"checkpoints moved to {retired[0]}" in log
+    assert _files(retired[0]) == {k: v for k, v in old.items()}  # every file, as it was
+    own = [p.name for _, p in list_checkpoints(run)]
+    assert own == ["step_000002"]  # keep_last=1 pruned its step 1, and only that
+    from llama_fsdp.checkpoint.layout import checkpoint_run
+    from llama_fsdp.config.rundir import read_identity
+
+    new_id = read_identity(run)["run"]
+    assert checkpoint_run(run / "checkpoints" / "step_000002") == new_id
+    assert checkpoint_run(retired[0] / "step_000006") not in (None, new_id)
+    # resume=auto continues the new run (its step 2), never the retired one's step 6
+    code, log, _ = run_cli(cwd, "save.every_steps=1", "save.keep_last=1", "train.max_steps=6",
+                           "train.stop_after=3", f"output_dir={run}")
+    assert code == 0, log[-3000:]
+    assert "step_000002 at step 2" in log and "step_000006" not in log
+    assert read_identity(run)["run"] == new_id
+
+
+def test_a_finished_run_relaunched_with_another_config_is_refused_not_skipped(finished_run):
+    cwd, run = finished_run
+    code, log, _ = run_cli(cwd, *STEPS, "train.lr=0.001", f"output_dir={run}")
+    assert code == 2, log[-3000:]
+    assert "finished at step 6 with another config (train.lr: 0.003 -> 0.001)" in log
+    assert "nothing to train" not in log
+    code, log, _ = run_cli(cwd, *STEPS, f"output_dir={run}")  # the same config: nothing to do
+    assert code == 0 and "nothing to train" in log, log[-3000:]
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_before_launch(finished_run):
+    cwd, run = finished_run
+    code, log, _ = run_cli(cwd, *STEPS[1:], "train.max_steps=8", "model.num_layers=3",
+                           f"output_dir={run}")
+    assert code == 2, log[-3000:]
+    assert ("was saved by another model shape (num_layers: model.num_layers=3 but the "
+            "checkpoint's is 4)") in log
+    assert "started" not in log

@@ -233,7 +233,7 @@ def test_resuming_with_another_finetune_method_is_refused_before_launch(tmp_path
         make_spec(f"resume={lora}")
     assert (f"{lora} holds what finetune 'lora, rank 8, on q_proj,v_proj' trains, not what "
             "'full' trains: resume with finetune=lora finetune.rank=8 "
-            "finetune.target_modules=[q_proj,v_proj], or start afresh with resume=none"
+            "finetune.target_modules=[q_proj,v_proj], or start afresh with resume=retire"
             ) in str(err.value)
     with pytest.raises(ConfigError, match="rank 16"):  # another rank
         make_spec(f"resume={lora}", "finetune=lora", "finetune.target_modules=[q_proj,v_proj]")
@@ -252,7 +252,7 @@ def test_resuming_with_another_optimizer_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError) as err:
         make_spec(f"resume={ckpt}", "optim=adamw4bit")
     assert ("holds the state of optim 'adamw8bit, block 256', which optim 'adamw4bit, block 128' "
-            "cannot read: resume with optim=adamw8bit, or start afresh with resume=none"
+            "cannot read: resume with optim=adamw8bit, or start afresh with resume=retire"
             ) in str(err.value)
     make_spec(f"resume={ckpt}", "optim=adamw8bit")  # the same optimizer resumes
     with pytest.raises(ConfigError, match="optim.block_size=256"):  # another block size
