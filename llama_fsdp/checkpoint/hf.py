@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..config.schema import ModelConfig
-from ..config.hf_dir import resolve_hf_dir
+from ..config.hf_dir import REMOTE_CODE_KEYS, resolve_hf_dir
 from .layout import dir_bytes, publish_dir, scratch_dir
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def hf_config(m: ModelConfig, *, dtype: str, tokenizer: Any = None) -> Any:
 
     from ..model.llama import llama_config, read_hf_config
 
-    cfg = LlamaConfig.from_dict(read_hf_config(m.path)) if m.path else llama_config(m)
+    source = {k: v for k, v in read_hf_config(m.path).items() if k not in REMOTE_CODE_KEYS} \
+        if m.path else None  # (an export never names code to run: hf_dir.REMOTE_CODE_KEYS)
+    cfg = LlamaConfig.from_dict(source) if source is not None else llama_config(m)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = dtype
     cfg.use_cache = True

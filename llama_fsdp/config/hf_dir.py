@@ -110,6 +110,34 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return out
 
 
+# A model's or tokenizer's config that names classes of its own: transformers imports (runs) the
+# directory's .py files for them when it is asked to trust remote code, and asks on a terminal.
+REMOTE_CODE_KEYS = ("auto_map",)
+CODE_CONFIGS = ("config.json", "tokenizer_config.json")
+
+
+def remote_code_problem(path: Path, key: str) -> "str | None":
+    """Why a model or tokenizer directory would run code of its own (``auto_map`` in its
+    config.json or tokenizer_config.json), or None. llama_fsdp never runs it: transformers is
+    always told not to trust remote code, and such a directory is refused before launch."""
+    import json
+
+    for name in CODE_CONFIGS:
+        f = Path(path) / name
+        try:
+            cfg = json.loads(f.read_text()) if f.is_file() else {}
+        except (OSError, ValueError):
+            continue  # (an unreadable config.json is reported by its own check)
+        found = [k for k in REMOTE_CODE_KEYS if isinstance(cfg, dict) and cfg.get(k)]
+        if found:
+            return (f"{key}={path}: its {name} names Python classes of its own ({found[0]}: "
+                    f"{json.dumps(cfg[found[0]])[:200]}), which transformers would import and "
+                    "run from the directory; llama_fsdp never runs a model's or tokenizer's own "
+                    "code. Use a Llama directory whose classes transformers has (delete "
+                    f"{found[0]} from {name} if the classes it names are transformers' own)")
+    return None
+
+
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 
 

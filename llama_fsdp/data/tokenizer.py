@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from filelock import FileLock
 
+from ..config.hf_dir import remote_code_problem
 from ..config.manifest import cached_entry_ok, write_manifest
 
 if TYPE_CHECKING:
@@ -96,6 +97,20 @@ def choose_tokenizer(tokenizer: Optional[str], model_path: Optional[str]) -> Tok
     return TokenizerChoice("project", None)
 
 
+def _tokenizer_files(name_or_path: str) -> Optional[Path]:
+    """The local directory of a tokenizer: the path itself, or a hub name's snapshot holding its
+    tokenizer_config.json (fetched, not run); None where neither is at hand."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(name_or_path, "tokenizer_config.json")).parent
+    except Exception:  # noqa: BLE001 - not on the hub (or offline): from_pretrained says why
+        return None
+
+
 def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
                    corpus: Optional[Callable[[], Iterable[str]]] = None,
                    source: str = "data.tokenizer") -> PreTrainedTokenizerBase:
@@ -112,10 +127,13 @@ def load_tokenizer(name_or_path: Optional[str], *, cache_dir: Path,
         if corpus is None:
             raise ValueError("the project tokenizer needs its training corpus (data.tokenizer is null)")
         path = project_tokenizer_dir(cache_dir, corpus)
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     else:
+        local = _tokenizer_files(name_or_path)
+        if local is not None and (code := remote_code_problem(local, source)) is not None:
+            raise ValueError(code)
         try:
-            tok = AutoTokenizer.from_pretrained(name_or_path)
+            tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{source}={name_or_path!r}: cannot load an HF tokenizer from it "
                              f"(a local tokenizer directory or a hub name): {e}") from e
@@ -257,5 +275,5 @@ def train_sentencepiece_tokenizer(lines: list[str], out_dir: Path, *, vocab_size
             replace_extra_special_tokens=False)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out_dir))
-    if len(AutoTokenizer.from_pretrained(str(out_dir))) != vocab_size:
+    if len(AutoTokenizer.from_pretrained(str(out_dir), trust_remote_code=False)) != vocab_size:
         raise RuntimeError(f"saved tokenizer in {out_dir} does not have {vocab_size} tokens")

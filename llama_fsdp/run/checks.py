@@ -26,7 +26,13 @@ from ..checkpoint.layout import others as checkpoint_others
 from ..checkpoint.optim_meta import optim_mismatch
 from ..checkpoint.pickles import check_file
 from ..config import devices, strategies
-from ..config.hf_dir import hf_shape, model_file_problems, read_config_json, shape_diff
+from ..config.hf_dir import (
+    hf_shape,
+    model_file_problems,
+    read_config_json,
+    remote_code_problem,
+    shape_diff,
+)
 from ..config.kernels import KERNELS, SIXTEEN_BIT, VARLEN
 from ..config.nf4 import shard_problems
 from ..config.objectives import DPO, OBJECTIVES
@@ -550,6 +556,8 @@ def model_path_problems(m: ModelConfig) -> list[str]:
         problems = _local_hf_problems(local)
         if problems:
             return problems
+        if (code := remote_code_problem(local, "model.path")) is not None:
+            return [code]
         hf = read_config_json(local)
     elif local.exists() or m.path.startswith((".", "/", "~")) or m.path.count("/") != 1:
         return [f"model.path={m.path} is neither a directory nor a hub name (org/name)"]
@@ -557,7 +565,10 @@ def model_path_problems(m: ModelConfig) -> list[str]:
         try:
             from huggingface_hub import hf_hub_download
 
-            hf = read_config_json(Path(hf_hub_download(m.path, "config.json")).parent)
+            snapshot = Path(hf_hub_download(m.path, "config.json")).parent
+            hf = read_config_json(snapshot)
+            if (code := remote_code_problem(snapshot, "model.path")) is not None:
+                return [code]
         except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report
             return [f"model.path={m.path}: not a local directory, and the hub lookup of its "
                     f"config.json failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
@@ -732,6 +743,15 @@ def attention_problems(name: str, *, device: str, compute_dtype: str) -> list[st
             "model.attn_implementation=sdpa"]
 
 
+def tokenizer_problems(d: DataConfig) -> list[str]:
+    """data.tokenizer: a local directory must not bring code of its own (a hub name is checked
+    where it is fetched, before launch: data/tokenizer.py)."""
+    if not d.tokenizer or not (local := Path(d.tokenizer).expanduser()).is_dir():
+        return []
+    code = remote_code_problem(local, "data.tokenizer")
+    return [code] if code else []
+
+
 def pair_data_problems(d: DataConfig) -> list[str]:
     """Data options that mean nothing for preference pairs (an objective whose rows hold
     pairs: config/objectives.py)."""
@@ -770,7 +790,8 @@ def config_problems(cfg: Config) -> list[str]:
     check_positive(cfg, problems)
     check_model(cfg.model, cfg.train, problems)
     problems += checkpoint_problems(cfg)
-    problems += (data_option_problems(cfg.data) + model_number_problems(cfg.model)
+    problems += (data_option_problems(cfg.data) + tokenizer_problems(cfg.data)
+                 + model_number_problems(cfg.model)
                  + train_option_problems(cfg.train) + eval_option_problems(cfg.eval)
                  + cluster_option_problems(cfg.cluster) + tracking_option_problems(cfg.tracking)
                  + objective_option_problems(cfg.objective))
