@@ -7,6 +7,8 @@ model.py builds the LlamaConfig from the same table.
 """
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,9 @@ def read_config_json(path: Path) -> dict[str, Any]:
     f = Path(path) / "config.json"
     try:
         out = json.loads(f.read_text())
+    except RecursionError:
+        raise ValueError(f"{f} nests JSON deeper than any config does: a damaged or hostile "
+                         "file; fetch or write it again") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column "
                          f"{e.colno}): a damaged download or an edit; fetch or write it again")
@@ -126,7 +131,7 @@ def remote_code_problem(path: Path, key: str) -> "str | None":
         f = Path(path) / name
         try:
             cfg = json.loads(f.read_text()) if f.is_file() else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue  # (an unreadable config.json is reported by its own check)
         found = [k for k in REMOTE_CODE_KEYS if isinstance(cfg, dict) and cfg.get(k)]
         if found:
@@ -141,9 +146,60 @@ def remote_code_problem(path: Path, key: str) -> "str | None":
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
+# bytes per element of safetensors' dtypes
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                      "F8_E5M2": 1}
+
+
+def _entry_problem(name: str, entry: Any) -> "str | None":
+    """Why one tensor's header entry is not a dtype, a shape and offsets whose length is the
+    dtype's size times the shape's elements (a header that lies about them), or None."""
+    if not isinstance(entry, dict):
+        return f"{name}: not a tensor entry"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        return f"{name}: unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in shape):
+        return f"{name}: shape {shape!r} is not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+        return f"{name}: data_offsets {offsets!r} are not two byte offsets"
+    n = SAFETENSORS_DTYPES[dtype]
+    for d in shape:
+        n *= d
+    if offsets[1] - offsets[0] != n:
+        return (f"{name}: {dtype} {shape} is {n} bytes but its offsets span "
+                f"{offsets[1] - offsets[0]}")
+    return None
+
+
+def header_problem(header: Any, data_bytes: int) -> "str | None":
+    """Why a parsed safetensors header does not describe its data, entry by entry: dtype x shape
+    = byte length, offsets sorted from 0 without overlap or gap, the last at the data's end."""
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in entries.items():
+        if (why := _entry_problem(name, entry)) is not None:
+            return why
+    at = 0
+    for name, entry in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"]):
+        start, end = entry["data_offsets"]
+        if start != at:
+            return (f"{name}: its data starts at byte {start}, not where the tensor before it "
+                    f"ends ({at}): {'overlapping' if start < at else 'a gap between'} tensors")
+        at = end
+    if at != data_bytes:
+        return f"the tensors' data ends at byte {at} of {data_bytes}"
+    return None
+
+
 def safetensors_problem(f: Path) -> "str | None":
-    """None when ``f``'s header parses and the file is as long as the header says (a truncated
-    download or copy fails here, naming the file, rather than inside the ranks' loader)."""
+    """None when ``f``'s header parses, describes its tensors truthfully (``header_problem``)
+    and the file is as long as the header says (a truncated download or copy, or a header that
+    lies, fails here, naming the file, rather than inside the ranks' loader)."""
     import json
 
     size = f.stat().st_size
@@ -157,28 +213,117 @@ def safetensors_problem(f: Path) -> "str | None":
         try:
             header = json.loads(fh.read(n))
             ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError,
+                RecursionError) as e:
             return f"{f} has a damaged safetensors header ({type(e).__name__}: {e}): {fix}"
     expected = 8 + n + max(ends, default=0)
-    if size != expected:
-        return (f"{f} has {size} bytes but its header describes {expected}: "
-                f"{'truncated' if size < expected else 'trailing bytes'}; {fix}")
+    if size < expected:
+        return f"{f} has {size} bytes but its header describes {expected}: truncated; {fix}"
+    if (why := header_problem(header, size - 8 - n)) is not None:
+        return f"{f} has a safetensors header that does not describe its data ({why}): {fix}"
     return None
 
 
+def llama_tensor_shape(name: str, hf: dict[str, Any]) -> "tuple[int, ...] | None":
+    """The shape config.json gives a Llama weight of this name (None: a name it does not know,
+    or a layer past num_hidden_layers, which ``tensor_shape_problems`` reports)."""
+    s = hf_shape(hf)
+    h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    heads, kv = s["num_heads"], s["num_kv_heads"]
+    d = hf.get("head_dim") or h // max(heads, 1)
+    whole = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
+             "model.norm.weight": (h,)}
+    if name in whole:
+        return whole[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m is None:
+        return None
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (heads * d, h), "self_attn.k_proj.weight": (kv * d, h),
+             "self_attn.v_proj.weight": (kv * d, h), "self_attn.o_proj.weight": (h, heads * d),
+             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+             "mlp.down_proj.weight": (h, i)}
+    return layer.get(m.group(2))
+
+
+def tensor_shape_problems(f: Path, hf: dict[str, Any]) -> list[str]:
+    """A safetensors file's Llama weights whose shapes are not config.json's (a transposed
+    weight, a vocabulary of 1024 rows against a vocab_size of 512, a layer it lacks)."""
+    import json
+
+    with f.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    layers = hf.get("num_hidden_layers")
+    out = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if (m := re.match(r"model\.layers\.(\d+)\.", name)) and isinstance(layers, int) \
+                and int(m.group(1)) >= layers:
+            out.append(f"{f}: {name} is a layer config.json does not have "
+                       f"(num_hidden_layers={layers})")
+            continue
+        want = llama_tensor_shape(name, hf)
+        if want is not None and tuple(entry["shape"]) != tuple(want):
+            out.append(f"{f}: {name} has shape {tuple(entry['shape'])}, but config.json gives it "
+                       f"{tuple(want)}")
+    return out[:5]
+
+
+# The largest value a config.json shape field may hold: larger than any model's (Llama 3.1 405B:
+# 126 layers, 53,248 intermediate, 128,256 vocabulary), small enough that planning one allocates
+# nothing absurd.
+SHAPE_BOUNDS = {"hidden_size": 1 << 17, "num_hidden_layers": 1 << 12,
+                "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+                "intermediate_size": 1 << 20, "vocab_size": 1 << 24}
+
+
+def hf_config_problems(hf: dict[str, Any], f: Path) -> list[str]:
+    """config.json's values of the kinds a Llama config holds: each shape a whole number in
+    [1, SHAPE_BOUNDS], tie_word_embeddings true or false, rope_theta and rms_norm_eps positive
+    numbers (a string "256" is named as a string, not compared with 256)."""
+    out = []
+    for key, bound in SHAPE_BOUNDS.items():
+        value = hf.get(key)
+        if value is None and key == "num_key_value_heads":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            what = f"a {type(value).__name__} ({value!r})" if not isinstance(value, int) \
+                or isinstance(value, bool) else f"{value}"
+            out.append(f"{f}: {key} is {what}, not a whole number in [1, {bound:,}]: the file "
+                       "is damaged or not a Llama config; fetch or fix it")
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        out.append(f"{f}: tie_word_embeddings is {tie!r}, not true or false")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = hf.get(key, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or not math.isfinite(value) or value <= 0:
+            out.append(f"{f}: {key} is {value!r}, not a positive number")
+    return out
+
+
 def model_file_problems(path: Path) -> list[str]:
-    """A local model directory's files, checked before any process starts: config.json parses,
-    every *.safetensors header parses and its file has the length the header says, and an
-    index names only files that are there. Each problem names its file."""
+    """A local model directory's files, checked before any process starts: config.json parses
+    and holds a Llama config's kinds of values, every *.safetensors header parses, describes
+    its tensors truthfully, gives the Llama weights config.json's shapes, and its file has the
+    length the header says, and an index names only files that are there. Each problem names
+    its file."""
     import json
 
     path = Path(path)
-    out = []
+    out, hf = [], None
     try:
-        read_config_json(path)
+        hf = read_config_json(path)
+        out += hf_config_problems(hf, path / "config.json")
     except (ValueError, OSError) as e:
         out.append(str(e))
-    out += [p for f in sorted(path.glob("*.safetensors")) if (p := safetensors_problem(f))]
+    files = sorted(path.glob("*.safetensors"))
+    headers = [p for f in files if (p := safetensors_problem(f))]
+    out += headers
+    if hf is not None and not out:
+        out += [p for f in files for p in tensor_shape_problems(f, hf)][:5]
     for index in sorted(path.glob("*.safetensors.index.json")):
         try:
             files = set(json.loads(index.read_text())["weight_map"].values())

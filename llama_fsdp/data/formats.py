@@ -8,10 +8,13 @@ is tokenized, layouts it cannot map (naming the columns found and the fix).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -110,9 +113,43 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
     return Encoded(ids, mask, prompt_len, len(full))
 
 
+# A chat template renders one conversation in milliseconds; one that runs this long loops
+# without a useful end (two nested 100,000-step loops hung data preparation at 100% CPU).
+RENDER_BUDGET_S = 10.0
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past RENDER_BUDGET_S for one conversation."""
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float) -> Iterator[None]:
+    """Raise TemplateTimeout in this (main) thread after ``seconds`` of wall time: a Jinja
+    template is Python code, so the signal stops it at its next instruction. Elsewhere than a
+    main thread (where signals cannot be set) the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise TemplateTimeout(f"the chat template ran for more than {seconds:g} s on one "
+                              "conversation (it loops without end, or loops over something "
+                              "huge): fix the template, or set data.chat_template to one that "
+                              "renders each conversation once")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _render(tok: PreTrainedTokenizerBase, messages: list[dict], *, generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False,
-                                   add_generation_prompt=generation_prompt)
+    with time_bound(RENDER_BUDGET_S):
+        return tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
 
 
 def assistant_spans(tok: PreTrainedTokenizerBase, messages: list[dict],

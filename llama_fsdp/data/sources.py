@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -55,6 +56,8 @@ def _load_files(spec: str, cache_dir: Path) -> Split:
         builder = FILE_BUILDERS[Path(f).suffix.lower()]
         if builder != "parquet" and (why := _not_text(f)):
             raise ValueError(why)
+        if builder == "json" and (why := _too_deep(f)):
+            raise ValueError(why)
         try:
             ds = datasets.load_dataset(builder, data_files=f, split="train",
                                        cache_dir=str(cache_dir / "hf_datasets"))
@@ -87,6 +90,32 @@ def _resolve_files(spec: str) -> list[str]:
         if Path(f).suffix.lower() not in FILE_BUILDERS:
             raise ValueError(f"{f}: unsupported file type; use one of {', '.join(FILE_BUILDERS)}")
     return files
+
+
+# Deeper JSON than any record needs (a chat's messages are 3 levels): a parser that recurses
+# per level crashes the process on a file nested 100,000 deep (pyarrow's: a segfault).
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')  # a string, escapes and all
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def _too_deep(path: str) -> Optional[str]:
+    """Where a .json / .jsonl file nests deeper than MAX_JSON_DEPTH, or None: read line by line
+    before any parser sees it (a JSON string never spans lines; brackets inside one are not
+    nesting)."""
+    per_line = path.lower().endswith(".jsonl")
+    depth = 0
+    with open(path, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            for c in _JSON_STRING.sub(b"", line).translate(None, _NOT_BRACKETS):
+                depth += 1 if c in b"[{" else -1
+                if depth > MAX_JSON_DEPTH:
+                    return (f"{path}: line {n}: JSON nested more than {MAX_JSON_DEPTH} levels "
+                            "deep, which no record needs (and which crashes JSON parsers): "
+                            "flatten the record, or remove it")
+            if per_line:
+                depth = 0
+    return None
 
 
 def _not_text(path: str, probe: int = 1 << 16) -> Optional[str]:

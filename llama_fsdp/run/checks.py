@@ -27,6 +27,7 @@ from ..checkpoint.optim_meta import optim_mismatch
 from ..checkpoint.pickles import check_file
 from ..config import devices, strategies
 from ..config.hf_dir import (
+    hf_config_problems,
     hf_shape,
     model_file_problems,
     read_config_json,
@@ -567,6 +568,8 @@ def model_path_problems(m: ModelConfig) -> list[str]:
 
             snapshot = Path(hf_hub_download(m.path, "config.json")).parent
             hf = read_config_json(snapshot)
+            if found := hf_config_problems(hf, snapshot / "config.json"):
+                return found
             if (code := remote_code_problem(snapshot, "model.path")) is not None:
                 return [code]
         except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report

@@ -122,3 +122,121 @@ def test_an_export_never_names_code_to_run(tmp_path):
     m.path = str(model)
     out = hf_config(m, dtype="float32").to_dict()
     assert "auto_map" not in out and out["hidden_size"] == cfg["hidden_size"]
+
+
+# --- files built to crash or hang a parser ------------------------------------------------------
+
+
+def test_json_nested_past_any_record_is_named_before_a_parser_sees_it(tmp_path):
+    """Before: a record nested 100,000 levels deep segfaulted the launcher (exit 139) with no
+    message, and left owner.json and owner.lock behind."""
+    deep = tmp_path / "deep.jsonl"
+    d = 100_000
+    deep.write_text('{"instruction": "a", "input": "", "output": "b"}\n' * 20
+                    + '{"instruction": "x", "input": ' + "[" * d + "]" * d + ', "output": "y"}\n')
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", "data=jsonl",
+                        f"data.path={deep}", "tracking.enabled=false", "train.max_steps=2",
+                        "train.warmup_steps=0", f"output_dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert f"{deep}: line 21: JSON nested more than 100 levels deep" in out
+    assert not (tmp_path / "run").exists()  # a refused launch leaves nothing of its own
+
+
+def test_a_json_string_of_brackets_is_no_nesting(tmp_path):
+    from llama_fsdp.data.sources import _too_deep
+
+    f = tmp_path / "ok.jsonl"
+    f.write_text(json.dumps({"instruction": "[" * 500 + '\\"{' * 300, "output": "]" * 900}) + "\n")
+    assert json.loads(f.read_text())["output"] == "]" * 900
+    assert _too_deep(str(f)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_chat_template_that_never_ends_is_stopped_with_a_message(tmp_path, monkeypatch):
+    """Before: two nested 100,000-step loops hung data preparation at 100% CPU (this test then
+    runs into its timeout)."""
+    from llama_fsdp.config.schema import DataConfig
+    from llama_fsdp.data import build_data, formats
+
+    monkeypatch.setattr(formats, "RENDER_BUDGET_S", 1.0, raising=False)
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+        for i in range(8)))
+    endless = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = DataConfig(name="jsonl", path=str(chats), format="chat", chat_template=endless,
+                     eval_records=1)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="the chat template ran for more than 1 s on one "
+                                         "conversation"):
+        build_data(cfg, seq_len=64, micro_batch=2, dp_rank=0, dp_world=1, seed=0,
+                   cache_dir=tmp_path / "cache", vocab_size=512)
+    assert time.monotonic() - t0 < 60
+
+
+def _safetensors(path: Path, header: dict, data: bytes) -> Path:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+    return path
+
+
+@pytest.mark.parametrize("header,data,why", [
+    ({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}}, b"\0" * 32,
+     "w: F32 [4, 4] is 64 bytes but its offsets span 32"),
+    ({"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]},
+      "b": {"dtype": "F16", "shape": [4], "data_offsets": [4, 12]}}, b"\0" * 12,
+     "b: its data starts at byte 4, not where the tensor before it ends (8): overlapping"),
+    ({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2,
+     "w: unknown dtype 'Q4'"),
+    ({"w": {"dtype": "U8", "shape": [2, -1], "data_offsets": [0, 2]}}, b"\0" * 2,
+     "w: shape [2, -1] is not a list of sizes"),
+], ids=["bytes-of-shape", "overlapping", "dtype", "negative-size"])
+def test_a_safetensors_header_that_lies_is_named_without_torch(tmp_path, header, data, why):
+    from llama_fsdp.config.hf_dir import safetensors_problem
+
+    f = _safetensors(tmp_path / "model.safetensors", header, data)
+    problem = safetensors_problem(f)
+    assert problem is not None and why in problem, problem
+
+
+def test_weights_whose_shapes_are_not_config_jsons_are_refused_before_launch(tmp_path):
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    from tests.unit.test_bad_input import _tiny_hf
+
+    model = _tiny_hf(tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    for f in model.glob("*.safetensors*"):
+        f.unlink()
+    save_file({"model.embed_tokens.weight": np.zeros((2 * v, h), np.float32),
+               "model.layers.0.mlp.down_proj.weight":
+                   np.zeros((cfg["intermediate_size"], h), np.float32)},
+              str(model / "model.safetensors"))
+    with pytest.raises(ConfigError) as e:
+        make_spec(["model=tiny", f"model.path={model}"], output_dir=tmp_path / "run")
+    text = str(e.value)
+    assert f"model.embed_tokens.weight has shape ({2 * v}, {h}), but config.json gives it " \
+           f"({v}, {h})" in text
+    assert "model.layers.0.mlp.down_proj.weight has shape" in text  # transposed
+
+
+def test_a_config_json_value_of_the_wrong_kind_is_named_as_such(tmp_path):
+    """Before: a string "256" was compared with 256 ("256 but config.json has 256") and the
+    fixes suggested model.hidden_size=256 again."""
+    from tests.unit.test_bad_input import _tiny_hf
+
+    model = _tiny_hf(tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_size": str(cfg["hidden_size"]),
+                                                   "num_hidden_layers": 1e9}))
+    with pytest.raises(ConfigError) as e:
+        make_spec(["model=tiny", f"model.path={model}"], output_dir=tmp_path / "run")
+    text = str(e.value)
+    assert f"hidden_size is a str ('{cfg['hidden_size']}'), not a whole number" in text
+    assert "num_hidden_layers is a float (1000000000.0), not a whole number" in text
+    assert "=1000000000.0" not in text.split("not a whole number")[-1]
