@@ -296,9 +296,11 @@ def _hf_model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
     from llama_fsdp.model.llama import llama_config
 
     path.mkdir(parents=True)
-    llama_config(dataclasses.replace(model_preset("tiny"), vocab_size=vocab_size)).save_pretrained(
-        str(path))
-    save_file({"lm_head.weight": torch.zeros(1)}, str(path / "model.safetensors"))
+    m = dataclasses.replace(model_preset("tiny"), vocab_size=vocab_size)
+    llama_config(m).save_pretrained(str(path))
+    # (the head alone, shaped as config.json says: the tokenizer is what these tests check)
+    save_file({"lm_head.weight": torch.zeros(vocab_size, m.hidden_size)},
+              str(path / "model.safetensors"))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
     return path
 
