@@ -24,6 +24,7 @@ from ..tracking import (
     read_run_file,
     write_run_file,
 )
+from ..tracking.delivery import RunRefused
 from ..tracking.sweep import parent_run, point_tags
 from ..tracking.view import STATUS_TAG, command_note
 from .errors import PrepareError
@@ -111,8 +112,16 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
         spool.append(events.Text(spec.config_yaml, CONFIG_FILE))
         if datasets:
             spool.append(events.Inputs(datasets))
-    if deliver and deliver_pending(spec.output_dir, deadline_s=START_DELIVERY_S,
-                                   uri=spec.tracking_uri):
+    if not deliver:
+        return
+    try:
+        left = deliver_pending(spec.output_dir, deadline_s=START_DELIVERY_S,
+                               uri=spec.tracking_uri, refused="raise")
+    except RunRefused as e:  # before any rank trains, not after
+        raise PrepareError(f"{e}. Fix tracking.experiment (or restore or delete the experiment "
+                           "of that name in MLflow's trash: `mlflow gc`), or set "
+                           "tracking.enabled=false") from None
+    if left:
         log.warning("the MLflow run is not created yet (the store does not answer); it will be "
                     "when it does")
 

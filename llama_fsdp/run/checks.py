@@ -60,6 +60,7 @@ from ..config.schema import (
     projection_shapes,
 )
 from ..config.strategies import AUTO, MeshSpec
+from ..tracking.store import sqlite_store_problem
 from .callbacks import resolve
 
 
@@ -290,15 +291,48 @@ def optim_option_problems(o: OptimConfig, *, param_dtype: str, cpu_offload: bool
     return out
 
 
+# The longest names MLflow takes (mlflow.utils.validation: MAX_EXPERIMENT_NAME_LENGTH; a run's
+# name is a column of 250 characters)
+MAX_EXPERIMENT_NAME = 500
+MAX_RUN_NAME = 250
+
+
+def name_problem(key: str, name: Optional[str], longest: int) -> Optional[str]:
+    """Why a name MLflow shows cannot be one: empty, a control character (a line break, a tab,
+    a NUL), or longer than MLflow takes."""
+    import unicodedata
+
+    if name is None:
+        return None
+    if not name.strip():
+        return f"{key}={name!r} is empty: give it a name (MLflow shows runs by it)"
+    if has_line_break(name):
+        return line_break(key, name)
+    if bad := [c for c in name if unicodedata.category(c).startswith("C")]:
+        return (f"{key}={name!r} holds a control character ({bad[0]!r}): MLflow shows it in one "
+                "line; give a plain name")
+    if len(name) > longest:
+        return f"{key} is {len(name)} characters long; MLflow takes at most {longest}"
+    return None
+
+
 def tracking_option_problems(t: TrackingConfig) -> list[str]:
     # (final_delivery_s: seconds; 0 leaves undelivered events on disk at once)
     checks = [out_of_range("tracking.final_delivery_s", t.final_delivery_s, low=0),
               out_of_range("tracking.system_metrics_interval_s",
-                           t.system_metrics_interval_s, low=0, low_open=True)]
-    out = [c for c in checks if c]
-    if has_line_break(t.run_name):
-        out.append(line_break("tracking.run_name", t.run_name))
-    return out
+                           t.system_metrics_interval_s, low=0, low_open=True),
+              name_problem("tracking.experiment", t.experiment, MAX_EXPERIMENT_NAME),
+              name_problem("tracking.run_name", t.run_name, MAX_RUN_NAME)]
+    return [c for c in checks if c]
+
+
+def tracking_store_problems(uri: str, enabled: bool) -> list[str]:
+    """A SQLite file of the user's that is not an MLflow store is never opened as one (it is
+    left as it is, byte for byte)."""
+    if not enabled or not uri.startswith("sqlite:///"):
+        return []
+    problem = sqlite_store_problem(Path(uri[len("sqlite:///"):]))
+    return [problem] if problem else []
 
 
 # --- choices, counts and shapes ---------------------------------------------------------------

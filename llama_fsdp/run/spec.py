@@ -225,6 +225,8 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
     # caller's output_dir, not the config's)
     problems = checks.config_problems(dataclasses.replace(obj, output_dir=str(out)))
+    tracking_uri = resolve_tracking_uri(obj.tracking.uri, base)
+    problems += checks.tracking_store_problems(tracking_uri, obj.tracking.enabled)
 
     obj = dataclasses.replace(obj, cluster=_renamed_keys(obj.cluster))
     place = placement(obj, str(out))
@@ -260,9 +262,9 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
         world_size=world, mesh=mesh, policy=policy, global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
         cache_dir=str((base / (obj.cache_dir or CACHE)).resolve()),
-        tracking_uri=resolve_tracking_uri(obj.tracking.uri, base),
-        run_name=obj.tracking.run_name or point_name(sweep_point or {}) or _run_name(
-            obj, strategy, precision.name, world, nproc, device),
+        tracking_uri=tracking_uri,
+        run_name=obj.tracking.run_name or (point_name(sweep_point or {}) or _run_name(
+            obj, strategy, precision.name, world, nproc, device))[:checks.MAX_RUN_NAME],
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
         sweep_point=dict(sweep_point or {}), objective=obj.objective, placement=place,
     )

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..config.credentials import export_credentials
-from .delivery import deliver_pending
+from .delivery import RunRefused, deliver_pending
+from .store import NotAStore
 from ..config.rundir import RunDir
 from .spool import Spool, read_run_file
 
@@ -31,7 +32,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.uri = export_credentials(args.uri)
     spool = Spool(args.run_dir)
     before = spool.backlog()
-    left = deliver_pending(args.run_dir, deadline_s=args.timeout, uri=args.uri)
+    try:
+        left = deliver_pending(args.run_dir, deadline_s=args.timeout, uri=args.uri,
+                               refused="raise")
+    except (RunRefused, NotAStore) as e:
+        log.error("%s: nothing delivered, %d bytes left: %s", args.run_dir, before, e)
+        return 1
     info = read_run_file(args.run_dir)
     log.info("%s: delivered %d bytes of events to %s (run %s); %d left", args.run_dir,
              before - left, args.uri or info.get("tracking_uri"), info.get("run_id"), left)

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 from . import events as ev
 from ..config.status import MLFLOW_RUNNING
 from .spool import Spool, read_run_file, write_run_file
-from .store import FAST_FAIL_ENV, artifact_location, open_client
+from .store import FAST_FAIL_ENV, NotAStore, artifact_location, open_client
 from .view import STATUS_TAG, VIEW_TAG, experiment_tags, status_text, view_is_current
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,11 @@ PERMANENT_ERRORS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_R
                     "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 START_DELIVERY_S = 30.0  # how long a new run's (or sweep's) first events may take to deliver
+
+
+class RunRefused(RuntimeError):
+    """The store refused to create the run (a name it does not take, an experiment of that name
+    deleted): nothing after the create event can be delivered, so it is not retried."""
 
 
 def _permanent(err: Exception) -> bool:
@@ -62,6 +67,9 @@ class Delivery:
             except Exception as e:  # noqa: BLE001 - classified: dropped or retried
                 if not _permanent(e):
                     raise
+                if isinstance(first, ev.Create):
+                    raise RunRefused(f"MLflow refused to create the run in experiment "
+                                     f"{first.experiment!r}: {str(e).splitlines()[0][:300]}") from e
                 log.warning("MLflow refused a %s event (%s); it is skipped", first.KIND,
                             str(e).splitlines()[0][:300])
             self.spool.mark_shipped(events[j - 1][0])
@@ -156,10 +164,12 @@ def close_run(output_dir: str | Path, status: str, *, deadline_s: float) -> int:
 
 
 def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[str] = None,
-                    wait_for_lock: bool = True, patience_s: float = 10.0) -> int:
+                    wait_for_lock: bool = True, patience_s: float = 10.0,
+                    refused: str = "warn") -> int:
     """Deliver what the spool holds until it is empty, the deadline passes, or the store has
     failed for ``patience_s`` without a success; returns the undelivered bytes (0: everything
-    is in MLflow)."""
+    is in MLflow). A store that refuses the run itself (RunRefused, NotAStore) ends the
+    delivery: ``refused="raise"`` raises it, else it is logged once."""
     spool = Spool(output_dir)
     uri = uri or read_run_file(output_dir).get("tracking_uri")
     if uri is None:
@@ -175,6 +185,11 @@ def deliver_pending(output_dir: str | Path, *, deadline_s: float, uri: Optional[
                 delivery = delivery or Delivery(spool, uri)
                 delivery.ship(pending)
                 delay, failing_since = 0.5, None
+            except (RunRefused, NotAStore) as e:  # the same every time: no retry
+                if refused == "raise":
+                    raise
+                log.warning("%s", e)
+                break
             except Exception as e:  # noqa: BLE001 - transient: wait and try again
                 log.debug("delivery failed: %s", e)
                 failing_since = failing_since or time.monotonic()

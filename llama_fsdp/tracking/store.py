@@ -27,10 +27,58 @@ def resolve_tracking_uri(uri: str, base: Path) -> str:
     return uri
 
 
+class NotAStore(ValueError):
+    """tracking.uri names a SQLite file that holds something else than an MLflow store."""
+
+
+# The tables every MLflow store has: a SQLite file without them is someone else's database.
+MLFLOW_TABLES = frozenset({"alembic_version", "experiments", "runs", "metrics", "params"})
+
+
+def sqlite_store_problem(db: Path) -> Optional[str]:
+    """Why the SQLite file ``db`` must not be opened as an MLflow store (MLflow would add its
+    tables to it, and put an mlartifacts/ folder beside it), or None: it does not exist yet, is
+    empty, or is an MLflow store. Read-only: the file is left as it is, byte for byte."""
+    import sqlite3
+
+    if not db.exists() or (db.is_file() and db.stat().st_size == 0):
+        return None
+    if not db.is_file():
+        return f"tracking.uri names {db}, which is not a file"
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            tables = {r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+        conn.close()
+    except sqlite3.DatabaseError as e:
+        return f"tracking.uri names {db}, which is not a SQLite database ({e})"
+    if MLFLOW_TABLES <= tables:
+        return None
+    shown = ", ".join(sorted(tables)[:6]) + (" ..." if len(tables) > 6 else "")
+    return (f"tracking.uri names {db}, a SQLite database that is not an MLflow store (its "
+            f"tables: {shown or 'none'}): MLflow would add its own tables to it. It is left as "
+            "it is; point tracking.uri at a new file (sqlite:///outputs/mlflow.db) or at an "
+            "MLflow store")
+
+
+def _store_lock(db: Path) -> str:
+    """The lock that serializes a store's creation: in llama_fsdp's cache, not beside the store
+    (a file of the user's gets nothing beside it); beside it where the cache is not writable."""
+    import hashlib
+
+    locks = _template_dir() / "locks"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return str(db) + ".lock"
+    return str(locks / f"sqlite-{hashlib.sha256(str(db.resolve()).encode()).hexdigest()[:16]}.lock")
+
+
 def open_client(uri: str) -> Any:
     """An MlflowClient. Opening a sqlite store creates or migrates its schema, and two
     processes doing that at once leave it broken (a half-applied migration), as parallel sweep
-    jobs on a fresh store would: the first open is serialized by a lock file beside it."""
+    jobs on a fresh store would: the first open is serialized by a lock. A SQLite file that is
+    not an MLflow store is never opened (NotAStore)."""
     from mlflow.tracking import MlflowClient
 
     from ..config.credentials import client_uri
@@ -41,8 +89,10 @@ def open_client(uri: str) -> Any:
     from filelock import FileLock
 
     db = Path(uri[len("sqlite:///"):])
+    if (problem := sqlite_store_problem(db)) is not None:
+        raise NotAStore(problem)
     db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(db) + ".lock"):
+    with FileLock(_store_lock(db)):
         if not db.exists():
             _new_sqlite_store(db)
         client = MlflowClient(tracking_uri=uri)

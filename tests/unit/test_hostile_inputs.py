@@ -240,3 +240,65 @@ def test_a_config_json_value_of_the_wrong_kind_is_named_as_such(tmp_path):
     assert f"hidden_size is a str ('{cfg['hidden_size']}'), not a whole number" in text
     assert "num_hidden_layers is a float (1000000000.0), not a whole number" in text
     assert "=1000000000.0" not in text.split("not a whole number")[-1]
+
+
+# --- the user's database, names MLflow takes ----------------------------------------------------
+
+
+def test_a_users_sqlite_database_is_refused_and_left_byte_for_byte(tmp_path):
+    """Before: tracking.uri at the user's own SQLite file gained about 60 MLflow tables, and an
+    mlartifacts/ folder appeared beside it."""
+    import sqlite3
+
+    from llama_fsdp.tracking.store import NotAStore, open_client
+
+    db = tmp_path / "mine.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
+        conn.execute("INSERT INTO invoices VALUES (1, 9.5)")
+    conn.close()
+    before = db.read_bytes()
+    with pytest.raises(ConfigError) as e:
+        make_spec([f"tracking.uri=sqlite:///{db}"], output_dir=tmp_path / "run")
+    assert "a SQLite database that is not an MLflow store (its tables: invoices)" in str(e.value)
+    with pytest.raises(NotAStore):
+        open_client(f"sqlite:///{db}")
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.db"]  # no .lock, no mlartifacts
+
+
+@pytest.mark.parametrize("override,message", [
+    ("tracking.experiment=''", "tracking.experiment='' is empty"),
+    ("tracking.run_name='a\tb'", "tracking.run_name='a\\tb' holds a control character"),
+    ("tracking.experiment=" + "x" * 9000, "tracking.experiment is 9000 characters long; MLflow "
+                                           "takes at most 500"),
+])
+def test_names_mlflow_cannot_take_are_refused_before_launch(override, message, tmp_path):
+    """Before: tracking.experiment='' trained with no MLflow run, then blamed the store."""
+    with pytest.raises(ConfigError) as e:
+        make_spec([override], output_dir=tmp_path / "run")
+    assert message in str(e.value)
+
+
+def test_a_run_mlflow_refuses_to_create_fails_at_launch_not_after_training(tmp_path):
+    """An experiment of the same name in MLflow's trash: the store refuses the run. Before: the
+    run trained without one, and `python -m llama_fsdp.tracking` delivered "0 bytes (run None)"
+    forever."""
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.prepare.errors import PrepareError
+    from llama_fsdp.prepare.job import prepare
+    from llama_fsdp.tracking.__main__ import main as deliver
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = make_spec([f"tracking.uri={uri}", "tracking.experiment=gone"],
+                     output_dir=tmp_path / "run")
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    with pytest.raises(PrepareError) as e:
+        prepare(spec, command="pytest")
+    assert "MLflow refused to create the run in experiment 'gone'" in str(e.value)
+    assert "mlflow gc" in str(e.value)
+    t0 = time.monotonic()
+    assert deliver([str(tmp_path / "run"), "--timeout", "60"]) == 1  # says so, at once
+    assert time.monotonic() - t0 < 30
