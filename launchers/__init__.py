@@ -20,7 +20,7 @@ LAUNCHERS = {LOCAL: "local:LocalLauncher", SLURM: "slurm:SlurmLauncher",
              TORCHRUN: "torchrun:TorchrunLauncher"}
 
 _WHERE = {"Launcher": "base", "Entry": "process", "Interrupted": "errors",
-          "LaunchError": "errors", "RankFailure": "errors"}
+          "LaunchError": "errors", "RankFailure": "errors", "StoppedBeforeLaunch": "errors"}
 __all__ = sorted([*_WHERE, "LAUNCHERS", "launcher_for"])
 
 

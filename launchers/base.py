@@ -42,6 +42,7 @@ from ..config.status import mlflow_status
 from ..config.placement import Placement
 from ..config.rundir import RunDir
 from ..tracking import close_run, deliver_pending, read_run_file, shipping
+from .signals import preparing, shielded
 from .submitit_compat import check_version
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class Launcher:
     def run_dir(self, output_dir: str, *, given: bool) -> str:
         """The run directory: the config's output_dir (Hydra's run dir unless ``given`` on
         the command line)."""
-        return str(Path(output_dir).resolve())
+        return str(Path(output_dir).expanduser().resolve())
 
     def preflight(self, spec: RunSpec) -> list[str]:
         """What this machine lacks to launch the run (checked before any preparation)."""
@@ -92,7 +93,8 @@ class Launcher:
         """Prepare the job here, then start its ranks (``start``); None: nothing to train."""
         if (warning := check_version()) is not None:
             log.warning("%s", warning)
-        prepared = prepare_job(spec, held=held, command=command)
+        with preparing():
+            prepared = prepare_job(spec, held=held, command=command)
         if prepared is None:
             return None
         return self.start(prepared.spec, on_submitted=prepared.owner.slurm_job)
@@ -121,8 +123,9 @@ class Launcher:
         if not RunDir(output_dir).tracking.is_dir():
             return
         info = read_run_file(output_dir)
-        left = (close_run(output_dir, mlflow_status(status), deadline_s=deadline_s)
-                if status else deliver_pending(output_dir, deadline_s=deadline_s))
+        with shielded(f"closing the MLflow run (at most {deadline_s:g} s)"):
+            left = (close_run(output_dir, mlflow_status(status), deadline_s=deadline_s)
+                    if status else deliver_pending(output_dir, deadline_s=deadline_s))
         if left:
             log.warning("%d bytes of tracking events are not in MLflow yet (%s does not answer); "
                         "deliver them with: python -m llama_fsdp.tracking %s", left,

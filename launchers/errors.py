@@ -27,6 +27,16 @@ class Interrupted(LaunchError):
         super().__init__(message)
 
 
+class StoppedBeforeLaunch(KeyboardInterrupt):
+    """A signal while the job was being prepared, before any rank started. A KeyboardInterrupt,
+    so that no ``except Exception`` on the way (a data hook's error report) takes it for the
+    step's own failure; ``exit_code`` is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, message: str):
+        self.exit_code = 128 + signum
+        super().__init__(message)
+
+
 def failure_message(job_id: str, reports: list[dict[str, Any]]) -> str:
     """The cause (the earliest rank to fail that was not echoing another) first, then one line
     per rank that failed after it."""

@@ -6,9 +6,10 @@ import logging
 import signal
 import subprocess
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-from .errors import Interrupted
+from .errors import Interrupted, StoppedBeforeLaunch
 from .submitit_compat import local_controller
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,50 @@ def stop_job(job: Any) -> None:
         proc.wait(timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         pass
+
+
+@contextmanager
+def preparing() -> Iterator[None]:
+    """While the job is prepared (data, store, weights): Ctrl-C, SIGTERM or SIGHUP stop it with
+    Interrupted (one line, and the launch's own files removed by the command line), instead of a
+    traceback from wherever it was, or a kill that leaves the run directory's owner files."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise StoppedBeforeLaunch(signum, f"stopped by {signal.Signals(signum).name} while the "
+                                          "job was being prepared: nothing was launched")
+
+    previous = {sig: signal.signal(sig, stop) for sig in SignalGuard.SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def shielded(note: str) -> Iterator[None]:
+    """Closing the run's tracking after a stop: further Ctrl-Cs (a third, impatient one) and
+    SIGTERM wait until it is done, which its deadline bounds, so the MLflow run is closed
+    instead of left RUNNING with a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    told = []
+
+    def wait(signum: int, _frame: Any) -> None:
+        if not told:
+            told.append(signum)
+            log.warning("%s (%s ignored meanwhile)", note, signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, wait) for sig in SignalGuard.SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class SignalGuard:

@@ -121,6 +121,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="per safetensors file (e.g. 2GB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.out.exists() and not args.out.is_dir():
+        log.error("%s is a file, not a directory: name a new directory for the HF model", args.out)
+        return 2
     if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
         log.error("%s exists and is not empty: choose another output directory, or pass "
                   "--overwrite to replace it", args.out)
@@ -130,6 +133,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 max_shard_bytes=_parse_size(args.max_shard_size), overwrite=args.overwrite)
     except (FileNotFoundError, ValueError) as e:
         log.error("%s", e)
+        return 2
+    except OSError as e:  # a folder that cannot be written: said in one line
+        log.error("cannot write %s: %s (%s)", e.filename or args.out, e.strerror or e,
+                  type(e).__name__)
         return 2
     return 0
 

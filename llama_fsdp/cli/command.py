@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from ..versions import check_versions
 from ..config.schema import register_configs
-from ..launchers import Interrupted, LaunchError, Launcher, launcher_for
+from ..launchers import Interrupted, LaunchError, Launcher, StoppedBeforeLaunch, launcher_for
 from ..launchers.process import skip_final_collection
 from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys
@@ -122,6 +122,12 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         log.error("%s", e)
         launcher.close_tracking(output_dir, status=FAILED, deadline_s=final_s)
         return failed(1)
+    except KeyboardInterrupt as e:  # nothing launched: nothing of this launch stays (finally)
+        log.error("%s", e if isinstance(e, StoppedBeforeLaunch) else
+                  "stopped by Ctrl-C before launch: nothing was launched")
+        if isinstance(e, StoppedBeforeLaunch):  # the MLflow run, if it was made already
+            launcher.close_tracking(output_dir, status=USER_STOPPED, deadline_s=final_s)
+        sys.exit(getattr(e, "exit_code", 130))
     finally:
         if not launched:
             held.close()  # let the directory go first: a run that never started leaves nothing

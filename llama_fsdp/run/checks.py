@@ -27,6 +27,7 @@ from ..checkpoint.optim_meta import optim_mismatch
 from ..checkpoint.pickles import check_file
 from ..config import devices, strategies
 from ..config.hf_dir import (
+    SHAPE_BOUNDS,
     hf_config_problems,
     hf_shape,
     model_file_problems,
@@ -352,6 +353,20 @@ def check_choices(cfg: Config, problems: list[str]) -> None:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
+# Upper bounds of the counts that reach an allocation, a loop, a sleep or a system call: far
+# above any real run, far below what would exhaust memory or overflow a timer first.
+SEED_MAX = 2**32 - 1  # numpy's and every data loader's seed range
+TIMEOUT_MAX_S = 7 * 24 * 3600  # a collective's timeout (a timedelta in C++ beyond it overflows)
+COUNT_MAX = {"train.batch_size": 1 << 16, "train.grad_accum": 1 << 16,
+             "train.seq_len": 1 << 24, "train.max_steps": 10**9, "train.log_every": 10**9,
+             "train.loss_chunk": 1 << 24, "cluster.nodes": 1 << 16,
+             "cluster.nproc_per_node": 1 << 10, "cluster.threads_per_rank": 1 << 10,
+             "cluster.max_restarts": 1000, "cluster.max_requeues": 1000,
+             "data.num_proc": 1 << 9, "data.num_records": 10**9,
+             "checkpointing.every_k": 1 << 12, "save.keep_last": 10**6,
+             "eval.max_batches": 10**6, "eval.task_prompts": 10**6}
+
+
 def check_positive(cfg: Config, problems: list[str]) -> None:
     t = cfg.train
     for key, value, low in (
@@ -367,6 +382,7 @@ def check_positive(cfg: Config, problems: list[str]) -> None:
     ):
         if value < low:
             problems.append(f"{key}={value} must be >= {low}")
+    check_bounds(cfg, problems)
     # (train.lr, min_lr_ratio, max_grad_norm: TrainConfig.problems, NaN and infinity too;
     # the warmup is judged against a max_steps that is valid, reported above otherwise)
     if t.warmup_steps < 0 or (t.max_steps >= 1 and t.warmup_steps >= t.max_steps):
@@ -379,11 +395,41 @@ def check_positive(cfg: Config, problems: list[str]) -> None:
         problems.append("save.every_steps and eval.every_steps must be >= 0 (0 disables)")
 
 
+def check_bounds(cfg: Config, problems: list[str]) -> None:
+    """The upper bounds (COUNT_MAX, seeds, timeouts), and a SLURM signal that comes before its
+    job's time limit."""
+    for key, high in COUNT_MAX.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and value > high:
+            problems.append(f"{key}={value} is more than any run needs (at most {high:,})")
+    for key, value in (("train.seed", cfg.train.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= value <= SEED_MAX:
+            problems.append(f"{key}={value} must be in [0, {SEED_MAX}] (2**32 - 1)")
+    c = cfg.cluster
+    for key in ("init_timeout_s", "train_timeout_s", "signal_delay_s"):
+        if getattr(c, key) > TIMEOUT_MAX_S:
+            problems.append(f"cluster.{key}={getattr(c, key)} is longer than {TIMEOUT_MAX_S:,} s "
+                            "(a week): a timeout that long is none")
+    if c.timeout_min is not None and c.timeout_min >= 1 and c.signal_delay_s >= 60 * c.timeout_min:
+        problems.append(f"cluster.signal_delay_s={c.signal_delay_s} is not before the end of the "
+                        f"job's cluster.timeout_min={c.timeout_min} ({60 * c.timeout_min} s): "
+                        "the ranks would be told to stop as they start; lower it")
+
+
 def check_model(m: ModelConfig, t: TrainConfig, problems: list[str]) -> None:
+    bounds = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads"}
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                 "vocab_size"):
-        if getattr(m, key) < 1:
-            problems.append(f"model.{key}={getattr(m, key)} must be >= 1")
+        value, high = getattr(m, key), SHAPE_BOUNDS[bounds.get(key, key)]
+        if value < 1:
+            problems.append(f"model.{key}={value} must be >= 1")
+        elif value > high:  # (checked before any plan allocates per layer or per row)
+            problems.append(f"model.{key}={value} is larger than any Llama's: at most {high:,}")
+    if m.max_position_embeddings > 1 << 24:
+        problems.append(f"model.max_position_embeddings={m.max_position_embeddings} is larger "
+                        f"than any Llama's: at most {1 << 24:,}")
     if m.num_heads >= 1 and m.hidden_size % m.num_heads:
         problems.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..config.rundir import RunDir, claim_problem, replace_text
+from ..config.rundir import OWNER, OWNER_LOCK, RUN_MARKERS, RunDir, claim_problem, replace_text
 
 
 class RunDirBusy(RuntimeError):
@@ -61,6 +61,7 @@ class Ownership:
         self.record = self.dir.owner
         self.previous: dict = {}
         self.detached = False
+        self.made_lock = False  # this launch made owner.lock (the directory had none)
         self._fd: Optional[int] = None
 
     def slurm_job(self, job_id: str, detached: bool) -> None:
@@ -77,6 +78,10 @@ class Ownership:
             self.record.unlink(missing_ok=True)
         os.close(self._fd)  # the lock goes with the descriptor
         self._fd = None
+        others = [m for m in RUN_MARKERS if m not in (OWNER, OWNER_LOCK)]
+        if self.made_lock and not keep_record and not any(
+                (self.dir.root / m).exists() for m in others):
+            self.dir.owner_lock.unlink(missing_ok=True)  # nothing of a run here: no marker
 
 
 @contextlib.contextmanager
@@ -86,8 +91,14 @@ def own(output_dir: str, *, command: str) -> Iterator[Ownership]:
     o = Ownership(output_dir)
     if (problem := claim_problem(output_dir)) is not None:
         raise RunDirBusy(problem)
-    o.dir.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(o.dir.owner_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        o.dir.root.mkdir(parents=True, exist_ok=True)
+        o.made_lock = not o.dir.owner_lock.exists()
+        fd = os.open(o.dir.owner_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # below a file, on /proc or /sys, a read-only folder
+        raise RunDirBusy(f"cannot make the run directory {output_dir} ({e.strerror or e} at "
+                         f"{e.filename or output_dir}): choose an output_dir where you may "
+                         "write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

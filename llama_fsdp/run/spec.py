@@ -196,6 +196,22 @@ def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int
     return " ".join(parts)
 
 
+def _home(path: Optional[str]) -> Optional[str]:
+    """``~`` at the start of a path as the user's home (``~/x`` is never a folder named ~)."""
+    return str(Path(path).expanduser()) if path and path.startswith("~") else path
+
+
+def expand_paths(cfg: Config) -> Config:
+    """The config's paths with ``~`` expanded (output_dir and cache_dir: build_spec)."""
+    d = cfg.data
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=_home(cfg.model.path)),
+        data=dataclasses.replace(d, path=_home(d.path), eval_path=_home(d.eval_path),
+                                 tokenizer=_home(d.tokenizer),
+                                 chat_template=_home(d.chat_template)),
+        resume=_home(cfg.resume) or cfg.resume)
+
+
 def typed_config(cfg: DictConfig | Config) -> Config:
     """The composed config as its dataclasses, with no key the schema lacks (ConfigError)."""
     if not isinstance(cfg, DictConfig):
@@ -220,7 +236,8 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
         raise ConfigError([str(e)]) from None
     config_yaml = credentials.config_yaml(cfg)  # oc.env values as their interpolation
     base = launch_dir or Path.cwd()
-    out = Path(output_dir or obj.output_dir)
+    obj = expand_paths(obj)
+    out = Path(output_dir or obj.output_dir).expanduser()
     out = out if out.is_absolute() else (base / out)
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
     # caller's output_dir, not the config's)
@@ -261,7 +278,7 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
         gpu=gpu_key(obj.cluster, place), nodes=place.nodes, nproc_per_node=nproc,
         world_size=world, mesh=mesh, policy=policy, global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
-        cache_dir=str((base / (obj.cache_dir or CACHE)).resolve()),
+        cache_dir=str((base / Path(obj.cache_dir or CACHE).expanduser()).resolve()),
         tracking_uri=tracking_uri,
         run_name=obj.tracking.run_name or (point_name(sweep_point or {}) or _run_name(
             obj, strategy, precision.name, world, nproc, device))[:checks.MAX_RUN_NAME],

@@ -19,11 +19,13 @@ def resolve_tracking_uri(uri: str, base: Path) -> str:
     """Make relative sqlite/file stores absolute so every rank and node writes the same one."""
     for scheme in ("sqlite:///", "file://"):
         if uri.startswith(scheme):
-            path = uri[len(scheme):]
+            path = os.path.expanduser(uri[len(scheme):])
+            if path != uri[len(scheme):]:
+                return scheme + path  # (~/x: the home's, never a folder named ~)
             if not os.path.isabs(path):
                 return scheme + str((base / path).resolve())
     if "://" not in uri:  # a plain directory
-        return str((base / uri).resolve())
+        return str((base / os.path.expanduser(uri)).resolve())
     return uri
 
 

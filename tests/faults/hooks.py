@@ -116,3 +116,17 @@ def disk_full_at_save(*, rank: int, world_size: int, output_dir: str) -> Callabl
 
     FileSystem.create_stream = create_stream  # type: ignore[method-assign]
     return lambda state: None
+
+
+PREP_STARTED = "LLAMA_FSDP_TEST_PREP_STARTED"  # a file the slow data.preprocess hook touches
+
+
+def slow_preprocess(record: dict) -> dict:
+    """data.preprocess that takes its time (data preparation an interrupt can land in) and says
+    it has started (the file PREP_STARTED names)."""
+    import time
+
+    if (marker := os.environ.get(PREP_STARTED)) and not Path(marker).exists():
+        Path(marker).write_text("started")
+    time.sleep(0.05)
+    return record

@@ -561,3 +561,40 @@ def test_local_ranks_are_forked_from_a_controller_that_imported_their_module_onc
     for rank, log in enumerate(logs):
         assert f"rank {rank} writes to its own log" in log.read_text()
         assert f"rank {1 - rank} writes" not in log.read_text()
+
+
+def test_more_ctrl_cs_while_the_mlflow_run_is_closed_wait_for_it(tmp_path, monkeypatch):
+    """Before: a third Ctrl-C while the launcher closed a stopped run raised KeyboardInterrupt
+    inside close_tracking, with a traceback, and left the MLflow run RUNNING."""
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.config.status import USER_STOPPED
+    from llama_fsdp.launchers import launcher_for
+    from llama_fsdp.tracking import Spool, delivery, events, read_run_file, write_run_file
+
+    uri, run = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run"
+    write_run_file(run, {"tracking_uri": uri})
+    Spool(run).append(events.Create("exp", "stopped run", {}))
+    ship = delivery.Delivery.ship
+
+    def slow_ship(self, pending):  # a store that takes its time: the Ctrl-Cs land meanwhile
+        time.sleep(1.0)
+        return ship(self, pending)
+
+    monkeypatch.setattr(delivery.Delivery, "ship", slow_ship)
+
+    def impatient_user():
+        for _ in range(3):
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    launcher = launcher_for(type("C", (), {"kind": "local"})())
+    threading.Thread(target=impatient_user).start()
+    launcher.close_tracking(str(run), status=USER_STOPPED, deadline_s=20)  # no KeyboardInterrupt
+    time.sleep(0.5)  # (the last signal, if late, still meets the shield or the default handler)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(read_run_file(run)["run_id"]).info.status == "KILLED"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after
