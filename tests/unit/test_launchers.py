@@ -382,7 +382,7 @@ def test_the_local_launcher_delivers_rank_0s_spool_while_it_waits(tmp_path):
     run = client.get_run(read_run_file(spec.output_dir)["run_id"])
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
-    slurm = make_spec(["cluster=slurm", "cluster.timeout_min=5"], output_dir=tmp_path / "s")
+    slurm = make_spec(["cluster=slurm", "cluster.timeout_min=10"], output_dir=tmp_path / "s")
     with launcher_for(slurm.cluster).shipping(slurm) as ranks_spec:
         assert ranks_spec is slurm and not ranks_spec.launcher_ships
 HOSTILE = "it's a dir $(touch {marker}) `touch {marker}`"
