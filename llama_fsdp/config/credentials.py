@@ -6,8 +6,10 @@ the sweep summary use it).
   this process's environment as MLflow reads them (``CREDENTIAL_ENV``), and every process
   that talks to MLflow inherits them from it: the local ranks, a SLURM job (sbatch passes the
   submitting environment on), the sweep's points. Nothing writes them to a file.
-- Wherever a URI or a command line is shown, ``redact`` hides ``user:password@`` and secret
-  query values.
+- Wherever a URI, a command line or a config value is shown or stored, ``redact`` hides
+  ``user:password@``, secret query values, and the value of a secret's shell assignment
+  (``export HF_TOKEN=...`` in cluster.setup: any variable whose name holds TOKEN, KEY, SECRET
+  or PASSWORD); the job script and the ranks still get the real value.
 - A config value that comes from ``${oc.env:VAR}`` is written (config.yaml, MLflow's params and
   its config artifact) as the interpolation, not as the value (``config_yaml``).
 """
@@ -33,6 +35,11 @@ DB_SCHEMES = ("postgresql", "mysql", "mssql", "oracle")
 
 _USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<info>[^/@\s?#]*)@")
 _QUERY = re.compile(r"(?P<key>[?&;](?:%s)=)[^&;#\s]*" % "|".join(SECRET_QUERY), re.IGNORECASE)
+# a shell assignment of a secret: NAME=value, NAME an environment variable's name holding one of
+# SECRET_NAMES (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD)
+SECRET_NAMES = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD")
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])(?P<name>[A-Z0-9_]*(?:%s)[A-Z0-9_]*=)"
+                         r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|]+)" % "|".join(SECRET_NAMES))
 
 
 class SecretInURI(ValueError):
@@ -40,8 +47,10 @@ class SecretInURI(ValueError):
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL's ``user:password@`` and secret query values as ``***``."""
-    return _QUERY.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", text))
+    """``text`` with every URL's ``user:password@``, secret query values and secrets' shell
+    assignments' values as ``***``."""
+    text = _QUERY.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", text))
+    return _ASSIGNMENT.sub(r"\g<name>***", text)
 
 
 def split_credentials(uri: str) -> tuple[str, dict[str, str]]:

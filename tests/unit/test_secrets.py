@@ -68,3 +68,21 @@ def test_the_command_line_as_stored_has_no_credential(monkeypatch):
     line = cli.command_line()
     assert line == ("python -m llama_fsdp tracking.uri=http://mlflow.example:5000/base "
                     "'data.path=https://***@h/d' train.lr=0.1")
+
+
+def test_a_secret_in_a_setup_line_is_masked_wherever_the_config_is_stored(tmp_path):
+    """Before: `export HF_TOKEN=...` in cluster.setup reached config.yaml and MLflow's params.
+    The job script still exports the real value: the job needs it."""
+    from omegaconf import OmegaConf
+
+    from llama_fsdp.launchers.slurm import sbatch_preview
+    from llama_fsdp.tracking import flatten
+
+    secret = "hf_s3cretVALUE42"
+    spec = make_spec(["cluster=slurm", "cluster.timeout_min=60",
+                      f"cluster.setup=['export HF_TOKEN={secret}','export PATH=/opt/bin:$PATH']"],
+                     output_dir=tmp_path / "run")
+    assert secret not in spec.config_yaml
+    params = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))
+    assert params["cluster.setup"] == ["export HF_TOKEN=***", "export PATH=/opt/bin:$PATH"]
+    assert f"export HF_TOKEN={secret}" in sbatch_preview(spec)
