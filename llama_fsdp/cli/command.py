@@ -30,7 +30,7 @@ from ..run.ownership import RunDirBusy
 from ..plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
 from ..prepare.errors import PrepareError
 from ..config.status import FAILED, FINISHED, USER_STOPPED
-from ..config.rundir import Footprint
+from ..config.rundir import RUNS, SWEEPS, Footprint
 from ..config.credentials import export_credentials
 from ..run.spec import ConfigError, RunSpec, build_spec
 from ..config.strategies import one_group_warning
@@ -136,10 +136,26 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
             hydra_dir.undo()
 
 
+def launch_dir_problems(argv: list[str]) -> list[str]:
+    """Hydra writes every launch's folder under outputs/ of the folder it is launched from
+    (conf/config.yaml: hydra.run.dir, hydra.sweep.dir), a dry run's too: a launch from where it
+    cannot write is refused in one line, not with Hydra's traceback (unless both folders are
+    given elsewhere)."""
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    if {"hydra.run.dir", "hydra.sweep.dir"} <= keys:
+        return []
+    where = Footprint.deepest_existing(Path(RUNS))
+    if os.access(where, os.W_OK):
+        return []
+    return [f"{where} is not writable: llama_fsdp keeps each launch's folder under {RUNS} (and "
+            f"{SWEEPS}) of the folder it is launched from. Launch from a folder you may write "
+            "to, or give hydra.run.dir=<a writable folder> and hydra.sweep.dir=<another>"]
+
+
 def main() -> None:
     check_versions()
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    problems = override_key_problems(sys.argv[1:])
+    problems = override_key_problems(sys.argv[1:]) or launch_dir_problems(sys.argv[1:])
     if problems:  # before Hydra, whose message for these suggests a fix that fails too
         sys.stderr.write("invalid override(s):\n" + "".join(f"  - {p}\n" for p in problems))
         sys.exit(2)

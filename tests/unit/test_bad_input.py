@@ -4,6 +4,7 @@ would leave their folder."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,84 @@ def test_names_that_become_paths_stay_in_their_folder(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
     assert "torchrun's run id (--rdzv-id)='../../../escaped' becomes a folder name" in out.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.seed=-1", "train.seed=-1 must be in [0, 4294967295]"),
+    ("train.seed=18446744073709551616", "train.seed=18446744073709551616 must be in [0, "),
+    ("cluster.init_timeout_s=100000000000000000000", "cluster.init_timeout_s=100000000000000000000"
+                                                     " is longer than 604,800 s"),
+    ("train.grad_accum=4611686018427387904", "train.grad_accum=4611686018427387904 is more than "
+                                             "any run needs (at most 65,536)"),
+    ("cluster.nodes=1000000", "cluster.nodes=1000000 is more than any run needs"),
+    ("cluster.threads_per_rank=1000000", "cluster.threads_per_rank=1000000 is more than any run"),
+    ("data.num_proc=1000000", "data.num_proc=1000000 is more than any run needs (at most 512)"),
+    ("cluster=slurm cluster.timeout_min=2 cluster.signal_delay_s=600",
+     "cluster.signal_delay_s=600 is not before the end of the job's cluster.timeout_min=2"),
+])
+def test_every_number_that_reaches_an_allocation_a_loop_or_a_timer_is_bounded(override, message,
+                                                                             tmp_path):
+    """Before: a negative or 2**64 seed, a timeout of 1e20 s, grad_accum=2**62, a million nodes,
+    threads or tokenizer processes, and a SLURM signal after the time limit were accepted."""
+    with pytest.raises(ConfigError) as e:
+        make_spec(override.split(), output_dir=tmp_path)
+    assert message in str(e.value)
+
+
+def test_a_billion_layers_is_refused_before_anything_is_planned(tmp_path):
+    """Before: model.num_layers=1e9 raised MemoryError, even under dry_run."""
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", "dry_run=true",
+                        "model.num_layers=1000000000"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "model.num_layers=1000000000 is larger than any Llama's: at most 4,096" in r.stderr
+    assert "MemoryError" not in r.stderr
+
+
+def test_a_home_relative_output_dir_is_the_homes(tmp_path, monkeypatch):
+    """Before: output_dir='~/x' made a folder literally named ~ in the launch directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spec = make_spec(["tracking.uri='sqlite:///~/mlflow.db'", "cache_dir='~/cache'"],
+                     output_dir="'~/runs/x'")
+    assert spec.output_dir == str(tmp_path / "home" / "runs" / "x")
+    assert spec.tracking_uri == f"sqlite:///{tmp_path}/home/mlflow.db"
+    assert spec.cache_dir == str(tmp_path / "home" / "cache")
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, where):
+    """Before: an output_dir below a file, or on /proc, ended in a raw OSError traceback."""
+    (tmp_path / "a_file").write_text("x")
+    out = {"file": tmp_path / "a_file" / "run", "proc": Path("/proc/llama_fsdp_test_run")}[where]
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+                        f"output_dir={out}", "tracking.enabled=false"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"cannot make the run directory {out}" in r.stderr
+    assert "choose an output_dir where you may write" in r.stderr
+    assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr
+
+
+def test_convert_to_a_path_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "out").write_text("a file of the user's")
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp.convert", str(tmp_path),
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is a file, not a directory" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert (tmp_path / "out").read_text() == "a file of the user's"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare to mount a read-only folder")
+def test_a_launch_from_a_read_only_folder_is_one_line(tmp_path):
+    """Before: even a dry run from a read-only folder ended in Hydra's OSError traceback."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    script = (f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && cd {ro} && "
+              f"{sys.executable} -m llama_fsdp cluster.device=cpu dry_run=true")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-2000:]
+    assert f"{ro} is not writable: llama_fsdp keeps each launch's folder under outputs/runs" \
+        in r.stderr
+    assert "Traceback" not in r.stderr and "OSError" not in r.stderr
