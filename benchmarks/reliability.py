@@ -320,6 +320,91 @@ def _scenarios() -> list[tuple]:
     def run_id(cwd, mine):
         return ["cluster=torchrun", "dry_run=true"]
 
+    # issue "nothing lost, nothing run, round two"
+    def earlier_run(cwd, mine):
+        for step in (2, 4):  # an earlier run's checkpoints (complete: .metadata)
+            ckpt = mine / "checkpoints" / f"step_{step:06d}"
+            ckpt.mkdir(parents=True)
+            (ckpt / ".metadata").write_bytes(b"\x00" * 64)
+            (ckpt / "__0_0.distcp").write_bytes(b"\x01" * 4096)
+        (mine / "owner.lock").touch()
+        return [f"output_dir={mine}", "resume=none", "save.every_steps=1", "save.keep_last=1",
+                "train.stop_after=1"]
+
+    def remote_code(cwd, mine):
+        from tests.unit.test_hostile_inputs import _project_tokenizer, _with_remote_code
+
+        mine.mkdir()
+        tok = _with_remote_code(_project_tokenizer(mine), cwd / "marker")
+        return [f"data.tokenizer={tok}"]
+
+    def deep_json(cwd, mine):
+        mine.mkdir()
+        n = 100_000
+        (mine / "deep.jsonl").write_text('{"instruction": "x", "input": ' + "[" * n + "]" * n
+                                         + ', "output": "y"}\n')
+        return ["data=jsonl", f"data.path={mine / 'deep.jsonl'}"]
+
+    def endless_template(cwd, mine):
+        import json
+
+        mine.mkdir()
+        (mine / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]})
+            + "\n" for i in range(20)))
+        (mine / "endless.jinja").write_text(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        return ["data=jsonl", f"data.path={mine / 'chat.jsonl'}", "data.format=chat",
+                f"data.chat_template={mine / 'endless.jinja'}"]
+
+    def lying_header(cwd, mine):
+        import json
+
+        hf = _tiny_model(mine / "model")
+        shard = sorted(hf.glob("*.safetensors"))[0]
+        blob = shard.read_bytes()
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8:8 + n])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["dtype"] = "F64" if header[name]["dtype"] != "F64" else "F32"
+        head = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+        assert len(head) == n
+        shard.write_bytes(blob[:8] + head + blob[8 + n:])
+        return [f"model.path={hf}"]
+
+    def string_shape(cwd, mine):
+        import json
+
+        hf = _tiny_model(mine / "model")
+        cfg = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**cfg, "hidden_size": "256"}))
+        return [f"model.path={hf}"]
+
+    def their_db(cwd, mine):
+        import sqlite3
+
+        mine.mkdir()
+        with sqlite3.connect(mine / "mine.db") as conn:
+            conn.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
+        conn.close()
+        return [f"tracking.uri=sqlite:///{mine / 'mine.db'}", "tracking.enabled=true"]
+
+    def empty_experiment(cwd, mine):
+        return ["tracking.experiment=''", "tracking.enabled=true"]
+
+    def bounds(cwd, mine):
+        return ["train.seed=-1", "cluster.init_timeout_s=100000000000000000000",
+                "train.grad_accum=4611686018427387904", "data.num_proc=1000000"]
+
+    def layers(cwd, mine):
+        return ["model.num_layers=1000000000", "dry_run=true"]
+
+    def below_a_file(cwd, mine):
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+        return [f"output_dir={mine / 'notes.txt' / 'run'}"]
+
     return [
         ("`output_dir=` at a folder of the user's (config.yaml, export/weights.bin)",
          "trained there: config.yaml overwritten, run_status.json written, export/ deleted with "
@@ -360,6 +445,33 @@ def _scenarios() -> list[tuple]:
         ("a gzip'd `.jsonl`", "`line 1: malformed JSON`", gzipped, "not a text file", None),
         ("a torchrun run id `../../x`", "the run dir outside outputs/runs", run_id,
          "becomes a folder name", None),
+        ("`resume=none` into an earlier run's folder (its step_2 and step_4), `save.keep_last=1`",
+         "deleted its step_2, pruned its own step_1 against their numbers, left step_4 for a "
+         "later resume=auto", earlier_run, "holds the checkpoints of an earlier run", None),
+        ("`data.tokenizer=` a folder whose tokenizer_config.json has auto_map and a .py file",
+         "transformers asked on the terminal; answering y ran the file in the launcher",
+         remote_code, "names Python classes of its own",
+         lambda cwd, mine: not (cwd / "marker").exists()),
+        ("a `.jsonl` record nested 100,000 levels deep", "the launcher segfaulted (exit 139), "
+         "no message, owner files left", deep_json, "JSON nested more than 100 levels", None),
+        ("a chat template of two nested 100,000-step loops", "data preparation hung at 100% CPU",
+         endless_template, "the chat template ran for more than 10 s", None),
+        ("`model.path` whose safetensors header lies about a tensor's dtype",
+         "passed the pre-launch check", lying_header, "does not describe its data", None),
+        ("`model.path` whose config.json has `\"hidden_size\": \"256\"`",
+         "\"256 but config.json has 256\", suggesting model.hidden_size=256", string_shape,
+         "hidden_size is a str ('256'), not a whole number", None),
+        ("`tracking.uri=sqlite:///` the user's own SQLite database",
+         "about 60 MLflow tables added to it, an mlartifacts/ folder beside it", their_db,
+         "not an MLflow store", None),
+        ("`tracking.experiment=''`", "trained with no MLflow run, then blamed the store",
+         empty_experiment, "tracking.experiment='' is empty", None),
+        ("train.seed=-1, init_timeout_s=1e20, grad_accum=2**62, data.num_proc=1e6",
+         "accepted", bounds, "train.seed=-1 must be in [0, 4294967295]", None),
+        ("`model.num_layers=1e9 dry_run=true`", "MemoryError", layers,
+         "is larger than any Llama's", None),
+        ("`output_dir=` below a file of the user's", "a raw NotADirectoryError traceback",
+         below_a_file, "cannot make the run directory", None),
     ]
 
 
@@ -396,7 +508,9 @@ def bad_inputs() -> list[dict]:
 def bad_input_markdown(rows: list[dict], command: str) -> str:
     lines = ["", "## Bad input", "",
              f"Each tried with the real command (`{command}`), in a fresh directory: what the "
-             "code before issue 36 did (commit 07052ee, by hand), and now: the exit code, "
+             "code before did (the first 14: before issue 36, commit 07052ee, by hand; the rest: "
+             "before the second round, commit cf1dad2, as its issue reports them), and now: the "
+             "exit code, "
              "whether the message names the problem, whether any rank started, and the bytes of "
              "the user's files lost or changed.", "",
              "| input | before | now | time | user data lost |", "|---|---|---|---|---|"]

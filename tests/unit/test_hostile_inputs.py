@@ -302,3 +302,16 @@ def test_a_run_mlflow_refuses_to_create_fails_at_launch_not_after_training(tmp_p
     t0 = time.monotonic()
     assert deliver([str(tmp_path / "run"), "--timeout", "60"]) == 1  # says so, at once
     assert time.monotonic() - t0 < 30
+
+
+def test_opening_a_store_leaves_nothing_beside_it(tmp_path, monkeypatch):
+    """Before: every sqlite store got a .lock file beside it, also from a probe that failed."""
+    from llama_fsdp.prepare.tracking import probe_store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "s").mkdir()
+    assert probe_store(f"sqlite:///{tmp_path}/s/mlflow.db") is None
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["mlflow.db"]
+    (tmp_path / "f").write_text("a file")
+    assert probe_store(f"sqlite:///{tmp_path}/f/mlflow.db") is not None  # fails: below a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "f", "s"]
