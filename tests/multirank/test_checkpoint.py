@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from llama_fsdp.checkpoint import dcp, layout
+from llama_fsdp.config import rundir
 from llama_fsdp.config.rundir import OPTIM_META
 from tests.conftest import REPO, launch_prepared, make_spec
 from tests.faults import hooks
@@ -157,9 +158,10 @@ def test_exact_resume_after_a_crash_mid_save(runs):
     crash = runs["after_crash"]
     assert sorted(crash) == ["step_000002", "step_000004.tmp"]
     assert crash["step_000002"] == sorted([layout.METADATA, "__0_0.distcp", "__1_0.distcp",
-                                           layout.MANIFEST, OPTIM_META])
+                                           layout.MANIFEST, OPTIM_META, rundir.CHECKPOINT_RUN])
     # data, no metadata
-    assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp", OPTIM_META]
+    assert crash["step_000004.tmp"] == ["__0_0.distcp", "__1_0.distcp", OPTIM_META,
+                                        rundir.CHECKPOINT_RUN]
     b2 = runs["b2"]
     assert b2.resumed_from == str(layout.step_dir(root / "b", 2))
     assert b2.steps == STEPS and len(b2.losses) == STEPS - 2
@@ -219,7 +221,8 @@ def test_full_state_dict_checkpoints_and_retention(runs):
     for p in a.checkpoints:
         data = sorted(f.name for f in Path(p).iterdir() if f.is_file())
         # gathered, one file
-        assert data == sorted([".metadata", "__0_0.distcp", layout.MANIFEST, OPTIM_META])
+        assert data == sorted([".metadata", "__0_0.distcp", layout.MANIFEST, OPTIM_META,
+                               rundir.CHECKPOINT_RUN])  # and the run that saved it
     assert sorted(p.name for p in root.iterdir()) == ["a", "b", "c"]  # nothing else written
 
 
