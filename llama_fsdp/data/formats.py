@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Optional
 
 from transformers import PreTrainedTokenizerBase
 
@@ -94,6 +94,8 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], *,
         raise ValueError(f"tokenizer {tok.name_or_path!r} is not a fast (tokenizers-backed) "
                          "tokenizer; chat records need one (a tokenizer.json) to locate "
                          "assistant turns by character offsets")
+    if (problem := masking_problem(tok)) is not None:
+        raise ChatTemplateError(problem)
     full = _render(tok, messages, generation_prompt=False)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
@@ -150,6 +152,52 @@ def _render(tok: PreTrainedTokenizerBase, messages: list[dict], *, generation_pr
     with time_bound(RENDER_BUDGET_S):
         return tok.apply_chat_template(messages, tokenize=False,
                                        add_generation_prompt=generation_prompt)
+
+
+_MASKING: dict[str, Optional[str]] = {}  # chat template -> its masking_problem (asked once)
+QUESTION, ANSWER = "What is two plus two?", "Four."
+
+
+def masking_problem(tok: PreTrainedTokenizerBase) -> Optional[str]:
+    """Why ``tok``'s chat template cannot tell a prompt from its answer, or None. It cannot when
+    it renders a conversation the same with and without ``add_generation_prompt`` and ends
+    every conversation, one that ends with an answer too, with the opening of an assistant
+    turn (Meta's first Llama 3 template appends the assistant's header unconditionally): the
+    answer's span would run into the next turn's header, so every record would train the
+    model to open a new turn after answering. (A template without a generation prompt whose
+    answers simply follow the prompt, as Llama 2's, masks fine.) Asked once per template."""
+    template = tok.chat_template
+    if template in _MASKING:
+        return _MASKING[template]
+    question = [{"role": "user", "content": QUESTION}]
+    try:
+        with_prompt = _render(tok, question, generation_prompt=True)
+        without = _render(tok, question, generation_prompt=False)
+        answered = _render(tok, [*question, {"role": "assistant", "content": ANSWER}],
+                           generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this: the records say
+        _MASKING[template] = None
+        return None
+    at = answered.rfind(ANSWER)
+    q_end = answered.find(QUESTION) + len(QUESTION)
+    # the text that opens the assistant's turn, and what follows the answer; an assistant
+    # header in both: the template appends it whatever the conversation ends with
+    opener, tail = answered[q_end:at], answered[at + len(ANSWER):]
+    common = os.path.commonprefix([opener[::-1], tail[::-1]])[::-1]
+    if with_prompt != without or at < 0 or q_end < len(QUESTION) or not common.strip():
+        _MASKING[template] = None
+        return None
+    name = getattr(tok, "name_or_path", "") or "the tokenizer"
+    _MASKING[template] = (
+        f"the chat template of {name} renders a conversation the same with and without "
+        f"add_generation_prompt, and ends every conversation, one that ends with an answer "
+        f"too, with {common!r}: the opening of an assistant turn. The answers cannot be told "
+        "from the next turn's header: every record would train the model to open a new turn "
+        "after answering. Meta's first Llama 3 tokenizer_config.json (April 2024) has this "
+        "template. Fix: set data.chat_template to a template that writes the assistant's "
+        "header only when add_generation_prompt is true (docs/data.md gives Llama 3's, the "
+        "one Meta's updated config has)")
+    return _MASKING[template]
 
 
 def assistant_spans(tok: PreTrainedTokenizerBase, messages: list[dict],

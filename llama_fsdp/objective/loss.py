@@ -173,23 +173,27 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                rows: torch.Tensor, chunk: int) -> torch.Tensor:
+                rows: torch.Tensor, chunk: int, shape: tuple[int, ...]) -> torch.Tensor:
         cd = _compute_dtype(hidden, weight)
         w = weight.to(cd)
-        out = torch.zeros(len(hidden), dtype=torch.float32, device=hidden.device)
+        # allocated in the labels' shape and returned whole: a view returned from the head's
+        # forward is what FSDP2 warns about (its pre-backward hook sits on the module's output)
+        out = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+        flat = out.view(-1)
         lse = torch.empty(len(rows), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, len(rows), chunk):
                 idx = rows[start:start + chunk]
                 lp, lse[start:start + chunk] = _chunk_logprobs(
                     hidden.index_select(0, idx).to(cd), w, labels.index_select(0, idx))
-                out.index_copy_(0, idx, lp)
+                flat.index_copy_(0, idx, lp)
         ctx.save_for_backward(hidden, weight, labels, rows, lse)
         ctx.chunk, ctx.cd = chunk, cd
         return out
 
     @staticmethod
     def backward(ctx, out: torch.Tensor):
+        out = out.reshape(-1)
         hidden, weight, labels, rows, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cd, w = ctx.cd, weight.to(ctx.cd)
@@ -207,7 +211,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     grad_w.addmm_(g.T, h)
                 del g  # before the next chunk's logits
         return (grad_h.to(hidden.dtype) if need_h else None,
-                grad_w.to(weight.dtype) if need_w else None, None, None, None)
+                grad_w.to(weight.dtype) if need_w else None, None, None, None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -234,8 +238,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     hidden, weight = _plain(hidden), _plain(weight)
     flat = labels.reshape(-1)
     rows = target_rows(flat, flat.device) if rows is None else rows
-    out = _ChunkedLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat, rows, chunk)
-    return out.view(labels.shape)
+    return _ChunkedLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat, rows, chunk,
+                                  tuple(labels.shape))
 
 
 # ---------------------------------------------------------------------------------------------

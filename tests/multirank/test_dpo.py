@@ -308,3 +308,76 @@ def test_mlflow_has_the_dpo_metrics_per_step_and_at_eval_and_the_adapter(runs):
     assert run.data.params["objective.name"] == "dpo" and run.data.params["objective.beta"] == "0.5"
     model = client.get_logged_model(run.outputs.model_outputs[0].model_id)
     assert model.model_type == "peft-lora"
+
+
+# --- the gradients of one step, sharded against one process ----------------------------------
+
+VIEW_WARNING = "returned a view tensor"
+
+
+class _GradTap:
+    """Stands in for the optimizer in train_step: keeps every trained parameter's whole gradient
+    (a sharded one gathered) when the step is taken, and changes nothing."""
+
+    def __init__(self, model):
+        self.model, self.grads, self.param_groups = model, {}, []
+
+    def step(self):
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                self.grads[name.replace("module.", "")] = g.detach().numpy().copy()
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def _first_step_grads(rank, world, specs):
+    """Each spec's first DPO step through train_step on this rank's micro-batch: the whole
+    gradients and the FSDP2 view warnings its forward and backward raised."""
+    import warnings
+
+    from llama_fsdp.train.loop import train_step
+    from llama_fsdp.train.worker import DistEnv, RankRun
+
+    env, cpu, out = DistEnv(rank, rank, world, world), torch.device("cpu"), {}
+    for name, spec in specs.items():
+        run = RankRun.build(spec, env, cpu)
+        batch = next(iter(run.objective.batches(run.data.train_batches())))
+        tap = _GradTap(run.model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = train_step(run.model, tap, run.scheduler, [batch], device=cpu,
+                              max_grad_norm=0.0, loss_fn=run.objective.loss)
+        out[name] = {"grads": tap.grads, "loss": float(step.loss),
+                     "views": [str(w.message) for w in caught if VIEW_WARNING in str(w.message)]}
+    return out
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_dpo_gradients_on_two_ranks_equal_one_process_and_fsdp2_warns_of_no_view(
+        hf_dir, tmp_path, method):
+    """One DPO step's gradients, FSDP2 on 2 gloo ranks (the chunked head, the reference the
+    policy with its adapters off, or a frozen sharded copy) against one process with no FSDP
+    (sharding=no_shard on 1 rank: plain autograd); and FSDP2's warning that a wrapped module
+    returned a view (which an in-place op would detach from its pre-backward hook) never
+    raised: the head used to return its log-probs as a view of a flat tensor."""
+    def spec(world, batch, *extra):
+        return make_spec([*BASE, f"model.path={hf_dir}", "tracking.enabled=false",
+                          f"cluster.nproc_per_node={world}", f"train.batch_size={batch}",
+                          f"finetune={method}", *extra], output_dir=tmp_path / f"w{world}")
+
+    sharded = run_ranks(_first_step_grads, 2, {"run": spec(2, 4)})
+    one = run_ranks(_first_step_grads, 1, {"run": spec(1, 8, "sharding=no_shard")})[0]["run"]
+    for rank, got in enumerate(sharded):
+        assert got["run"]["views"] == [], (rank, got["run"]["views"][:1])
+    got = sharded[0]["run"]
+    # (each rank's loss: its pairs' share of the global mean)
+    assert sum(r["run"]["loss"] for r in sharded) == pytest.approx(math.log(2), rel=1e-6)
+    assert one["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert sorted(got["grads"]) == sorted(one["grads"]) and got["grads"]
+    for name, want in one["grads"].items():
+        # every trained weight gets a gradient, but A's is B^T (...) with B = 0 at the start
+        assert np.abs(want).max() > 0 or name.endswith("lora_A.weight"), name
+        np.testing.assert_allclose(got["grads"][name], want, rtol=1e-4, atol=1e-7,
+                                   err_msg=name)

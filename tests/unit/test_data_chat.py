@@ -325,3 +325,112 @@ def test_driver_uses_the_model_tokenizer_and_refuses_one_too_large(toks, cache, 
     with pytest.raises(PrepareError, match=r"^data: tokenizer .*m256 \(model.path\) has \d+ "
                                            r"tokens but model.vocab_size=256"):
         check_data(spec)
+
+
+# --- a template that cannot mask: Meta's first Llama 3 template --------------------------------
+
+# Meta-Llama-3-8B-Instruct's tokenizer_config.json as first released (April 2024): the
+# assistant's header is appended whatever add_generation_prompt says.
+LLAMA3_FIRST = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content "
+                "= '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ "
+                "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set "
+                "content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{{ "
+                "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>"]
+
+
+def docs_llama3_template() -> str:
+    """The corrected template docs/data.md gives (its ```jinja block)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    block = text.split("```jinja\n", 1)[1].split("```", 1)[0]
+    return block.rstrip("\n")
+
+
+def llama3_tokenizer(out: Path, template: str) -> Path:
+    """A Llama-3-format tokenizer made here: byte-level BPE with Llama 3's special tokens (BOS
+    <|begin_of_text|>, end of turn <|eot_id|>) and ``template`` as its chat template."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bl = ByteLevelBPETokenizer(add_prefix_space=False, trim_offsets=True)
+    bl.train_from_iterator(_corpus(), vocab_size=600, min_frequency=2,
+                           special_tokens=LLAMA3_SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bl._tokenizer, bos_token="<|begin_of_text|>",
+                                  eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
+    tok.chat_template = template
+    tok.save_pretrained(str(out))
+    return out
+
+
+SINGLE = [{"messages": [_m(U, f"question {i}: why?"), _m(A, f"Because {i}.")]}
+          for i in range(30)]
+PAIRS = [{"prompt": [_m(U, f"question {i}?")], "chosen": [_m(A, f"Yes {i}, the cat.")],
+          "rejected": [_m(A, f"No {i}.")]} for i in range(30)]
+
+
+def _prepare(spec_factory, cache, model, f, *extra):
+    from llama_fsdp.prepare.data import check_data
+
+    return check_data(spec_factory([f"cache_dir={cache}", "data=jsonl", f"data.path={f}",
+                                    f"model.path={model}", "model.vocab_size=640", *extra]))
+
+
+@pytest.mark.parametrize("records", ["single-turn", "multi-turn", "dpo pairs"])
+def test_a_template_that_always_appends_the_assistant_header_is_refused_before_launch(
+        cache, tmp_path, spec_factory, records):
+    from llama_fsdp.prepare.errors import PrepareError
+
+    model = _hf_model_dir(tmp_path / "llama3-first",
+                          llama3_tokenizer(tmp_path / "tok", LLAMA3_FIRST), 640)
+    recs, extra = {"single-turn": (SINGLE, []), "multi-turn": (CHATS, []),
+                   "dpo pairs": (PAIRS, ["objective=dpo"])}[records]
+    f = _jsonl(tmp_path / "data.jsonl", recs)
+    with pytest.raises(PrepareError) as e:
+        _prepare(spec_factory, cache, model, f, *extra)
+    msg = str(e.value)
+    # names the tokenizer, what the template does, and the fix; not the earlier wrong blame
+    assert "llama3-first" in msg and "<|start_header_id|>assistant<|end_header_id|>\\n\\n'" in msg
+    assert "same with and without add_generation_prompt" in msg
+    assert "data.chat_template" in msg and "docs/data.md" in msg
+    assert "rewrites earlier turns" not in msg and "prefix of the whole" not in msg
+
+
+def test_the_docs_llama3_template_masks_exactly_the_answers(cache, tmp_path, spec_factory):
+    """The same tokenizer with data.chat_template= the docs' corrected template: chat records
+    and pairs train exactly each answer's tokens and its <|eot_id|>, never a header."""
+    model = _hf_model_dir(tmp_path / "llama3-first",
+                          llama3_tokenizer(tmp_path / "tok", LLAMA3_FIRST), 640)
+    jinja = tmp_path / "llama3.jinja"
+    jinja.write_text(docs_llama3_template())
+    fixed = AutoTokenizer.from_pretrained(str(model))
+    fixed.chat_template = jinja.read_text()
+    header = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert fixed.apply_chat_template([_m(U, "q")], tokenize=False) + header == \
+        fixed.apply_chat_template([_m(U, "q")], tokenize=False, add_generation_prompt=True)
+    for recs, extra in ((CHATS, []), (SINGLE, []), (PAIRS, ["objective=dpo"])):
+        f = _jsonl(tmp_path / f"{len(extra)}-{recs[0].__class__.__name__}-{id(recs)}.jsonl", recs)
+        dm = _prepare(spec_factory, cache, model, f, f"data.chat_template={jinja}", *extra)
+        for i in range(4):
+            rec = dm.train.store.record(i)
+            ids, mask = rec[0].tolist(), rec[1].tolist()
+            assert ids == fixed.apply_chat_template(_conversation(recs, ids, fixed),
+                                                    tokenize=True, return_dict=True)["input_ids"]
+            spans = [fixed.decode(ids[a:b]) for a, b in mask_runs(mask)]
+            answers = [m["content"].strip() + "<|eot_id|>"
+                       for m in _conversation(recs, ids, fixed) if m["role"] == A]
+            want = answers if not extra else answers[-1:]  # a pair: its answer's turn
+            assert spans == want, (spans, want)
+            assert not any("<|start_header_id|>" in s for s in spans)
+
+
+def _conversation(recs, ids, tok):
+    """The record (conversation, or prompt + answer of a pair) whose encoding is ``ids``."""
+    text = tok.decode(ids)
+    for r in recs:
+        convs = ([r["messages"]] if "messages" in r else
+                 [r["prompt"] + r["chosen"], r["prompt"] + r["rejected"]])
+        for c in convs:
+            if tok.apply_chat_template(c, tokenize=False) == text:
+                return c
+    raise AssertionError(f"no record renders as {text!r}")
