@@ -227,6 +227,24 @@ class DataConfig:
 
 
 @dataclass
+class DivergenceConfig:
+    """A loss that runs away stops the run before it turns into NaN (train/divergence.py): a
+    loss that is not a number, or a loss curve whose median over the last ``window`` log steps
+    is both ``ratio`` times the lowest such median so far and ``min_rise`` above it. The median
+    keeps one bad batch (a spike) and one easy batch (a dip that would set a low best) out;
+    the ratio and the rise together keep the noise of a falling curve, and of a small loss
+    such as DPO's, out. ``action``: stop (with a report, the last good checkpoint kept), warn
+    (once, and train on), off (only a loss that is not a number stops)."""
+
+    ACTIONS = ("stop", "warn", "off")  # valid values (a class attribute, not a config key)
+
+    action: str = "stop"
+    ratio: float = 1.5
+    min_rise: float = 1.0
+    window: int = 3
+
+
+@dataclass
 class TrainConfig:
     # train.loss (llama_fsdp/objective/loss.py): chunked computes the head and the cross-entropy a chunk
     # of loss_chunk target tokens at a time, never holding b x s x vocab logits; full is
@@ -238,16 +256,20 @@ class TrainConfig:
     grad_accum: int = 1
     seq_len: int = 128
     max_steps: int = 60
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 6
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    # The optimizer's hyperparameters: null takes the recipe's value for the model's size, the
+    # fine-tuning method and the objective (llama_fsdp/config/recipes.py, docs/recipes.md); a
+    # value given here always wins. The schedule: linear warm-up over warmup_steps to lr, then
+    # cosine to lr x min_lr_ratio at max_steps (1.0: constant). max_grad_norm 0: no clipping.
+    lr: Optional[float] = None
+    min_lr_ratio: Optional[float] = None
+    warmup_steps: Optional[int] = None
+    weight_decay: Optional[float] = None
+    beta1: Optional[float] = None
+    beta2: Optional[float] = None
+    eps: Optional[float] = None
     seed: int = 0
     compile: bool = False
-    max_grad_norm: float = 1.0
+    max_grad_norm: Optional[float] = None
     log_every: int = 1
     loss: str = "chunked"
     loss_chunk: int = 1024  # target tokens per chunk of the chunked loss
@@ -259,6 +281,7 @@ class TrainConfig:
     # every rank at the end of every step (state.step is the step just done; on CUDA,
     # state.losses has the previous log step's loss, read once the next step is queued).
     callbacks: list[str] = field(default_factory=list)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
 
 
 @dataclass
@@ -285,8 +308,9 @@ class FinetuneConfig:
     method: str = "full"
     # LoRA: W x + (alpha / rank) * B A dropout(x) for each target projection; A (rank x in) and
     # B (out x rank, zero at the start) train, W is frozen.
-    rank: int = 16
-    alpha: float = 32.0
+    # null: the recipe's (config/recipes.py: torchtune's rank by size, alpha = 2 x rank).
+    rank: Optional[int] = None
+    alpha: Optional[float] = None
     dropout: float = 0.0
     # The projections that get adapters (names of the Linear modules in every decoder layer).
     target_modules: list[str] = field(default_factory=lambda: list(FinetuneConfig.TARGETS))
@@ -328,7 +352,7 @@ class ObjectiveConfig:
     REFERENCES = (MODEL, CACHED)
 
     name: str = DEFAULT_OBJECTIVE
-    beta: float = 0.1
+    beta: Optional[float] = None  # null: the recipe's (config/recipes.py)
     loss: str = SIGMOID
     label_smoothing: float = 0.0
     reference: str = MODEL

@@ -17,6 +17,8 @@ from ..config.schema import (
     TrainConfig,
     model_preset,
 )
+from ..config import recipes
+from ..config.objectives import OBJECTIVES
 from ..config.placement import Placement
 from ..run.checks import variant_problems
 from ..run.spec import ConfigError, RunSpec, build_spec
@@ -70,9 +72,15 @@ def with_optim(spec: RunSpec, name: str) -> RunSpec:
 
 
 def with_method(spec: RunSpec, method: str) -> RunSpec:
-    """The spec with another finetune.method (its adapter options as they are)."""
-    return checked(dataclasses.replace(
-        spec, finetune=dataclasses.replace(spec.finetune, method=method)))
+    """The spec with another finetune.method (its adapter options as they are; the recipe's
+    rank and alpha where a full fine-tuning spec has none)."""
+    ft = dataclasses.replace(spec.finetune, method=method)
+    if method != "full":
+        table = recipes.recipe_values(recipes.size_of(spec.model)[0], method,
+                                      OBJECTIVES[spec.objective.name].pairs)
+        ft = dataclasses.replace(ft, rank=ft.rank if ft.rank is not None else table["rank"],
+                                 alpha=ft.alpha if ft.alpha is not None else table["alpha"])
+    return checked(dataclasses.replace(spec, finetune=ft))
 
 
 def with_train(spec: RunSpec, **changes) -> RunSpec:

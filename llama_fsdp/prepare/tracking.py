@@ -108,6 +108,8 @@ def start_run(spec: RunSpec, *, command: str, deliver: bool = True,
                                    run_tags(spec, command)))
         flat = flatten(OmegaConf.to_container(OmegaConf.create(spec.config_yaml)))  # type: ignore[arg-type]
         flat.pop("output_dir", None)  # a tag: it differs for every run
+        if spec.recipe:  # the values in use, not null, and where each came from
+            flat.update({**spec.recipe.values, **spec.recipe.params()})
         spool.append(events.Params(dict(sorted(flat.items()))))
         spool.append(events.Text(spec.config_yaml, CONFIG_FILE))
         if datasets:

@@ -49,6 +49,7 @@ from ..config.schema import (
     ClusterConfig,
     Config,
     DataConfig,
+    DivergenceConfig,
     EvalConfig,
     FinetuneConfig,
     ModelConfig,
@@ -191,8 +192,14 @@ def train_option_problems(t: TrainConfig) -> list[str]:
               out_of_range("train.beta1", t.beta1, low=0, high=1, high_open=True),
               out_of_range("train.beta2", t.beta2, low=0, high=1, high_open=True),
               out_of_range("train.eps", t.eps, low=0, low_open=True),
-              out_of_range("train.max_grad_norm", t.max_grad_norm, low=0)]
+              out_of_range("train.max_grad_norm", t.max_grad_norm, low=0),
+              out_of_range("train.divergence.ratio", t.divergence.ratio, low=1, low_open=True),
+              out_of_range("train.divergence.min_rise", t.divergence.min_rise, low=0),
+              out_of_range("train.divergence.window", t.divergence.window, low=1, high=1000)]
     out = [c for c in checks if c]
+    if t.divergence.action not in DivergenceConfig.ACTIONS:
+        out.append(f"train.divergence.action={t.divergence.action!r} is not one of "
+                   f"{', '.join(DivergenceConfig.ACTIONS)}")
     for path in t.callbacks:
         module, _, attr = path.partition(":")
         if not module or not attr.isidentifier():
@@ -216,7 +223,7 @@ def finetune_option_problems(ft: FinetuneConfig) -> list[str]:
                  "exports the whole model with save.export_hf=true)"]
                 if ft.export_merged else [])
     out = []
-    if ft.rank < 1:
+    if ft.rank is not None and ft.rank < 1:  # (None: the recipe's, set by build_spec)
         out.append(f"finetune.rank={ft.rank} must be >= 1")
     if (alpha := out_of_range("finetune.alpha", ft.alpha, low=0, low_open=True)):
         out.append(alpha)
@@ -248,8 +255,8 @@ def objective_option_problems(o: ObjectiveConfig) -> list[str]:
                        f"{'they apply' if len(changed) > 1 else 'it applies'} to "
                        f"objective={DPO} (add objective={DPO}, or drop them)")
         return out
-    if o.beta <= 0:
-        out.append(f"objective.beta={o.beta} must be > 0")
+    if (beta := out_of_range("objective.beta", o.beta, low=0, low_open=True)):
+        out.append(beta)
     if not 0 <= o.label_smoothing < 0.5:
         out.append(f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
     if o.label_smoothing and o.loss != ObjectiveConfig.SIGMOID:
@@ -385,7 +392,8 @@ def check_positive(cfg: Config, problems: list[str]) -> None:
     check_bounds(cfg, problems)
     # (train.lr, min_lr_ratio, max_grad_norm: TrainConfig.problems, NaN and infinity too;
     # the warmup is judged against a max_steps that is valid, reported above otherwise)
-    if t.warmup_steps < 0 or (t.max_steps >= 1 and t.warmup_steps >= t.max_steps):
+    if t.warmup_steps is not None and (t.warmup_steps < 0 or (
+            t.max_steps >= 1 and t.warmup_steps >= t.max_steps)):
         problems.append(
             f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps={t.max_steps}): "
             f"set it below {max(t.max_steps, 1)} for a run this short, e.g. "

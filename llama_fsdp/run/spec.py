@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import credentials, devices, kernels, metrics, strategies
+from ..config import credentials, devices, kernels, metrics, recipes, strategies
 from ..config.objectives import DEFAULT as DEFAULT_OBJECTIVE
 from ..config.objectives import OBJECTIVES
 from ..config.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from ..config.placement import Placement
+from ..config.recipes import Recipe
 from ..config.precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
 from ..config.rundir import CACHE
 from ..config.schema import (
@@ -106,6 +107,8 @@ class RunSpec:
     records_per_micro_batch: Optional[int] = None
     # the launcher's answers: where the ranks run, what each node has (config/placement.py)
     placement: Optional[Placement] = None
+    # the optimizer's values in use and where each came from (config/recipes.py)
+    recipe: Optional[Recipe] = None
 
     @property
     def dp_size(self) -> int:
@@ -133,6 +136,11 @@ class RunSpec:
                 f"{', '.join(self.finetune.target_modules)})"
                 if self.finetune.method != "full" else ""),
             "optimizer": self.optim.name,
+            **({"learning rate": f"{recipes.show(self.train.lr)} "
+                                 f"({self.recipe.sources[recipes.LR]})",
+                "hyperparameters": self.recipe.grouped(
+                    [k for k in self.recipe.values if k != recipes.LR])}
+               if self.recipe else {}),
             **({"objective": f"{self.objective.name} (beta {self.objective.beta:g}, "
                              f"{self.objective.loss}, reference {self.objective.reference})"}
                if OBJECTIVES[self.objective.name].pairs else {}),
@@ -237,6 +245,9 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
     config_yaml = credentials.config_yaml(cfg)  # oc.env values as their interpolation
     base = launch_dir or Path.cwd()
     obj = expand_paths(obj)
+    # (an unknown objective is refused by config_problems; its recipe is SFT's meanwhile)
+    known = OBJECTIVES.get(obj.objective.name)
+    obj, recipe = recipes.resolve(obj, pairs=bool(known and known.pairs))
     out = Path(output_dir or obj.output_dir).expanduser()
     out = out if out.is_absolute() else (base / out)
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
@@ -284,6 +295,7 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
             obj, strategy, precision.name, world, nproc, device))[:checks.MAX_RUN_NAME],
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
         sweep_point=dict(sweep_point or {}), objective=obj.objective, placement=place,
+        recipe=recipe,
     )
 
 

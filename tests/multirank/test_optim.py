@@ -249,6 +249,9 @@ def _uneven_shards(rank, world, path):
     from torch.distributed.fsdp import fully_shard
 
     from llama_fsdp.config.schema import OptimConfig, TrainConfig
+
+    # (the tiny model's recipe: every optimizer key set, as build_spec leaves them)
+    TINY_TRAIN = TrainConfig(lr=3e-3, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8)
     from llama_fsdp.train.optimizer import LOWBIT_STATES, build_optimizer
 
     torch.manual_seed(0)
@@ -262,12 +265,12 @@ def _uneven_shards(rank, world, path):
         opt.step()
         opt.zero_grad()
 
-    opt = build_optimizer(model, TrainConfig(), o)
+    opt = build_optimizer(model, TINY_TRAIN, o)
     step(opt)
     kinds = [type(opt.state[p]["exp_avg"].to_local()).__name__ for p in model.parameters()]
     sd = get_optimizer_state_dict(model, opt)
     dcp.save({"optim": sd}, checkpoint_id=path)
-    fresh = build_optimizer(model, TrainConfig(), o)
+    fresh = build_optimizer(model, TINY_TRAIN, o)
     step(fresh)  # state exists, to load into
     sd2 = get_optimizer_state_dict(model, fresh)
     dcp.load({"optim": sd2}, checkpoint_id=path)

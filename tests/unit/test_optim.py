@@ -119,7 +119,7 @@ def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
     from llama_fsdp.config.schema import OptimConfig, TrainConfig
     from llama_fsdp.train.optimizer import build_optimizer
 
-    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    t = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     out = {}
     for fused in (False, True):
         torch.manual_seed(0)
@@ -160,7 +160,7 @@ def test_stochastic_rounding_moves_bf16_parameters_by_updates_below_half_an_ulp(
     from llama_fsdp.train.optimizer import build_optimizer
 
     steps, lr = 20, 1e-3
-    t = TrainConfig(lr=lr, weight_decay=0.0)
+    t = TrainConfig(lr=lr, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8)
     moved = {}
     for sr in (False, True):
         torch.manual_seed(0)

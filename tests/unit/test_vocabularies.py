@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from llama_fsdp.config import kernels, metrics, objectives, optimizers, placement, status
+from llama_fsdp.config import kernels, metrics, objectives, optimizers, placement, recipes, status
 from llama_fsdp.plan import phases
 from llama_fsdp.tracking import events
 
@@ -32,6 +32,8 @@ CHECKED = {
 # other tables whose words are also words of a checked one (a step's phase "loss", the spool's
 # event kind "running"): they may spell them
 OTHER_TABLES = {
+    # the optimizer keys a recipe sets (config keys: "lr" is also a metric's name)
+    "llama_fsdp/config/recipes.py": set(recipes.TRAIN_KEYS),
     "llama_fsdp/plan/phases.py": {*phases.PHASES, phases.REFERENCE},
     "llama_fsdp/tracking/events.py": {getattr(e, "KIND") for e in vars(events).values()
                                       if isinstance(getattr(e, "KIND", None), str)},
