@@ -29,7 +29,7 @@ from .overrides import command_line, override_key_problems, overridden_keys
 from ..run.ownership import RunDirBusy
 from ..plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
 from ..prepare.errors import PrepareError
-from ..config.status import FAILED, FINISHED, USER_STOPPED
+from ..config.status import DIVERGED, EXIT_DIVERGED, FAILED, FINISHED, USER_STOPPED
 from ..config.rundir import RUNS, SWEEPS, Footprint
 from ..config.credentials import export_credentials
 from ..run.spec import ConfigError, RunSpec, build_spec
@@ -52,6 +52,10 @@ def plan_run(cfg: DictConfig, launcher: Launcher, run_dir: str) -> tuple[RunSpec
     export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
     for key, value in spec.overview().items():
         log.info("%-30s %s", key, value)
+    if spec.finetune.adapters and spec.model.path is None:
+        log.warning("finetune=%s without model.path: the adapters train beside a random base "
+                    "(set model.path to a Hugging Face directory or hub name)",
+                    spec.finetune.method)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
         log.warning("%s", warning)
     plan = make_plan(spec)
@@ -106,6 +110,8 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
         launched = result is not None
         if launched and launcher.waits:
             launcher.close_tracking(output_dir, status=None, deadline_s=final_s)
+            if any(r is not None and r.status == DIVERGED for r in result):
+                return failed(EXIT_DIVERGED)  # (its report: printed with the run's)
             if any(r is not None and r.status != FINISHED for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ..launchers import launcher_for
 from .overrides import command_line, point_values, shown_override, swept_overrides, sweep_size
-from ..config.status import FINISHED
+from ..config.status import EXIT_DIVERGED, FINISHED
 from ..config.rundir import Footprint, config_digest, read_run_status
 from ..config.credentials import export_credentials, redact
 from ..run.spec import RunSpec, point_name
@@ -130,10 +130,16 @@ class SweepCallback(Callback):
             log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
                      "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,
                      sweep_id, uri)
-        if self.failed:
+        diverged = [p for p in self.failed if p.code == EXIT_DIVERGED]
+        if diverged:  # the same command would only diverge again
+            log.error("%d point(s) of sweep %s diverged: %s (each run's diverged.txt has its "
+                      "report); they are never its best point", len(diverged), sweep_id,
+                      ", ".join(p.name or "(no overrides)" for p in diverged))
+        if failed := [p for p in self.failed if p.code != EXIT_DIVERGED]:
             log.error("%d point(s) of sweep %s failed: %s; run the same command with "
-                      "hydra.sweep.dir=%s to resume them", len(self.failed), sweep_id,
-                      ", ".join(p.name or "(no overrides)" for p in self.failed), sweep_dir)
+                      "hydra.sweep.dir=%s to resume them", len(failed), sweep_id,
+                      ", ".join(p.name or "(no overrides)" for p in failed), sweep_dir)
+        if self.failed:
             raise SystemExit(max(p.code for p in self.failed))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .overrides import command_line
 from ..config import metrics as names
-from ..config.status import FINISHED
+from ..config.status import DIVERGED, FINISHED
 from ..run.spec import RunSpec
 from ..tracking import read_run_file, runs_page
 
@@ -35,7 +35,10 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
         lines.append(f"peak memory    {s[names.SUMMARY_PEAK_MEMORY]:.2f} GB ({what}, max over "
                      f"ranks; the plan's tensors {s[names.SUMMARY_PREDICTED_PEAK_MEMORY]:.2f} GB)")
     lines.append(f"run dir        {spec.output_dir}")
-    if rank0.status != FINISHED and rank0.checkpoints:
+    if rank0.status == DIVERGED and rank0.report:  # its own fix: not "continue with" as it was
+        lines += [f"diverged       {line}" if i == 0 else f"               {line}"
+                  for i, line in enumerate(rank0.report.splitlines())]
+    elif rank0.status != FINISHED and rank0.checkpoints:
         lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
                      f"output_dir={spec.output_dir} resume=auto")
     elif rank0.status != FINISHED:

@@ -15,6 +15,7 @@ FINISHED = "finished"
 USER_STOPPED = "stopped by the user"
 PREEMPTED = "preempted"
 FAILED = "FAILED"
+DIVERGED = "diverged"  # the loss ran away (train/divergence.py): the run stopped with a report
 
 # MLflow's run statuses
 MLFLOW_RUNNING = "RUNNING"
@@ -24,7 +25,9 @@ MLFLOW_FAILED = "FAILED"
 MLFLOW_KILLED = "KILLED"
 
 STATUSES = {FINISHED: MLFLOW_FINISHED, USER_STOPPED: MLFLOW_KILLED, PREEMPTED: MLFLOW_KILLED,
-            FAILED: MLFLOW_FAILED}
+            FAILED: MLFLOW_FAILED, DIVERGED: MLFLOW_FAILED}
+# the command's exit code for a run that diverged (2: refused before launch, 1: failed)
+EXIT_DIVERGED = 3
 
 # The runs table's status column (the "status" tag): a run's MLflow status as words, and the
 # words before MLflow has one (a run created, its job queued or its ranks starting)
@@ -32,6 +35,8 @@ QUEUED = "queued"
 STARTING = "starting"
 STATUS_WORDS = {MLFLOW_RUNNING: "running", MLFLOW_SCHEDULED: QUEUED, MLFLOW_FINISHED: "finished",
                 MLFLOW_FAILED: "failed", MLFLOW_KILLED: "stopped"}
+# a run's own word for the status column where MLflow's status says less (diverged: FAILED)
+OWN_WORDS = {DIVERGED: DIVERGED}
 
 
 def mlflow_status(status: str) -> str:
@@ -54,3 +59,4 @@ class RunResult:
     resumed_from: Optional[str]
     checkpoints: list[str] = field(default_factory=list)
     export_dir: Optional[str] = None
+    report: Optional[str] = None  # what went wrong and its fix (a run that diverged)

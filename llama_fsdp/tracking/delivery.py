@@ -103,7 +103,7 @@ class Delivery:
             case ev.Inputs():
                 c.log_inputs(self.run_id, datasets=[_dataset_input(d) for d in e.datasets])
             case ev.Status():
-                c.set_tag(self.run_id, STATUS_TAG, status_text(e.status))
+                c.set_tag(self.run_id, STATUS_TAG, e.word or status_text(e.status))
                 c.set_terminated(self.run_id, status=e.status, end_time=e.ts)
             case ev.Running():
                 c.update_run(self.run_id, status=MLFLOW_RUNNING)

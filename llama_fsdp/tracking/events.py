@@ -148,18 +148,21 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Status:
-    """The run ends: FINISHED, FAILED or KILLED."""
+    """The run ends: FINISHED, FAILED or KILLED; ``word``: what the status column says when it
+    says more than MLflow's status (a run that diverged is FAILED, and says "diverged")."""
 
     KIND: ClassVar[str] = "status"
     status: str
     ts: int = field(default_factory=now_ms)
+    word: Optional[str] = None
 
     def wire(self) -> dict[str, Any]:
-        return {"t": self.KIND, "status": self.status, "ts": self.ts}
+        return {"t": self.KIND, "status": self.status, "ts": self.ts,
+                **({"word": self.word} if self.word else {})}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Status":
-        return cls(d["status"], d["ts"])
+        return cls(d["status"], d["ts"], d.get("word"))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import STATUS_TAG, command_note, status_text
+from .view import DIVERGED_AT_TAG, STATUS_TAG, command_note, status_text
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,19 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
 
     # a point not ended is no failure and has no numbers yet: its row says so
     rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics,
-                       r.info.status if r.info.status in ENDED else "QUEUED OR RUNNING")
-                   for r in runs), key=lambda row: [str(row[k]) for k in keys])
+                       _status_cell(r)) for r in runs), key=lambda row: [str(row[k]) for k in keys])
     rows += [row({}, point, {}, f"REFUSED (exit {code})") for point, code in refused]
     return keys, rows
+
+
+def _status_cell(r: Any) -> str:
+    """A point's status: MLflow's, or DIVERGED with its step (a FAILED run the divergence
+    guard stopped: never the best point), QUEUED OR RUNNING while it has not ended."""
+    if r.info.status not in ENDED:
+        return "QUEUED OR RUNNING"
+    if DIVERGED_AT_TAG in r.data.tags:
+        return f"DIVERGED (step {r.data.tags[DIVERGED_AT_TAG]})"
+    return r.info.status
 
 
 def _header(col: str) -> str:

@@ -143,11 +143,11 @@ class Tracker:
                                    ev.now_ms()))
         return True
 
-    def finish(self, status: str = MLFLOW_FINISHED) -> None:
+    def finish(self, status: str = MLFLOW_FINISHED, word: Optional[str] = None) -> None:
         if self.sampler is not None:
             self.sampler.stop()
         self._log_start_metrics()
-        self.spool.append(ev.Status(status))
+        self.spool.append(ev.Status(status, word=word))
         if self.shipper is None:
             return
         # a store that is not answering gets a short last chance, not the whole timeout
@@ -174,7 +174,7 @@ class NullTracker:
                       model_type: str = "transformers-llama",
                       metrics: Optional[dict[str, float]] = None) -> bool:
         return False
-    def finish(self, status: str = MLFLOW_FINISHED) -> None: ...
+    def finish(self, status: str = MLFLOW_FINISHED, word: Optional[str] = None) -> None: ...
 
 
 def open_tracker(spec: Any) -> Any:

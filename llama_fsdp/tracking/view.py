@@ -33,6 +33,7 @@ VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
 RUNS_QUERY = f"workflowType=machine_learning&viewStateShareKey={VIEW}"
 STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
 BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
+DIVERGED_AT_TAG = "diverged at step"  # a run the divergence guard stopped (train/divergence.py)
 
 
 @dataclass(frozen=True)

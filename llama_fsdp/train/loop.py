@@ -27,11 +27,12 @@ from torch import nn
 
 from ..checkpoint.state import TrainState
 from ..config import metrics as m
-from ..config.schema import EvalConfig, TrainConfig
+from ..config.schema import DivergenceConfig, EvalConfig, TrainConfig
 from ..model.attention import model_inputs
 from ..model.parallelize import clip_grad_norm, uses_ddp
 from ..objective.loss import target_rows
 from ..objective.sft import TOKEN_LOSS, TokenLoss
+from .divergence import DivergenceGuard
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,9 @@ class LoopContext:
     saves_at: Callable[[int], bool] = lambda step: False
     # What a step minimizes: SFT's token loss, or an objective's (dpo.PreferenceLoss).
     loss_fn: TokenLoss = TOKEN_LOSS
+    # Reads every log step's loss and stops a run whose loss runs away (train.divergence);
+    # None: only a loss that is not a number stops it.
+    guard: Optional[DivergenceGuard] = None
 
 
 @dataclass
@@ -279,9 +283,10 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         nonlocal last
         loss, grad_norm, mem, stop, extras = reduce.result()
         now = time.perf_counter()
+        guard = ctx.guard or DivergenceGuard(DivergenceConfig(action="off"))
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {reduce.step}: lower train.lr "
-                                     "or use precision=mixed")
+            # raises: a loss that is no number is not logged
+            guard.observe(reduce.step, loss, reduce.lr)
         state.losses.append(loss)
         last = {**{k: v for k, v in last.items() if k.startswith(m.EVAL_PREFIX)},
                 **step_metrics(loss=loss, grad_norm=grad_norm, lr=reduce.lr, window=reduce.window,
@@ -292,6 +297,8 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
         logged.append({"step": reduce.step, **step_only})
         ctx.tracker.log_metrics(step_only, step=reduce.step)
         ctx.console.update(reduce.step, last)
+        # (logged first: the chart shows where it ran away)
+        guard.observe(reduce.step, loss, reduce.lr)
         return now, stop
 
     while state.step < end:

@@ -40,6 +40,7 @@ cache, HF weights and tokenizer on local disk, the MLflow run), so ranks never t
 from __future__ import annotations
 
 import logging
+import traceback
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,16 +66,27 @@ from ..model.llama import (
     init_weights,
     retie_embeddings,
 )
+from ..config import recipes
+from .divergence import DIVERGED_FILE, Diverged, DivergenceGuard
+from .divergence import report as divergence_report
 from .optimizer import build_optimizer, compile_cache_dir, use_compile_cache
 from ..model.parallelize import build_mesh, local_numel, parallelize, torch_dtype
 from ..plan import Plan, make_plan
 from ..plan.optimizer import uses_torchao_step
-from ..config.status import FAILED, FINISHED, MLFLOW_RUNNING, RunResult, mlflow_status
+from ..config.status import (
+    DIVERGED,
+    FAILED,
+    FINISHED,
+    MLFLOW_RUNNING,
+    OWN_WORDS,
+    RunResult,
+    mlflow_status,
+)
 from ..config.rundir import RunDir, write_run_status
 from ..run.spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from ..tracking import Console, NullConsole, NullTracker, open_tracker
-from ..tracking.view import STATUS_TAG, model_name, shown_metrics, status_text
+from ..tracking.view import DIVERGED_AT_TAG, STATUS_TAG, model_name, shown_metrics, status_text
 from ..objective import build_objective
 from .loop import LoopContext, StopRequested, build_scheduler, run_loop, steady_median
 from ..checkpoint.state import TrainState
@@ -157,6 +169,7 @@ class RankRun:
     state: TrainState
     resumed_from: Optional[Path] = None
     counts: dict[str, int] = field(default_factory=dict)  # trainable, base, total parameters
+    guard: Any = None  # stops a run whose loss runs away (train/divergence.py)
     objective: Any = None  # what it trains for: its loss, batches and evaluation (objective/)
 
     @classmethod
@@ -186,7 +199,8 @@ class RankRun:
             tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
             finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
-                  console, checkpointer, state, objective=objective)
+                  console, checkpointer, state, objective=objective,
+                  guard=DivergenceGuard(spec.train.divergence))
         run.resumed_from = checkpointer.resume(resume)
         run.console.set_initial(state.step)
         run.record_start()
@@ -220,14 +234,19 @@ class RankRun:
             self.tracker.log_metrics({names.RESTART: float(spec.restart)}, step=self.state.step)
 
     def loop_context(self, stops: StopSignals, hang: HangWatch) -> LoopContext:
-        spec, objective = self.spec, self.objective
+        spec, objective, guard = self.spec, self.objective, self.guard
+
+        def save(state: TrainState) -> None:  # a step whose loss the guard suspects is not saved
+            if not guard.suspect:
+                self.checkpointer.on_step_end(state)
+
         return LoopContext(
             device=self.device, train=spec.train, eval=spec.eval,
             batches=objective.batches(self.data.train_batches()), loss_fn=objective.loss,
             tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
-            on_step_end=[self.checkpointer.on_step_end, *load_callbacks(spec, self.env.rank),
-                         hang.arm],
+            guard=guard,
+            on_step_end=[save, *load_callbacks(spec, self.env.rank), hang.arm],
             saves_at=self.checkpointer.saves_at,
             evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
             stop_request=stops.request,
@@ -237,7 +256,7 @@ class RankRun:
 
     def train(self) -> RunResult:
         stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
-        status, export_dir, final, summary = FAILED, None, {}, {}
+        status, export_dir, final, summary, report = FAILED, None, {}, {}, None
         linked = False  # the final metrics went with the logged model
         t = self.spec.train
         done_before = self.state.step >= (t.stop_after or t.max_steps)  # resumed a finished run
@@ -256,13 +275,22 @@ class RankRun:
             status = FINISHED
         except StopRequested as e:
             status = e.reason
+        except Diverged as e:
+            status, report = DIVERGED, self.divergence_report(e)
+            if self.env.rank == 0:  # the report and the traceback in the run directory; the
+                # command prints the report when the run ends
+                where = Path(self.spec.output_dir) / DIVERGED_FILE
+                where.write_text(f"{report}\n\n{traceback.format_exc()}")
+                log.error("%s: every rank stops (the report and the traceback: %s)",
+                          str(e), where)
+            self.tracker.set_tags({DIVERGED_AT_TAG: str(e.step)})
         finally:
             hang.close()
             self.checkpointer.close()
             self.console.close()
             if not linked:
                 self.tracker.log_metrics(self.final_metrics(summary), step=0)
-            self.tracker.finish(mlflow_status(status))
+            self.tracker.finish(mlflow_status(status), word=OWN_WORDS.get(status))
             if self.env.rank == 0:
                 write_run_status(self.spec.output_dir, status=status, step=self.state.step,
                                  config_yaml=self.spec.config_yaml)
@@ -272,7 +300,17 @@ class RankRun:
             mlflow_run_id=self.tracker.run_id,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
-            export_dir=str(export_dir) if export_dir else None)
+            export_dir=str(export_dir) if export_dir else None, report=report)
+
+    def divergence_report(self, err: Diverged) -> str:
+        """The learning rate in use against the recipe's, and the last good checkpoint."""
+        recipe = self.spec.recipe
+        last = ckpt_io.latest_checkpoint(self.spec.output_dir)
+        return divergence_report(
+            err, peak_lr=self.spec.train.lr,
+            source=recipe.sources[recipes.LR] if recipe else recipes.LR,
+            recipe_lr=recipe.recipe[recipes.LR] if recipe else None,
+            last_good=f"{last.name} (resume=auto continues from it)" if last else None)
 
     def export(self, metrics: dict[str, float]) -> tuple[Optional[Path], bool]:
         """The run's model at the end, logged to MLflow with the run's final ``metrics``: the
