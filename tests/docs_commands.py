@@ -562,6 +562,27 @@ REGISTRY: dict[str, Entry] = {
         "the sbatch script has the partition, account, time, 8 GPUs per node and the setup line",
         (NO_SLURM, Append("dry_run=true", "16 GPUs and a partition 'gpu' do not exist here (run "
                                           "as written too: refused in one line)"))),
+    # --- docs/recipes.md --------------------------------------------------------------------
+    **{f"python -m llama_fsdp experiment={preset} data.path={data} cluster.gpu_type={gpu} "
+       f"{extra}dry_run=true": Entry(
+           f"preset_{preset}", f"{LOCAL}::test_recipe_presets_dry_runs",
+           "plans the preset for the cards it is made for (none here: a dry run plans for "
+           "them): it fits, at the peak docs/recipes.md's table states; the recipe's learning "
+           "rate and its source are printed; the one line about a random base (no model.path); "
+           "leaves no run directory (nor a data file: a dry run reads none)")
+       for preset, data, gpu, extra in (
+           ("llama3_8b_lora_alpaca", "alpaca_data.json", "rtx4090", ""),
+           ("llama3_8b_qlora_long", "long_documents.jsonl", "rtx4090", ""),
+           ("llama3_70b_qlora_4x24gb", "alpaca_data.json", "rtx4090", ""),
+           ("llama3_70b_full_8x80gb", "alpaca_data.json", "h100", ""),
+           ("llama3_8b_sft", "sft.jsonl", "rtx4090", "output_dir=outputs/sft8b "),
+           ("llama3_8b_dpo", "pairs.jsonl", "rtx4090", ""))},
+    "python -m llama_fsdp train.lr=3.0 train.max_steps=30": Entry(
+        "diverge", f"{LOCAL}::test_a_run_that_diverges",
+        "the default run at lr 3.0 stops at step 3 with exit code 3 and the report "
+        "docs/recipes.md shows (its lines, numbers aside), no traceback on the console; the "
+        "traceback and the report in the run's diverged.txt; the MLflow run FAILED with status "
+        "diverged"),
     "bash .ci/slurm_deps.sh": Entry(
         "slurm_deps", f"{SLURM}::test_slurm_deps",
         "with SLURM installed it returns at once (exit 0) and every binary is there"),

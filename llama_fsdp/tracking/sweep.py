@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 SUMMARY_METRICS = (names.SUMMARY_TOKENS_PER_SEC, names.SUMMARY_PEAK_MEMORY,
                    names.SUMMARY_FINAL_LOSS)
-IGNORED_PARAMS = ("output_dir", "tracking.run_name")
+IGNORED_PARAMS = ("output_dir", "tracking.run_name", "recipe")
+# where a value came from, not a value: the columns show the values in use (train.lr)
+PROVENANCE = ("derived.", "source.")
 KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
 POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
 POINTS_TAG = "sweep.points"  # on the parent: how many points the sweep runs
@@ -127,7 +129,7 @@ def _find_parent(client: Any, experiment: str, sweep_id: str) -> Optional[str]:
 def swept_keys(runs: list[Any]) -> list[str]:
     """Config keys whose values differ between the runs: what the sweep varied."""
     keys = set().union(*(r.data.params for r in runs)) if runs else set()
-    varied = [k for k in keys if k not in IGNORED_PARAMS and not k.startswith("derived.")
+    varied = [k for k in keys if k not in IGNORED_PARAMS and not k.startswith(PROVENANCE)
               and len({r.data.params.get(k) for r in runs}) > 1]
     return sorted(varied)
 

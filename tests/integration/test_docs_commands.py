@@ -422,11 +422,12 @@ def test_lora_8b_on_one_4090_dry_run(work):
     before = docs.run_dirs(work)
     r = run_doc("lora_8b_dry", work, timeout=300)
     _local_dry_run_checks(r, work, before, ranks=1)
-    assert printed(r.output, "finetune").startswith("lora (rank 16, alpha 32")
+    assert printed(r.output, "finetune").startswith("lora (rank 8, alpha 16")  # the recipe's
     assert "  fits with a 10% margin" in r.output and "DOES NOT FIT" not in r.output
     peak = plan_gb(r.output, "predicted peak (max over phases: loss)")
     (doc_peak,) = doc_states("docs/finetune.md",
-                             r"Llama 3.1 8B with LoRA on one 24 GB GPU: ([\d.]+) GB planned")
+                             r"Llama 3.1 8B with LoRA on one 24 GB GPU, at the recipe's "
+                             r"rank 8: ([\d.]+) GB planned")
     assert same(doc_peak, peak), (doc_peak, peak)
     assert plan_gb(r.output, "capacity (rtx4090 (cluster.gpu_type table))") == "25.40"
 
@@ -646,6 +647,58 @@ def test_own_config_folder(work):
     run = finished(r, work)
     assert printed(r.output, "strategy") == "grad_op"
     assert run.data.params["sharding.strategy"] == "grad_op"
+
+
+# --- docs/recipes.md ----------------------------------------------------------------------------
+
+PRESETS = {  # preset: (local ranks, its row of docs/recipes.md's table, its recipe)
+    "llama3_8b_lora_alpaca": (1, "19.32 GB on a 24 GB card", "3.0e-04 (recipe: 8b lora sft)"),
+    "llama3_8b_qlora_long": (1, "21.09 GB", "3.0e-04 (recipe: 8b qlora sft)"),
+    "llama3_70b_qlora_4x24gb": (4, "18.98 GB per card", "3.0e-04 (recipe: 70b qlora sft)"),
+    "llama3_70b_full_8x80gb": (8, "65.42 GB per GPU", "2.0e-05 (recipe: 70b full sft)"),
+    "llama3_8b_sft": (1, "19.32 / 19.49 GB", "3.0e-04 (recipe: 8b lora sft)"),
+    "llama3_8b_dpo": (1, "19.32 / 19.49 GB", "5.0e-04 (recipe: 8b lora dpo)"),
+}
+
+
+def test_recipe_presets_dry_runs(work):
+    table, outputs = (REPO / "docs" / "recipes.md").read_text(), {}
+    for preset, (ranks, stated, lr) in PRESETS.items():
+        before = docs.run_dirs(work)
+        r = run_doc(f"preset_{preset}", work, timeout=300)
+        _local_dry_run_checks(r, work, before, ranks=ranks)
+        out = outputs[preset] = r.output
+        assert "  fits with a 10% margin" in out and "DOES NOT FIT" not in out, preset
+        row = next(line for line in table.splitlines()
+                   if line.startswith("| `") and f"`{preset}`" in line.split(" | ")[0])
+        assert row.rstrip().endswith(f"| {stated} |"), (preset, row)
+        peak = re.search(r"^  predicted peak \(max over phases: \w+\)\s+([\d.]+)", out, re.M)
+        peaks = re.findall(r"[\d.]+(?= GB| /)", stated)
+        assert peak and peak.group(1) in peaks, (preset, peak and peak.group(1), stated)
+        assert printed(out, "learning rate") == lr, preset
+        random_base = "without model.path: the adapters train beside a random base"
+        assert out.count(random_base) == (0 if "full" in preset else 1), preset
+    # the lines docs/recipes.md shows are the 8B LoRA preset's, as printed
+    shown = doc_states("docs/recipes.md", r"```\n(\[[\d:]+\] learning rate .*?)\n```")[0]
+    for line in shown.splitlines():
+        assert line.split("] ", 1)[1] in outputs["llama3_8b_lora_alpaca"], line
+
+
+def test_a_run_that_diverges(work):
+    r = run_doc("diverge", work)
+    assert r.returncode == 3, str(r)
+    assert "Traceback" not in r.output
+    block = doc_states("docs/recipes.md", r"```\n(  status         diverged\n.*?)\n```")[0]
+    number = r"[-+\d.e]+"
+    for line in block.splitlines():  # each line of the docs' report, its numbers aside
+        pattern = re.escape(line)
+        for n in sorted(set(re.findall(r"\d[\d.e+-]*", line)), key=len, reverse=True):
+            pattern = pattern.replace(re.escape(n), number)
+        assert re.search("^" + pattern + "$", r.output, re.M), line
+    run_dir = Path(docs.summary_value(r.output, "run dir"))
+    assert "Traceback (most recent call last)" in (run_dir / "diverged.txt").read_text()
+    run = client(work).get_run(docs.summary_value(r.output, "mlflow run").split()[0])
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "diverged"
 
 
 # --- docs/data.md -------------------------------------------------------------------------------

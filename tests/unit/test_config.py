@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from llama_fsdp.run.spec import ConfigError
@@ -185,7 +186,16 @@ def test_experiment_presets_compose_with_the_values_they_leave_open():
     assert presets, "conf/experiment/ ships an example preset"
     for name in presets:
         cfg = compose([f"experiment={name}", "data.path=/data/alpaca.json", "cluster.device=cpu"])
-        assert cfg.model.name == "1b" and cfg.train.seq_len == 2048 and cfg.data.name == "jsonl"
+        size = name.split("_")[1]  # llama3_<size>_...: the model the preset is for
+        assert cfg.model.name == size and cfg.data.name == "jsonl", name
+        assert cfg.data.path == "/data/alpaca.json"  # left open: the user's data
+        own = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
+        for group in ("train", "finetune", "objective", "cluster", "save"):
+            for key, value in (own.get(group) or {}).items():
+                if group == "cluster" and key == "device":
+                    continue  # overridden above
+                assert OmegaConf.select(cfg, f"{group}.{key}") == value, (name, group, key)
+    assert compose(["experiment=llama3_1b_alpaca", "data.path=/d.json"]).train.seq_len == 2048
 
 
 def test_a_users_config_dir_adds_presets(tmp_path):
