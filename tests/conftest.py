@@ -30,6 +30,9 @@ CI_ALLOWED_SKIPS = {
     "bash benchmarks/setup_peers.sh downloads": "an opt-in install (LLAMA_FSDP_DOCS_INSTALL=1)",
     "bash scripts/offline_wheels.sh downloads": "an opt-in download for a GPU session "
                                                 "(LLAMA_FSDP_DOCS_INSTALL=1)",
+    "the README's numbers are of torch": "scripts/test_floor.sh's torch 2.11 (the README's "
+                                         "summary is of the build make run installs, which "
+                                         "CI's run checks)",
     "the table is of a torch whose varlen_attn": "scripts/test_floor.sh's torch 2.11 (the table "
                                                  "is of torch >= 2.12, which CI's run checks)",
 }

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import docs_commands as docs
 
 pytestmark = [pytest.mark.slow]
 
@@ -51,6 +54,34 @@ def test_default_run_trains_and_reports(default_run):
     assert log.count("[rank1]") == 0  # only rank 0 talks
     run = next((cwd / "outputs" / "runs").glob("*/*"))
     assert not (run / "hang").exists()  # the hang watch leaves nothing when nothing hung
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# the summary lines that are the same on every run of the default command (a given torch build):
+# the rest (tokens/s, memory, paths, ids) is the machine's and the moment's
+DETERMINISTIC = ("status", "steps", "final loss")
+
+
+def readme_summary() -> tuple[str, dict[str, str]]:
+    """The torch build README.md names for its summary block, and that block's lines."""
+    text = README.read_text()
+    build = re.search(r"with torch\s+(\S+?)[,)]", text)
+    assert build, "README.md names no torch build for its summary block ('with torch X')"
+    block = text.split("then a summary like", 1)[1].split("```", 2)[1]
+    return build.group(1), {key: docs.summary_value(block, key) for key in DETERMINISTIC}
+
+
+def test_readme_summary_is_what_the_default_command_prints(default_run):
+    """README.md's summary block (status, steps, final and eval loss, exact match) is the
+    default command's, so it cannot drift when the code changes."""
+    import torch
+
+    build, lines = readme_summary()
+    if build != torch.__version__:
+        pytest.skip(f"the README's numbers are of torch {build}; this is {torch.__version__}")
+    _, out = default_run
+    log = out.stdout + out.stderr
+    assert {key: docs.summary_value(log, key) for key in DETERMINISTIC} == lines
 
 
 def test_default_run_mlflow_record(default_run):
