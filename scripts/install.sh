@@ -12,6 +12,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 PY=${PYTHON:-python3}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # the install says what it did, not what pip could be
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip >/dev/null 2>&1 || true
 
@@ -29,6 +30,9 @@ fi
 if [ -n "${LLAMA_FSDP_PACKAGE:-}" ]; then
   pip install -q "$LLAMA_FSDP_PACKAGE"
 else
-  pip install -q -e ".[dev]"
+  # setuptools' note on every editable install ("Editable installation ... folders with the same
+  # name as your package"): information for packagers, not for a user of this checkout
+  QUIET_BUILD="ignore:Editable installation"
+  PYTHONWARNINGS="$QUIET_BUILD" pip install -q -e ".[dev]"
 fi
 "$VENV/bin/python" -c "import torch, llama_fsdp; print('llama_fsdp ready: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
