@@ -215,8 +215,14 @@ def test_readme_70b_dry_run(work):
     r = run_doc("readme_70b_dry", work, timeout=300)
     script = _dry_run_checks(r, work, before)
     assert printed(r.output, "world_size") == "32 = 4 node(s) x 8"
-    # 70b hybrid on 4 x 8 H100s needs more than an H100 has: the plan says so, with the fixes
+    # 70b hybrid on 4 x 8 H100s needs more than an H100 has: the plan says so, with the fixes,
+    # and the README says beside the example that it shows a refusal, with the plan's figure
     assert "DOES NOT FIT" in r.output and "Cheapest fixes" in r.output
+    needs = re.search(r"needs ([\d.]+ GB) per device", r.output).group(1)
+    comment = next(line for line in (docs.REPO / "README.md").read_text().splitlines()
+                   if "model=70b sharding=hybrid cluster=slurm cluster.nodes=4" in line
+                   ).split("#", 1)[1]
+    assert "refusal" in comment and f"{needs} per GPU" in comment, comment
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
         assert line in script
     assert "\nsrun " in script
