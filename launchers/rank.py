@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import forked
+from .proctitle import set_title
 from .worker_process import main as child_main  # the worker, forked
 from ..config.status import FAILED, PREEMPTED, mlflow_status
 from ..config.rundir import RunDir, exchange_files, private_dir, report_path
@@ -151,6 +152,7 @@ class Supervisor:
 
     def run(self) -> Any:
         entry, spec = pickle.loads(self.payload)
+        set_title(self.rank, spec.world_size, "supervisor", spec.output_dir)
         if self.attempt or self.requeue:  # a restart or a requeue continues the checkpoints
             spec = replace(spec, resume="auto", restart=self.attempt + self.requeue)
         where = attempt_dir(spec.output_dir, self.job_id, self.requeue, self.attempt)

@@ -39,6 +39,7 @@ from .base import Launcher
 from .environment import scoped_environ, worker_env
 from .hosts import this_host
 from .process import load_entry
+from .proctitle import set_title
 
 if TYPE_CHECKING:
     from ..run.spec import RunSpec
@@ -202,6 +203,7 @@ class TorchrunLauncher(Launcher):
             with scoped_environ(HUB_OFFLINE):  # the node's first rank fetched what it needs
                 spec = resolve_model(spec)
             os.environ.update(HUB_OFFLINE)  # from here on, as a launched rank: no hub
+            set_title(env.rank, spec.world_size, "worker", spec.output_dir)
             return [entry(spec)]
 
     @staticmethod

@@ -6,6 +6,7 @@ pickle its result, or leave the traceback with the time it happened.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import time
@@ -13,10 +14,12 @@ import traceback
 from pathlib import Path
 
 from llama_fsdp.launchers.process import exit_now, load_entry
+from llama_fsdp.launchers.proctitle import set_title
 
 
 def main(inp: str, out: str, tb_file: str) -> int:
     entry, spec = pickle.loads(Path(inp).read_bytes())
+    set_title(int(os.environ.get("RANK", "0")), spec.world_size, "worker", spec.output_dir)
     entry = load_entry(entry)
     try:
         result = entry(spec)

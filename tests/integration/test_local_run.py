@@ -129,6 +129,23 @@ def test_a_crashing_rank_ends_the_run_with_its_traceback(tmp_path):
     assert run.info.status == "FAILED"
 
 
+def test_every_rank_process_has_a_title_that_ps_shows(tmp_path):
+    """`ps` tells the processes of a run apart: each rank's supervisor and worker is titled
+    with its rank, its role and the run (args), and a short name (comm, what top shows)."""
+    shot = tmp_path / "ps.txt"
+    out = _run(tmp_path, "train.max_steps=2", "train.warmup_steps=1", "eval.every_steps=0",
+               "eval.task_prompts=0", "save.every_steps=0", "tracking.enabled=false",
+               "train.callbacks=[tests.integration.ps_hook:snapshot]",
+               env_extra={"LLAMA_FSDP_TEST_PS": str(shot)}, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    run = next((tmp_path / "outputs" / "runs").glob("*/*")).name
+    rows = [line.split("\t") for line in shot.read_text().splitlines()]
+    titled = {args: comm for comm, args in rows if args.startswith("llama_fsdp rank")}
+    want = {f"llama_fsdp rank {r}/2 {role} (run {run})": f"lf{r}/2 {role}"[:15]
+            for r in (0, 1) for role in ("worker", "supervisor")}
+    assert titled == want, shot.read_text()
+
+
 def test_a_checkout_runs_without_being_installed(tmp_path):
     """The GPU check's situation (scripts/gpu_check.sh): the dependencies installed, the
     checkout only on PYTHONPATH, no install of the package. The config groups and launchers
