@@ -179,6 +179,20 @@ def room_needed(chosen: Encoded, rejected: Encoded) -> int:
     return chosen.prompt_len + rejected.prompt_len + 2
 
 
+def prompt_budget(seq_len: int) -> int:
+    """The tokens a prompt keeps when it leaves no room for the answers (data.overlong=
+    truncate): a quarter of the row, half of each sequence's share, as TRL's defaults give a
+    prompt half of a sequence (max_prompt_length 512 of max_length 1024)."""
+    return max(1, seq_len // 4)
+
+
+def keep_prompt_end(enc: Encoded, keep: int) -> Encoded:
+    """``enc`` with its prompt cut to its last ``keep`` tokens, the end nearest the answer kept
+    (TRL's prompt truncation); the answer is untouched."""
+    cut = max(0, enc.prompt_len - keep)
+    return Encoded(enc.ids[cut:], enc.mask[cut:], enc.prompt_len - cut, enc.chars)
+
+
 def fit_answers(chosen: Encoded, rejected: Encoded, seq_len: int) -> tuple[int, int]:
     """Lengths the two sequences are cut to so that the pair fits ``seq_len`` tokens: the
     answers share what the prompts leave, a short answer keeping all of its tokens."""
@@ -216,48 +230,58 @@ class PairEncoder:
         for j, index in enumerate(indices):
             rec = {k: v[j] for k, v in batch.items()}
             try:
-                chosen, rejected = encode_pair(self.tokenizer, self.layout,
-                                               *pair_parts(rec, self.layout))
-                keep, cut = self.fit(chosen, rejected, index)
+                pair = encode_pair(self.tokenizer, self.layout, *pair_parts(rec, self.layout))
+                keep, fitted, cut = self.fit(*pair, index)
             except Exception as e:  # noqa: BLE001 - any failure is this record's: name it
                 raise ValueError(f"{self.where(index)}: {_reason(e)}") from None
-            for enc, n in zip((chosen, rejected), cut):
+            for enc, n, whole in zip(fitted, cut, pair):
                 ids, mask = (enc.ids[:n], enc.mask[:n]) if keep else ([], [])
                 out["input_ids"].append(ids)
                 out["loss_mask"].append(mask)
                 out["prompt_len"].append(enc.prompt_len)
-                out["truncated"].append(keep and n < len(enc.ids))
-                out["full_len"].append(len(enc.ids))
+                out["truncated"].append(keep and n < len(whole.ids))
+                out["full_len"].append(len(whole.ids))
                 out["targets"].append(int(sum(mask)))
                 out["chars"].append(enc.chars)
                 out["keep"].append(keep)
                 out["task"].append(str(tasks[j]) if tasks is not None else "")
         return out
 
-    def fit(self, chosen: Encoded, rejected: Encoded, index: int) -> tuple[bool, tuple[int, int]]:
-        """(keep, the two sequences' lengths) in a row of seq_len; refuses a prompt that leaves
-        no room, and with data.overlong=error a pair that does not fit whole."""
+    def fit(self, chosen: Encoded, rejected: Encoded,
+            index: int) -> tuple[bool, tuple[Encoded, Encoded], tuple[int, int]]:
+        """(keep, the pair with its prompts cut if they had to be, the two sequences' lengths)
+        in a row of seq_len. A prompt that leaves no room for the answers is cut to its end
+        (data.overlong=truncate) or the pair left out (drop); with data.overlong=error, refused,
+        as is a pair that does not fit whole."""
         for name, enc in (("chosen", chosen), ("rejected", rejected)):
             if not any(enc.mask):
                 raise ValueError(f"the {name} answer has no target token ({_SKIP})")
         need, whole = room_needed(chosen, rejected), len(chosen.ids) + len(rejected.ids)
-        if need > self.seq_len:
+        if need > self.seq_len and self.overlong == "drop":
+            return False, (chosen, rejected), (0, 0)
+        if need > self.seq_len and self.overlong == "truncate":
+            keep = prompt_budget(self.seq_len)
+            chosen, rejected = keep_prompt_end(chosen, keep), keep_prompt_end(rejected, keep)
+            whole = len(chosen.ids) + len(rejected.ids)
+        elif need > self.seq_len:
             raise ValueError(
                 f"the prompt ({chosen.prompt_len} tokens with its template) leaves no room for "
                 f"the answers: a row holds the pair, each answer after its own copy of the "
                 f"prompt, so it needs at least {need} tokens, and train.seq_len={self.seq_len}. "
                 f"Fix: raise train.seq_len (train.seq_len={_row_seq_len(whole)} holds this pair "
-                f"whole), or shorten the prompt (data.preprocess)")
+                f"whole), shorten the prompt (data.preprocess), or set data.overlong=truncate "
+                f"(keeps the prompt's last {prompt_budget(self.seq_len)} tokens) or drop (leaves "
+                f"such pairs out)")
         if whole <= self.seq_len:
-            return True, (len(chosen.ids), len(rejected.ids))
+            return True, (chosen, rejected), (len(chosen.ids), len(rejected.ids))
         if self.overlong == "error":
             raise ValueError(f"the pair is {whole} tokens (chosen {len(chosen.ids)} + rejected "
                              f"{len(rejected.ids)}), longer than a row of train.seq_len="
                              f"{self.seq_len} (data.overlong=error; use truncate or drop, or "
                              f"raise train.seq_len to {_row_seq_len(whole)})")
         if self.overlong == "drop":
-            return False, (0, 0)
-        return True, fit_answers(chosen, rejected, self.seq_len)
+            return False, (chosen, rejected), (0, 0)
+        return True, (chosen, rejected), fit_answers(chosen, rejected, self.seq_len)
 
 
 # --- the cache's record kind ------------------------------------------------------------------

@@ -164,12 +164,38 @@ def test_chosen_equal_to_rejected_is_refused_naming_the_record(spec_factory, tmp
     assert "record 3 (0-based)" in msg and "chosen equals rejected" in msg
 
 
-def test_a_prompt_without_room_for_the_answers_is_refused_with_the_seq_len_that_fits(
+def test_a_prompt_without_room_is_refused_under_error_with_the_seq_len_that_fits(
         spec_factory, tmp_path, cache):
     recs = [*PAIRS[:7], {"prompt": " ".join(["word"] * 30) + " =", "chosen": "a", "rejected": "b"}]
-    msg = _refused(spec_factory, cache, _jsonl(tmp_path / "long_prompt.jsonl", recs))
+    msg = _refused(spec_factory, cache, _jsonl(tmp_path / "long_prompt.jsonl", recs),
+                   "data.overlong=error")
     assert "record 7 (0-based)" in msg and "leaves no room for the answers" in msg
     assert "train.seq_len=64" in msg and "Fix: raise train.seq_len (train.seq_len=" in msg
+    assert "data.overlong=truncate (keeps the prompt's last 16 tokens) or drop" in msg
+
+
+LONG_PROMPT = {"prompt": " ".join(f"w{i}" for i in range(40)) + " end =", "chosen": "a",
+               "rejected": "b"}
+
+
+def test_a_prompt_without_room_is_cut_to_its_end_under_truncate(tmp_path, cache):
+    """data.overlong=truncate keeps the prompt's end (TRL's max_prompt_length truncation):
+    the pair trains, in one row, on its whole answers."""
+    dm = _build(cache, _jsonl(tmp_path / "lp.jsonl", [*PAIRS[:7], LONG_PROMPT]), seq_len=64,
+                overlong="truncate", eval_fraction=0, eval_records=0)
+    store = dm.train.store
+    assert dm.stats["train_pairs"] == 8 and store.truncated[14] and store.truncated[15]
+    assert store.lengths[14] + store.lengths[15] <= 64
+    ids, _ = store.record(14)
+    text = dm.tokenizer.decode(ids.tolist())
+    assert text.endswith("end = a</s>") and "w0 " not in text and "w39" in text
+    assert _answer(dm, 14).strip() == "a</s>" and _answer(dm, 15).strip() == "b</s>"
+
+
+def test_a_prompt_without_room_is_left_out_under_drop_and_counted(tmp_path, cache):
+    dm = _build(cache, _jsonl(tmp_path / "lp.jsonl", [*PAIRS[:7], LONG_PROMPT]), seq_len=64,
+                overlong="drop", eval_fraction=0, eval_records=0)
+    assert dm.stats["train_pairs"] == 7 and dm.stats["records_dropped"] == 1
 
 
 def test_a_file_without_answers_is_refused_with_its_columns(spec_factory, tmp_path, cache):
