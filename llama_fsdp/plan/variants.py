@@ -47,8 +47,7 @@ def with_strategy(spec: RunSpec, strategy: str) -> RunSpec:
     mesh = mesh_for(strategy, shard_size, spec.world_size, spec.nproc_per_node)
     name = spec.run_name
     if spec.tracking.run_name is None:  # the generated name carries the strategy
-        prefix = f"{spec.model.name} "
-        name = name.replace(f"{prefix}{spec.strategy} ", f"{prefix}{strategy} ", 1)
+        name = name.replace(f" shard={spec.strategy} ", f" shard={strategy} ", 1)
     return checked(dataclasses.replace(
         spec, strategy=strategy, mesh=mesh, run_name=name,
         sharding=dataclasses.replace(spec.sharding, strategy=strategy, shard_size=shard_size)))

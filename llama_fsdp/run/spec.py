@@ -180,18 +180,26 @@ def _renamed_keys(c: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(c, timeout_min=c.time_min, time_min=None)
 
 
+# the short names of keys often swept, so that a point's values show in the width MLflow's
+# Run Name column gives them ("b=2 shard=full", not "batch_size=2 shardi...")
+SHORT_KEYS = {"batch_size": "b", "sharding": "shard", "strategy": "shard", "finetune": "ft",
+              "checkpointing": "ac", "precision": "prec", "seq_len": "seq"}
+
+
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
-    ("batch_size=2 sharding=full")."""
-    return " ".join(f"{key.split('.')[-1]}={value}" for key, value in values.items())
+    ("b=2 shard=full")."""
+    return " ".join(f"{SHORT_KEYS.get(key.split('.')[-1], key.split('.')[-1])}={value}"
+                    for key, value in values.items())
 
 
 def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int,
               device: str) -> str:
-    """What a single run is, short enough for the MLflow table: "tiny full fp32 2xcpu b8", with
-    the method and the optimizer where they are not the defaults ("70b qlora full bf16 ...")."""
+    """What a single run is, short enough for the MLflow table: "tiny shard=full fp32 2xcpu b8",
+    with the method and the optimizer where they are not the defaults ("70b qlora shard=full
+    bf16 ..."); the sharding is named as such, so that "lora full" never reads as both."""
     nodes = f"{cfg.cluster.nodes}x" if cfg.cluster.nodes > 1 else ""
-    parts = [cfg.model.name, strategy, precision, f"{nodes}{nproc}x{device}",
+    parts = [cfg.model.name, f"shard={strategy}", precision, f"{nodes}{nproc}x{device}",
              f"b{cfg.train.batch_size}"]
     if cfg.checkpointing.mode != "none":
         parts.insert(3, f"ac={cfg.checkpointing.mode}")

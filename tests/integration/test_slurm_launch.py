@@ -116,8 +116,8 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert parent.data.tags["best point"] in {r.info.run_name for r in runs}
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
     assert sorted(r.info.run_name for r in runs) == [
-        "batch_size=2 sharding=full", "batch_size=2 sharding=no_shard",
-        "batch_size=4 sharding=full", "batch_size=4 sharding=no_shard"]
+        "b=2 shard=full", "b=2 shard=no_shard",
+        "b=4 shard=full", "b=4 shard=no_shard"]
     # on demand too, the same summary
     summary = subprocess.run([sys.executable, "-m", "llama_fsdp.tracking.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)

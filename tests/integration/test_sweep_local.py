@@ -97,8 +97,8 @@ def test_the_sweep_resumes_under_the_same_parent(sweep):
     assert [k.info.status for k in kids] == ["FINISHED"] * 3
     # the points that had finished are skipped, not started again: their runs logged 3 steps once
     log = again.stdout + again.stderr
-    assert "point finetune=lora finished in an earlier run of this sweep" in log
-    assert "point finetune=full finished" not in log
+    assert "point ft=lora finished in an earlier run of this sweep" in log
+    assert "point ft=full finished" not in log
     assert [m.step for m in sweep["client"].get_metric_history(kids[1].info.run_id, "loss")] \
         == [1, 2, 3]
     assert parent.data.tags["failed_points"] == "0" and parent.data.tags["status"] == "finished"
@@ -161,7 +161,7 @@ def test_the_exported_point_is_its_trained_start(sweep, tmp_path):
     from tests.gpu.test_gpu_run import assert_export_is_the_trained_start
 
     _, kids = _family(sweep["after"])
-    (point,) = [k for k in kids if k.info.run_name == "finetune=full"]
+    (point,) = [k for k in kids if k.info.run_name == "ft=full"]
     assert point.info.status == "FINISHED"
     run_dir, export = Path(point.data.tags["output_dir"]), tmp_path / "export"
     r = subprocess.run([sys.executable, "-m", "llama_fsdp.checkpoint.convert",
@@ -350,7 +350,7 @@ def test_a_points_page_shows_its_own_command_and_keeps_its_side_panel(sweep, pag
     lora = kids[1]
     # as a person gets there: the point's name in the runs table
     page.locator(f'.ag-row[row-id="{lora.info.run_id}"] [col-id="attributes.`Run Name`"] a',
-                 has_text="finetune=lora").first.click()
+                 has_text="ft=lora").first.click()
     about = page.get_by_text("About this run").first
     about.wait_for()
     box = about.bounding_box()

@@ -178,3 +178,14 @@ def test_a_new_run_brings_an_experiments_earlier_view_up_to_date(tmp_path):
     assert view_is_current(tags["mlflow.sharedViewState.llama_fsdp"])
     assert json.loads(tags["mlflow.sharedViewState.llama_fsdp"])["createdAt"] == 5
     assert tags["mlflow.note.content"] == "my notes"
+
+
+def test_run_names_say_what_is_sharding_and_points_fit_the_name_column(spec_factory):
+    """A single run's name says "shard=full" ("lora full" read as both); a sweep point's name
+    uses short keys, so its values show in the Run Name column's width."""
+    from llama_fsdp.run.spec import point_name
+
+    spec = spec_factory(["cluster.device=cpu", "finetune=lora"])
+    assert spec.run_name == "tiny lora shard=full fp32 2xcpu b8"
+    assert point_name({"train.batch_size": "2", "sharding": "full"}) == "b=2 shard=full"
+    assert point_name({"finetune": "qlora", "objective.beta": "0.1"}) == "ft=qlora beta=0.1"

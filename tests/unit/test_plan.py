@@ -414,7 +414,7 @@ def test_resolve_auto_replaces_strategy_and_mesh():
     resolved = P.resolve_auto(spec)
     assert resolved.strategy == resolved.sharding.strategy == "hybrid"
     assert resolved.mesh == MeshSpec(replicate=2, shard=8, reshard_after_forward=True)
-    assert resolved.mesh.shape == (2, 8) and resolved.run_name.startswith("8b hybrid ")
+    assert resolved.mesh.shape == (2, 8) and resolved.run_name.startswith("8b shard=hybrid ")
     fixed = make_spec("sharding=grad_op", "cluster.device=cpu")
     assert P.resolve_auto(fixed) is fixed
 
