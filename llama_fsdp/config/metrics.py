@@ -44,6 +44,7 @@ SUMMARY_PREDICTED_PEAK_MEMORY = "summary/predicted_peak_memory_gb"  # the plan's
 SUMMARY_FINAL_LOSS = "summary/final_loss"
 SUMMARY_EVAL_LOSS = "summary/eval_loss"
 SUMMARY_EVAL_EXACT_MATCH = "summary/eval_exact_match"
+HARNESS_PREFIX = "harness/"  # eval.harness: harness/<task>/<metric> (and _stderr), lm-eval's scores
 
 # objective=dpo (TRL's names): per log step, means over the step's pairs, and with "eval_" before
 # them at eval steps; at the end, the last values the runs table shows

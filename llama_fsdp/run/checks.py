@@ -888,7 +888,9 @@ def config_problems(cfg: Config) -> list[str]:
                  + objective_option_problems(cfg.objective))
     if OBJECTIVES.get(cfg.objective.name) is not None and OBJECTIVES[cfg.objective.name].pairs:
         problems += pair_data_problems(cfg.data)
-    return problems
+    from ..harness import harness_problems  # (lm-eval itself: imported only for tasks)
+
+    return problems + harness_problems(cfg.eval.harness)
 
 
 def derived_problems(cfg: Any, *, place: Placement, mesh: MeshSpec, world: int,

@@ -162,10 +162,13 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
         return point.get(key, next((v for g, v in point.items() if key.startswith(g + ".")),
                                    None))
 
+    # eval.harness's scores: a column per task and headline metric any point has
+    scores = harness_columns(runs)
+
     def row(params: dict[str, Any], point: dict[str, str], metrics: dict[str, Any],
             status: str) -> dict:
         return {**{k: value(k, params, point) for k in keys},
-                **{m: metrics.get(m) for m in SUMMARY_METRICS}, "status": status}
+                **{m: metrics.get(m) for m in (*SUMMARY_METRICS, *scores)}, "status": status}
 
     # a point not ended is no failure and has no numbers yet: its row says so
     rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics,
@@ -188,8 +191,15 @@ def _header(col: str) -> str:
     return col.removeprefix(names.SUMMARY_PREFIX)
 
 
+def harness_columns(runs: list[Any]) -> list[str]:
+    """harness/<task>/<metric> of the runs (stderrs left out), in a stable order."""
+    return sorted({k for r in runs for k in r.data.metrics
+                   if k.startswith(names.HARNESS_PREFIX) and not k.endswith("_stderr")})
+
+
 def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
-    cols = [*keys, *SUMMARY_METRICS, "status"]
+    scores = sorted({k for row in rows for k in row if k.startswith(names.HARNESS_PREFIX)})
+    cols = [*keys, *SUMMARY_METRICS, *scores, "status"]
 
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))

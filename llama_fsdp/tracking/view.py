@@ -71,11 +71,20 @@ SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 10
                 Shown("peak GB", _metric(m.SUMMARY_PEAK_MEMORY), 3, 74),
                 Shown("planned GB", _metric(m.SUMMARY_PREDICTED_PEAK_MEMORY), 3, 92))
 BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)
+
+
+def _harness_score(exact: Mapping[str, float]) -> Optional[float]:
+    """eval.harness's first task's headline metric (harness/<task>/<metric>, not a stderr)."""
+    return next((v for k, v in exact.items()
+                 if k.startswith(m.HARNESS_PREFIX) and not k.endswith("_stderr")), None)
+
+
+HARNESS = Shown("harness score", _harness_score, 3, 104)
 # after the first screen (1600 px holds the columns of every run; a DPO run's reward accuracy
 # is the first column past it)
-LATER = (*BY_OBJECTIVE[DPO], BASE)
+LATER = (*BY_OBJECTIVE[DPO], HARNESS, BASE)
 SHOWN: tuple[Shown, ...] = (*TRAINABLE, *(s for cols in BY_OBJECTIVE.values() for s in cols),
-                            *SPEED_MEMORY, BASE)
+                            *SPEED_MEMORY, HARNESS, BASE)
 
 
 def round_to(value: float, digits: int) -> float:

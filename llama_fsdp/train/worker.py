@@ -55,6 +55,7 @@ from ..config import metrics as names
 from ..checkpoint.layout import resume_candidates
 from ..config.schema import TrainConfig
 from ..data import DataModule, build_data
+from . import harness_step
 from .distributed import DistEnv, process_group
 from ..config.hf_dir import hub_name
 from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
@@ -246,7 +247,10 @@ class RankRun:
             tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             guard=guard,
-            on_step_end=[save, *load_callbacks(spec, self.env.rank), hang.arm],
+            on_step_end=[save, *load_callbacks(spec, self.env.rank),
+                         harness_step.periodic(spec, rank=self.env.rank, device=self.device,
+                                               tracker=self.tracker, export=self.export_at),
+                         hang.arm],
             saves_at=self.checkpointer.saves_at,
             evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
             stop_request=stops.request,
@@ -272,6 +276,7 @@ class RankRun:
                          self.state.step)
             else:
                 export_dir, linked = self.export(self.final_metrics(summary))
+                summary.update(self.harness_at_end())
             status = FINISHED
         except StopRequested as e:
             status = e.reason
@@ -338,6 +343,32 @@ class RankRun:
         path = ckpt_io.export_hf(self.model, run_dir.export, config=self.checkpointer.hf_config,
                                  tokenizer=self.data.tokenizer)
         return path, self.tracker.log_model_dir(path, **logged)
+
+    def export_at(self, where: Path) -> None:
+        """The model as it is now, as an HF directory (merged under adapters). Collective."""
+        spec = self.spec
+        if spec.finetune.adapters:
+            ckpt_io.export_merged(self.model, where, config=self.checkpointer.hf_config,
+                                  dtype=torch_dtype(spec.policy.param_dtype),
+                                  tokenizer=self.data.tokenizer)
+        else:
+            ckpt_io.export_hf(self.model, where, config=self.checkpointer.hf_config,
+                              tokenizer=self.data.tokenizer)
+
+    def harness_at_end(self) -> dict[str, float]:
+        """eval.harness on the export just written: rank 0 frees the training state and scores
+        it; the others are done. The summary's scores (rank 0)."""
+        if not self.spec.eval.harness.tasks or self.env.rank != 0:
+            return {}
+        self.model = self.optimizer = self.scheduler = None  # (the export holds the weights)
+        self.checkpointer.app = None
+        harness_step.free()
+        found = harness_step.score(self.spec, harness_step.model_dir_of(self.spec),
+                                   step=self.state.step, device=self.device,
+                                   tracker=self.tracker)
+        headline = harness_step.summary_of(found)
+        self.tracker.log_metrics(shown_metrics(headline), step=0)  # the table's column
+        return headline
 
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""
