@@ -8,7 +8,7 @@ the export is written: the same weights a user gets, scored by the same code ``l
 hf`` runs on them (tests/integration/test_harness.py holds the two equal). Why the export, not
 a model gathered in memory: every run that evaluates writes it anyway (it is what is scored and
 shipped), the export is what lm-eval loads the same way from the command line, and loading it
-costs less than the harness itself (benchmarks/harness.md).
+costs a fixed few seconds next to the harness itself (benchmarks/harness.md).
 
 The bundled task ``llama_fsdp_synthetic`` (tasks/) scores the embedded default data offline.
 """
