@@ -68,6 +68,20 @@ def test_a_crashing_rank_fails_the_job_with_its_error(tmp_path, slurm_cluster):
     assert "injected fault on rank 1 after step 1" in log
 
 
+def test_the_plan_sizes_a_nodes_memory_from_the_partition_when_mem_gb_is_unset(tmp_path,
+                                                                              slurm_cluster):
+    """cluster.mem_gb unset: the plan's capacity is the partition's nodes' memory as SLURM
+    reports it, and says so (before: the submitting host's RAM, called "host RAM")."""
+    out = _cli(tmp_path, slurm_cluster, "dry_run=true", "cluster.nproc_per_node=2", *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mb = int(subprocess.run(["sinfo", "-h", "-p", slurm_cluster.partition, "-o", "%m"],
+                            capture_output=True, text=True, check=True).stdout.split()[0])
+    row = next(line for line in (out.stdout + out.stderr).splitlines()
+               if line.strip().startswith("host capacity ("))
+    assert f"(partition {slurm_cluster.partition}'s nodes, sinfo / ranks per node)" in row, row
+    assert row.split()[-2] == f"{mb * 2**20 / 2 / 1e9:.2f}", row  # GB per rank
+
+
 def test_invalid_partition_fails_at_submission_with_slurms_message(tmp_path, slurm_cluster):
     env = {**os.environ, **slurm_cluster.env}
     out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
