@@ -88,13 +88,20 @@ class Requeues:
     ``scontrol requeue``, a failed node) is said once, and a failed attempt of a requeued job
     is no failure of the job."""
 
+    EVERY_S = 10.0  # SLURM's controller is asked this often while nothing else asks it
+
     def __init__(self, job_id: str, ask: Callable[[], Optional[JobState]]):
         self.job_id, self.ask = job_id, ask
         self.restarts, self.preempting, self.waiting = 0, False, False
+        self.asked_at, self.state = -self.EVERY_S, None
 
-    def poll(self) -> Optional[JobState]:
-        """Ask SLURM; say what changed: selected for preemption, requeued, running again."""
-        state = self.ask()
+    def poll(self, now: bool = False) -> Optional[JobState]:
+        """Ask SLURM (at most every EVERY_S, unless ``now``); say what changed: selected for
+        preemption, requeued, running again."""
+        if not now and time.monotonic() - self.asked_at < self.EVERY_S:
+            return self.state
+        self.asked_at, self.state = time.monotonic(), self.ask()
+        state = self.state
         if state is None:
             return None
         if state.preempting and not self.preempting:
@@ -116,7 +123,7 @@ class Requeues:
     def stopped_by_slurm(self, attempt: Path) -> bool:
         """Whether an attempt's failed ranks were stopped by SLURM taking the job back (its
         restart count passed the attempt's, or its grace time runs), not by a failure."""
-        state = self.poll()
+        state = self.poll(now=True)
         requeue = int(attempt.name.split(".")[1])
         return state is not None and (state.requeued(requeue) or state.preempting)
 
