@@ -111,6 +111,13 @@ class SlurmLauncher(Launcher):
     def waits(self) -> bool:
         return bool(self.cluster.wait)
 
+    def sweep_note(self, points: int) -> Optional[str]:
+        if self.waits:
+            return (f"running {points} sweep points as SLURM jobs, one after another "
+                    "(cluster.wait=true waits for each)")
+        return (f"submitting {points} sweep points as SLURM jobs, all at once; the sweep returns "
+                "once they are queued")
+
     def placement(self, cfg: Any, output_dir: str) -> Placement:
         """The job's nodes as the config asks for them (cluster.gpus_per_node, cluster.mem_gb),
         wherever the plan is made: the jobs wait in SLURM's queue. Where SLURM answers, the

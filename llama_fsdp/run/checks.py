@@ -290,6 +290,13 @@ def tracking_option_problems(t: TrackingConfig) -> list[str]:
     out = [c for c in checks if c]
     if has_line_break(t.run_name):
         out.append(line_break("tracking.run_name", t.run_name))
+    if t.best_mode not in TrackingConfig.BEST_MODES:
+        out.append(f"tracking.best_mode={t.best_mode!r}: valid: "
+                   f"{', '.join(TrackingConfig.BEST_MODES)} (the lowest or the highest "
+                   f"tracking.best_metric is a sweep's best point)")
+    if not t.best_metric.strip():
+        out.append("tracking.best_metric is empty: name the end-of-run metric that picks a "
+                   "sweep's best point (e.g. summary/eval_loss, summary/tokens_per_sec)")
     return out
 
 

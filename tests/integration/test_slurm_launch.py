@@ -104,11 +104,18 @@ def _wait_all_finished(cwd: Path, n: int, timeout: float) -> list:
 
 
 def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
+    """Every point submitted at once, summarized by the last job to end; its best point is the
+    one with the lowest eval loss (before: the most tokens per second, whatever its loss), and
+    the sweep says it submits its points (before: Hydra's "Launching 4 jobs locally")."""
+    evaluated = [o for o in FAST if not o.startswith("eval.every_steps")]
     out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4", "sharding=full,no_shard",
-               "cluster.nproc_per_node=1", "train.max_steps=2", *FAST)
+               "cluster.nproc_per_node=1", "train.max_steps=2", *evaluated, "eval.every_steps=2",
+               "eval.max_batches=1")
     assert out.returncode == 0, out.stderr[-4000:]
     log = out.stdout + out.stderr
     assert log.count("submitted SLURM job") == 4
+    assert "jobs locally" not in log
+    assert "submitting 4 sweep points as SLURM jobs, all at once" in log
     # the summary at submission says the points are not done, and how to see it later
     assert re.search(r"\n[0-3] of 4 points ended; the summary is final when the last ends", log)
     assert "python -m llama_fsdp.sweep" in log
@@ -127,7 +134,11 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert len(parents) == 1
     parent = _wait_parent_finished(client, parents[0].info.run_id, timeout=60)
     assert parent.data.tags["status"] == "finished" and parent.data.tags["failed_points"] == "0"
-    assert parent.data.tags["best point"] in {r.info.run_name for r in runs}
+    # (full and no_shard compute the same losses: of equals, the first by name)
+    best = min(runs, key=lambda r: (r.data.metrics["summary/eval_loss"], r.info.run_name))
+    assert parent.data.tags["best point"] == best.info.run_name
+    assert parent.data.tags["best by"] == "lowest summary/eval_loss"
+    assert parent.data.metrics["best/eval_loss"] == best.data.metrics["summary/eval_loss"]
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
     assert sorted(r.info.run_name for r in runs) == [
         "batch_size=2 sharding=full", "batch_size=2 sharding=no_shard",
@@ -137,6 +148,8 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
     assert "points ended" not in summary.stdout + summary.stderr
+    assert (f"best point: {best.info.run_name} (lowest summary/eval_loss: "
+            in summary.stdout + summary.stderr)
     parent = client.get_run(parents[0].info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
 

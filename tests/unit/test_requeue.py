@@ -191,3 +191,25 @@ def test_a_requeued_run_waits_as_scheduled_and_runs_again(tmp_path):
     assert deliver_pending(run_dir, deadline_s=30) == 0
     run = client.get_run(run_id)
     assert (run.info.status, run.data.tags["status"]) == ("RUNNING", "running")
+
+
+def test_a_slurm_sweep_says_it_submits_its_points_not_that_it_runs_them_here(caplog):
+    """Hydra's launcher logs "Launching N jobs locally" for every sweep; a SLURM sweep submits
+    its points as jobs, and the line says that."""
+    from types import SimpleNamespace
+
+    from llama_fsdp.cli.multirun import HYDRA_LAUNCHER_LOG, say_what_launching_means
+    from llama_fsdp.launchers import launcher_for
+
+    hydra_log = logging.getLogger(HYDRA_LAUNCHER_LOG)
+    try:
+        caplog.set_level(logging.INFO, logger=HYDRA_LAUNCHER_LOG)
+        say_what_launching_means(launcher_for(SimpleNamespace(kind="slurm", wait=False)))
+        hydra_log.info(f"Launching {4} jobs locally")
+        say_what_launching_means(launcher_for(SimpleNamespace(kind="local")))
+        hydra_log.info(f"Launching {3} jobs locally")
+    finally:
+        say_what_launching_means(launcher_for(SimpleNamespace(kind="local")))
+    assert [r.getMessage() for r in caplog.records] == [
+        "submitting 4 sweep points as SLURM jobs, all at once; the sweep returns once they are "
+        "queued", "Launching 3 jobs locally"]
