@@ -179,10 +179,9 @@ class Supervisor:
         if code == 0 and files["out"].exists():
             result = pickle.loads(files["out"].read_bytes())
             files["out"].unlink()
-            if getattr(result, "status", None) == PREEMPTED:
-                self._after_preemption(spec)
-            elif unwatched:
-                _point_ended(spec)
+            preempted = getattr(result, "status", None) == PREEMPTED
+            if (not preempted or not self._after_preemption(spec)) and unwatched:
+                _point_ended(spec)  # (a requeued point has not ended)
             return result
         report = self._report(code, files["traceback"])
         report_path(where, self.rank).write_text(json.dumps(report, indent=1))
@@ -224,14 +223,15 @@ class Supervisor:
             except InterruptedError:
                 continue
 
-    def _after_preemption(self, spec: RunSpec) -> None:
-        """The worker saved and stopped on a preemption's signal. SIGUSR2 (SLURM's warning
-        before the time limit, or a preemption's with send_user_signal): rank 0 hands over to
-        submitit, which requeues the job. SIGTERM: rank 0 asks SLURM (``_taken_back``)."""
+    def _after_preemption(self, spec: RunSpec) -> bool:
+        """The worker stopped on a preemption's signal; whether the job goes on (requeued).
+        SIGUSR2 (SLURM's warning before the time limit, or a preemption's with
+        send_user_signal): rank 0 hands over to submitit, which requeues the job and exits.
+        SIGTERM: rank 0 asks SLURM (``_taken_back``)."""
         if signal.SIGUSR2 in self.signals or not _stop_warning(spec):
             self._hand_over_to_submitit(signal.SIGUSR2)
-        elif self.rank == 0:
-            self._taken_back(spec)
+            return True
+        return self.rank != 0 or self._taken_back(spec)
 
     def _taken_back(self, spec: RunSpec) -> bool:
         """Rank 0, after SLURM's SIGTERM or a failed worker: whether SLURM takes the job back

@@ -106,6 +106,42 @@ def test_sigterm_is_no_stop_request_where_it_warns_of_nothing(handlers):
     assert stops.request() == PREEMPT
 
 
+def _preempted(spec):
+    """A worker stopped by a preemption's signal (what train() returns after its save)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(status="preempted", steps=3)
+
+
+@pytest.mark.parametrize("slurm_says,ended,marked", [(REQUEUED, False, True),
+                                                     (CANCELLED, True, False)])
+def test_a_preempted_point_has_ended_only_when_slurm_did_not_take_its_job_back(
+        tmp_path, monkeypatch, handlers, slurm_says, ended, marked):
+    """Rank 0 of a sweep point no launcher waits for, its worker stopped by SIGTERM: requeued,
+    the point waits (its run says "requeued") and the sweep must not count it ended;
+    cancelled (`scancel`), the point has ended. Before: a preempted point never ended."""
+    import pickle
+    from types import SimpleNamespace
+
+    from llama_fsdp.launchers import rank, slurm_state
+
+    for var in ("SLURM_RESTART_COUNT", rank.ATTEMPT_ENV):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+    monkeypatch.setattr(slurm_state, "job_state", lambda job: parse_job(slurm_says))
+    monkeypatch.setattr(rank, "_point_ended", lambda spec: calls.append("ended"))
+    monkeypatch.setattr(rank, "_mark_requeued", lambda spec, **kw: calls.append("requeued"))
+    spec = SimpleNamespace(output_dir=str(tmp_path), sweep_id="s1",
+                           placement=SimpleNamespace(stop_warning_s=35),
+                           tracking=SimpleNamespace(enabled=True),
+                           cluster=SimpleNamespace(max_restarts=0))
+    supervisor = rank.Supervisor(pickle.dumps((f"{__name__}:_preempted", spec)), "7", 0, [],
+                                 watched=False)
+    supervisor.signals.add(signal.SIGTERM)  # what the worker stopped on
+    assert supervisor.run().status == "preempted"
+    assert calls == ["requeued"] * marked + ["ended"] * ended
+
+
 # --- a resumed run's MLflow record ---------------------------------------------------------------
 
 
