@@ -165,24 +165,30 @@ def test_requeued_jobs_run_again_and_log_every_step_once(tmp_path, slurm_cluster
     print(f"two requeued jobs, both finished: {time.monotonic() - t0:.0f}s")
 
 
+PREEMPT_STEPS, SIGNAL_AT, PREEMPT_STEP_SLEEP_S = 20, 6, 0.75
+
+
 def test_a_preempted_job_saves_within_its_grace_time_and_resumes_there(tmp_path, slurm_cluster):
     """A job of partition `urgent` preempts the run's job in `preemptible` (GraceTime 30 s):
     SLURM sends SIGTERM, and SIGKILL once the grace time is over. The ranks save a checkpoint at
     their next log step, rank 0 requeues the job (one whose ranks end within the grace time is
     over, never requeued: lost), and the requeued job resumes from that checkpoint. Before: the
     ranks died of the SIGTERM at once, and the run was lost (MLflow FAILED)."""
-    steps, every = 30, 100  # the only checkpoints: the one the signal makes, and the last
+    # the only checkpoints: the one the signal makes, and the last. The first attempt is paced
+    # (PREEMPT_STEP_SLEEP_S a step), so that the steps it has left when the signal goes out (at
+    # SIGNAL_AT losses) take 10 s at least, however fast the node; the resumed one is not
+    steps, every = PREEMPT_STEPS, 100
     t0 = time.monotonic()
     out = subprocess.run(
         _args(slurm_cluster, "preemptible", "cluster.nodes=1", "cluster.nproc_per_node=2",
               f"train.max_steps={steps}", f"save.every_steps={every}", "cluster.wait=false",
               "train.callbacks=[tests.faults.hooks:slow]"), cwd=tmp_path,
-        env=_env(slurm_cluster, **{hooks.SLOW: "0.5", hooks.SLOW_FIRST: "1"}),
+        env=_env(slurm_cluster, **{hooks.SLOW: str(PREEMPT_STEP_SLEEP_S), hooks.SLOW_FIRST: "1"}),
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     job, run_id = _job_and_run(tmp_path)
     client = _client(tmp_path)
-    _wait_losses(client, run_id, 7, slurm_cluster)
+    _wait_losses(client, run_id, SIGNAL_AT, slurm_cluster)
     env = _env(slurm_cluster)
     node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], env=env, capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -193,7 +199,7 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes_there(tmp_path,
                             check=True).stdout.strip()
     run = _wait_status(client, run_id, "FINISHED", timeout=420)
     resume_step = int(run.data.tags["resume_step"])
-    assert 7 <= resume_step < steps and run.data.tags["restarts"] == "1"
+    assert SIGNAL_AT <= resume_step < steps and run.data.tags["restarts"] == "1"
     ckpts = sorted(p.name for p in Path(run.data.tags["output_dir"], "checkpoints").iterdir())
     assert ckpts == [f"step_{resume_step:06d}", f"step_{steps:06d}"]  # saved at the signal
     history = _every_step_once(client, run_id, steps)
