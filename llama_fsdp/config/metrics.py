@@ -19,6 +19,7 @@ PEAK_MEMORY = "peak_memory_gb"
 PEAK_MEMORY_RESERVED = "peak_memory_reserved_gb"  # CUDA's caching allocator's
 MFU = "mfu"
 RESTART = "restart"  # at the first step of a restarted or requeued run: how many times
+SYSTEM_PREFIX = "system/"  # MLflow's system metrics, stepped by their samples, not by steps
 
 # at eval steps: the held-out numbers, each a per-step name (or the task metric) after EVAL_PREFIX
 EVAL_PREFIX = "eval_"

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .kernels import AUTO as AUTO_KERNEL
+from .metrics import SUMMARY_EVAL_LOSS
 from .objectives import DEFAULT as DEFAULT_OBJECTIVE
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
@@ -444,6 +445,8 @@ class SaveConfig:
 
 @dataclass
 class TrackingConfig:
+    BEST_MODES = ("min", "max")  # valid values of best_mode (a class attribute, not a key)
+
     enabled: bool = True
     # Relative sqlite paths resolve against the directory the command was launched from.
     uri: str = f"sqlite:///{MLFLOW_DB}"
@@ -459,6 +462,10 @@ class TrackingConfig:
     # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0
+    # A sweep's best point, whose numbers its parent row shows: the finished point with the
+    # lowest (best_mode=min) or highest (max) value of this end-of-run metric.
+    best_metric: str = SUMMARY_EVAL_LOSS
+    best_mode: str = "min"
 
 
 @dataclass

@@ -331,7 +331,15 @@ def tracking_option_problems(t: TrackingConfig) -> list[str]:
                            t.system_metrics_interval_s, low=0, low_open=True),
               name_problem("tracking.experiment", t.experiment, MAX_EXPERIMENT_NAME),
               name_problem("tracking.run_name", t.run_name, MAX_RUN_NAME)]
-    return [c for c in checks if c]
+    out = [c for c in checks if c]
+    if t.best_mode not in TrackingConfig.BEST_MODES:
+        out.append(f"tracking.best_mode={t.best_mode!r}: valid: "
+                   f"{', '.join(TrackingConfig.BEST_MODES)} (the lowest or the highest "
+                   f"tracking.best_metric is a sweep's best point)")
+    if not t.best_metric.strip():
+        out.append("tracking.best_metric is empty: name the end-of-run metric that picks a "
+                   "sweep's best point (e.g. summary/eval_loss, summary/tokens_per_sec)")
+    return out
 
 
 def tracking_store_problems(uri: str, enabled: bool) -> list[str]:

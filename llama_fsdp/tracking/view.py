@@ -34,6 +34,7 @@ RUNS_QUERY = f"workflowType=machine_learning&viewStateShareKey={VIEW}"
 STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
 BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
 DIVERGED_AT_TAG = "diverged at step"  # a run the divergence guard stopped (train/divergence.py)
+BEST_BY_TAG = "best by"  # on a sweep's parent: what chose it ("lowest summary/eval_loss")
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ COLUMNS: tuple[tuple[str, int], ...] = (
     (_col("params", "finetune.method"), 116),
     *((_col("metrics", s.name), s.width) for s in SHOWN if s not in LATER),
     (DURATION, 68), *((_col("metrics", s.name), s.width) for s in LATER),
-    (_col("tags", BEST_POINT_TAG), 120),
+    (_col("tags", BEST_POINT_TAG), 120), (_col("tags", BEST_BY_TAG), 170),
     ("attributes.`Dataset`", 230), ("attributes.`Models`", 260),
     (_col("params", "model.name"), 96), (_col("tags", "precision"), 80),  # resolved, not "auto"
     (_col("tags", "strategy"), 80), (_col("tags", "world_size"), 86),

@@ -80,6 +80,7 @@ from ..config.status import (
     FINISHED,
     MLFLOW_RUNNING,
     OWN_WORDS,
+    PREEMPTED,
     RunResult,
     mlflow_status,
 )
@@ -208,7 +209,9 @@ class RankRun:
         return run
 
     def record_start(self) -> None:
-        """Placement, derived values, data statistics, parameter counts and the plan."""
+        """Placement, derived values, data statistics, parameter counts and the plan; a run
+        that continues its MLflow run (a restart, a requeue, a resume) records only what
+        changed, and its steps from the checkpoint on (``Tracker.continue_from``)."""
         hosts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         spec = self.spec
@@ -218,19 +221,25 @@ class RankRun:
         self.counts = {names.TRAINABLE_PARAMS: trainable, names.TOTAL_PARAMS: total,
                        # the base is frozen whole under adapters: all the rest is the base
                        names.BASE_PARAMS: total - trainable if spec.finetune.adapters else total}
+        history = self.tracker.history()
+        if spec.restart:  # its job requeued (SCHEDULED meanwhile), or its ranks restarted
+            self.tracker.running()
         self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
                                **({"restarts": str(spec.restart)} if spec.restart else {}),
-                               "derived.world_size": str(spec.world_size),
-                               "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                               "derived.precision": spec.precision.name,
-                               STATUS_TAG: status_text(MLFLOW_RUNNING),
-                               **self.data.info.params()})
-        self.tracker.log_text(self.plan.table(), "plan.txt")
-        self.tracker.log_start_metrics({
-            names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
-            names.GLOBAL_BATCH: spec.global_batch, names.TOKENS_PER_STEP: spec.tokens_per_step,
-            names.LOCAL_PARAMS_RANK0: local_numel(self.model), **self.counts, **self.data.stats,
-            **self.plan.metrics()})
+                               STATUS_TAG: status_text(MLFLOW_RUNNING)})
+        if not history.started:  # once per MLflow run: the same facts again are no news
+            self.tracker.set_tags({"derived.world_size": str(spec.world_size),
+                                   "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                                   "derived.precision": spec.precision.name,
+                                   **self.data.info.params()})
+            self.tracker.log_text(self.plan.table(), "plan.txt")
+            self.tracker.log_start_metrics({
+                names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+                names.GLOBAL_BATCH: spec.global_batch,
+                names.TOKENS_PER_STEP: spec.tokens_per_step,
+                names.LOCAL_PARAMS_RANK0: local_numel(self.model), **self.counts,
+                **self.data.stats, **self.plan.metrics()})
+        self.tracker.continue_from(self.state.step, history)
         if spec.restart:
             self.tracker.log_metrics({names.RESTART: float(spec.restart)}, step=self.state.step)
 
@@ -255,11 +264,15 @@ class RankRun:
             evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,
-                                 save_on_user_stop=spec.save.every_steps > 0),
+                                 save_on_user_stop=spec.save.every_steps > 0,
+                                 why=lambda: stops.why),
             after_first_step=lambda: set_train_timeout(spec))
 
     def train(self) -> RunResult:
-        stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
+        place = self.spec.placement
+        stops = StopSignals(warning_s=place.stop_warning_s if place else None,
+                            save_s=lambda: self.checkpointer.expected_save_s).install()
+        hang = HangWatch(self.spec, self.env.rank)
         status, export_dir, final, summary, report = FAILED, None, {}, {}, None
         linked = False  # the final metrics went with the logged model
         t = self.spec.train
@@ -293,7 +306,7 @@ class RankRun:
             hang.close()
             self.checkpointer.close()
             self.console.close()
-            if not linked:
+            if not linked and status != PREEMPTED:  # a preempted run goes on in its requeue
                 self.tracker.log_metrics(self.final_metrics(summary), step=0)
             self.tracker.finish(mlflow_status(status), word=OWN_WORDS.get(status))
             if self.env.rank == 0:

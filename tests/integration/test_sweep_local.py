@@ -316,12 +316,14 @@ def test_one_screen_shows_what_the_points_differ_in_rounded(sweep, page):
             assert float(text) == value and len(text) <= 6, (col, text)
         pct = float(_cell(page, k.info.run_id, "metrics.`trainable pct`"))
         assert pct == 100.0 if method == "full" else 0 < pct < 10
-    # the parent's row: its best point's numbers (the most tokens per second), that point's own
-    best = max(kids, key=lambda k: k.data.metrics["summary/tokens_per_sec"])
-    for col in ("metrics.`tokens per sec`", "metrics.`final loss`", "metrics.`peak GB`"):
+    # the parent's row: its best point's numbers (the lowest eval loss), that point's own
+    best = min(kids, key=lambda k: (k.data.metrics["summary/eval_loss"], k.info.run_name))
+    for col in ("metrics.`tokens per sec`", "metrics.`final loss`", "metrics.`eval loss`",
+                "metrics.`peak GB`"):
         assert _cell(page, parent.info.run_id, col) == _cell(page, best.info.run_id, col), col
     assert _cell(page, parent.info.run_id, "tags.`status`") == "finished"
     assert parent.data.tags["best point"] == best.info.run_name
+    assert parent.data.tags["best by"] == "lowest summary/eval_loss"
     _shot(page, "mlflow_runs.png")
 
 
