@@ -108,7 +108,8 @@ class SweepCallback(Callback):
                      uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
                      experiment=config.tracking.experiment, command=command_line(),
                      swept=swept_overrides(task), points=sweep_size(task),
-                     best=Best(config.tracking.best_metric, config.tracking.best_mode))
+                     best=Best.chosen(config.tracking.best_metric, config.tracking.best_mode,
+                                      config.eval.harness.tasks))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None

@@ -42,7 +42,7 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import DIVERGED_AT_TAG, STATUS_TAG, command_note, status_text
+from .view import DIVERGED_AT_TAG, HARNESS, STATUS_TAG, command_note, status_text
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,15 @@ class Best:
 
     def __str__(self) -> str:
         return f"{'lowest' if self.mode == 'min' else 'highest'} {self.metric}"
+
+    @classmethod
+    def chosen(cls, metric: str, mode: str, harness_tasks: Any = ()) -> "Best":
+        """tracking.best_metric / best_mode; left at their defaults in a sweep whose points run
+        eval.harness, the highest harness score (the first task's headline metric) instead of
+        the lowest eval loss: the benchmark is what the user compares then."""
+        if harness_tasks and (metric, mode) == (cls.metric, cls.mode):
+            return cls(HARNESS.name, "max")
+        return cls(metric, mode)
 
     @classmethod
     def of(cls, tags: dict[str, str]) -> "Best":

@@ -162,6 +162,9 @@ def test_a_sweep_has_a_harness_column_per_point(tmp_path):
     assert sorted(row[header.index("finetune.method")] for row in rows) == ["full", "lora", "qlora"]
     values = [float(row[col]) for row in rows]
     assert all(0 <= v <= 1 for v in values), table
+    # the best point: the highest harness score (the benchmark, not the eval loss)
+    best = re.search(r"best point: (.+?) \(highest harness score: ([\d.]+)\)", r.output)
+    assert best and float(best.group(2)) == pytest.approx(max(values), abs=1e-3), r.output[-2000:]
     c = client(tmp_path)
     ids = re.findall(r"^\s+mlflow run\s+(\w+)", r.output, re.M)
     runs = [c.get_run(i) for i in ids]

@@ -122,3 +122,14 @@ def test_metrics_of_lm_eval_results():
                                         "harness/t/acc_norm": 0.6,
                                         "harness/t/exact_match_strict": 0.25}
     assert harness.headline(results) == {"harness/t/acc": 0.5}
+
+
+def test_a_sweep_with_the_harness_picks_its_best_point_by_the_benchmark():
+    from llama_fsdp.tracking.sweep import Best
+
+    assert str(Best.chosen("summary/eval_loss", "min", ["llama_fsdp_synthetic"])) == \
+        "highest harness score"
+    assert str(Best.chosen("summary/eval_loss", "min", [])) == "lowest summary/eval_loss"
+    # a metric the user chose is kept
+    assert str(Best.chosen("summary/tokens_per_sec", "max", ["llama_fsdp_synthetic"])) == \
+        "highest summary/tokens_per_sec"
