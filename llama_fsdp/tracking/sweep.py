@@ -207,7 +207,9 @@ def harness_columns(runs: list[Any]) -> list[str]:
 
 def _metric_columns(best_metric: Optional[str]) -> tuple[str, ...]:
     """The table's metrics: the summary's, and the one that picks the best point."""
-    extra = (best_metric,) if best_metric and best_metric not in SUMMARY_METRICS else ()
+    # (the harness score is its task's column already: harness/<task>/<metric>)
+    extra = (best_metric,) if best_metric and best_metric not in (*SUMMARY_METRICS,
+                                                                 HARNESS.name) else ()
     return (*SUMMARY_METRICS, *extra)
 
 
