@@ -70,6 +70,11 @@ class Launcher:
         """Whether this process logs the plan and the outcome for the job."""
         return True
 
+    def sweep_note(self, points: int) -> Optional[str]:
+        """What a sweep of ``points`` points does with them, where Hydra's own word ("Launching
+        N jobs locally": one after another, here) is not right; None: it is."""
+        return None
+
     def placement(self, cfg: Any, output_dir: str) -> Placement:
         """Where the ranks of ``cfg`` (the typed Config) run and what each node has, with what
         this launcher cannot do with it (``Placement.problems``)."""

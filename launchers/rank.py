@@ -9,10 +9,13 @@ starts never imports torch: it starts in a fraction of a second and stays small 
 worker, which it starts as a new interpreter. A local one is forked from the controller, which
 imported the worker's modules once, and forks its worker in turn (launchers/forked.py).
 
-Signals: SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGINT (the
-launcher's forward of a user's Ctrl-C) go on to the worker, which saves and stops at its next log
-step (llama_fsdp/train/stopping.py). After a preemption, rank 0's supervisor hands over to submitit,
-which requeues the job; the new job resumes from the checkpoint just written.
+Signals: SIGUSR2 (SLURM's --signal, before the time limit) and SIGINT (the launcher's forward of
+a user's Ctrl-C) go on to the worker, which saves and stops at its next log step
+(llama_fsdp/train/stopping.py); so does SIGTERM under SLURM, which sends it before it stops a
+job (a preemption, a requeue, a cancel). After SIGUSR2, rank 0's supervisor hands over to
+submitit, which requeues the job; after SIGTERM it asks SLURM (launchers/slurm_state.py): a job
+SLURM requeued, or one it preempts (requeued now, through submitit), waits in the queue, and its
+MLflow run says so. The requeued job resumes from the newest checkpoint.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -149,19 +153,22 @@ class Supervisor:
         self.requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         self.child: Optional[subprocess.Popen | forked.Forked] = None
         self._submitit_usr2: Any = None
+        self.signals: set[int] = set()  # the stop signals this rank received
+        self.spec: Any = None
 
     def run(self) -> Any:
         entry, spec = pickle.loads(self.payload)
         set_title(self.rank, spec.world_size, "supervisor", spec.output_dir)
         if self.attempt or self.requeue:  # a restart or a requeue continues the checkpoints
             spec = replace(spec, resume="auto", restart=self.attempt + self.requeue)
+        self.spec = spec
         where = attempt_dir(spec.output_dir, self.job_id, self.requeue, self.attempt)
         where.mkdir(parents=True, exist_ok=True)
         files = exchange_files(where, self.rank)
         for f in files.values():
             f.unlink(missing_ok=True)
         files["in"].write_bytes(pickle.dumps((entry, spec)))
-        self._install_signals()
+        self._install_signals(warned=_stop_warning(spec))
         args = [str(files[k]) for k in ("in", "out", "traceback")]
         if forked.preloaded():  # the local controller imported the worker's modules once
             self.child = forked.fork(lambda: child_main(*args), before=_dies_with_parent)
@@ -174,26 +181,42 @@ class Supervisor:
         if code == 0 and files["out"].exists():
             result = pickle.loads(files["out"].read_bytes())
             files["out"].unlink()
-            if getattr(result, "status", None) == PREEMPTED:
-                self._hand_over_to_submitit()
-            elif unwatched:
-                _point_ended(spec)
+            preempted = getattr(result, "status", None) == PREEMPTED
+            if (not preempted or not self._after_preemption(spec)) and unwatched:
+                _point_ended(spec)  # (a requeued point has not ended)
             return result
         report = self._report(code, files["traceback"])
         report_path(where, self.rank).write_text(json.dumps(report, indent=1))
+        if self.rank == 0 and _stop_warning(spec) and self._taken_back(spec):
+            raise RankFailed(format_report(report))  # the job runs again: it has not failed
         if unwatched and self.attempt >= spec.cluster.max_restarts:
             _close_mlflow_run(spec)  # no launcher waits to do it
             _point_ended(spec)
         raise RankFailed(format_report(report))
 
-    def _install_signals(self) -> None:
+    def _install_signals(self, warned: bool) -> None:
+        """SIGUSR2 (SLURM's --signal) and SIGINT (a user's stop, forwarded by the launcher) go on
+        to the worker; so does SIGTERM where it warns of a stop (SLURM: a preemption, a requeue,
+        a cancel): rank 0 then asks SLURM whether the job was requeued."""
         self._submitit_usr2 = signal.getsignal(signal.SIGUSR2)
-        for sig in (signal.SIGUSR2, signal.SIGINT):
+        for sig in (signal.SIGUSR2, signal.SIGINT, *((signal.SIGTERM,) if warned else ())):
             signal.signal(sig, self._forward)
 
     def _forward(self, signum: int, _frame: Any) -> None:
+        first_term = signum == signal.SIGTERM and signum not in self.signals
+        self.signals.add(signum)
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
+        if first_term and self.rank == 0:
+            # SIGKILL may follow before the worker is done: say now what SLURM says already
+            threading.Thread(target=self._say_if_requeued, daemon=True).start()
+
+    def _say_if_requeued(self) -> None:
+        from .slurm_state import job_state
+
+        state = job_state(self.job_id)
+        if state is not None and state.requeued(self.requeue):
+            _mark_requeued(self.spec, wait_for_lock=False)
 
     def _wait(self) -> int:
         while True:
@@ -202,10 +225,46 @@ class Supervisor:
             except InterruptedError:
                 continue
 
-    def _hand_over_to_submitit(self) -> None:
-        """Rank 0 asks submitit to requeue (it calls checkpoint() and exits); others return."""
-        if callable(self._submitit_usr2):
-            self._submitit_usr2(signal.SIGUSR2, None)
+    def _after_preemption(self, spec: RunSpec) -> bool:
+        """The worker stopped on a preemption's signal; whether the job goes on (requeued).
+        SIGUSR2 (SLURM's warning before the time limit, or a preemption's with
+        send_user_signal): rank 0 hands over to submitit, which requeues the job and exits.
+        SIGTERM: rank 0 asks SLURM (``_taken_back``)."""
+        if signal.SIGUSR2 in self.signals or not _stop_warning(spec):
+            self._hand_over_to_submitit(signal.SIGUSR2)
+            return True
+        return self.rank != 0 or self._taken_back(spec)
+
+    def _taken_back(self, spec: RunSpec) -> bool:
+        """Rank 0, after SLURM's SIGTERM or a failed worker: whether SLURM takes the job back
+        into its queue. Requeued already (an admin's requeue, a preemption's grace time over, a
+        failed node): the MLflow run says it waits. Preempted, its grace time running: the job
+        is requeued now through submitit (a job whose ranks end within the grace time is over,
+        COMPLETED, never requeued). Else (cancelled, or a stray signal): False."""
+        from .slurm_state import job_state
+
+        state = job_state(self.job_id)
+        if state is None:
+            return False
+        if state.requeued(self.requeue):
+            _mark_requeued(spec)
+            return True
+        if state.preempting:
+            self._hand_over_to_submitit(signal.SIGTERM)
+            return True
+        return False
+
+    def _hand_over_to_submitit(self, signum: int) -> None:
+        """Rank 0 asks submitit to requeue (it calls checkpoint(), requeues the job and exits:
+        the MLflow run then says it waits); others return."""
+        if not callable(self._submitit_usr2):
+            return
+        try:
+            self._submitit_usr2(signum, None)
+        except SystemExit:
+            if self.rank == 0:
+                _mark_requeued(self.spec)
+            raise
 
     def _report(self, code: int, tb_file: Path) -> dict[str, Any]:
         tb = json.loads(tb_file.read_text()) if tb_file.exists() else {}
@@ -219,12 +278,32 @@ class Supervisor:
                 "log_tail": _tail(self.logs, 12)}
 
 
+def _stop_warning(spec: RunSpec) -> bool:
+    """Whether SIGTERM warns of a stop where this rank runs (the launcher's placement: SLURM)."""
+    return spec.placement is not None and spec.placement.stop_warning_s is not None
+
+
 def _dies_with_parent() -> None:
     """The worker's preexec_fn: SIGKILL when its supervisor dies (Linux), so a supervisor
     killed by anything leaves no training process running on its own."""
     from .submitit_compat import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)
+
+
+def _mark_requeued(spec: Optional[RunSpec], *, wait_for_lock: bool = True) -> None:
+    """The MLflow run waits in SLURM's queue again (its job was requeued): its status says
+    so instead of failed or stopped, until the job runs again."""
+    if spec is None or not spec.tracking.enabled:
+        return
+    try:
+        from llama_fsdp.tracking import Spool, deliver_pending, events
+
+        Spool(spec.output_dir).append(events.Waiting())
+        deliver_pending(spec.output_dir, deadline_s=min(5.0, spec.tracking.final_delivery_s),
+                        wait_for_lock=wait_for_lock)
+    except Exception as e:  # noqa: BLE001 - the job is requeued whatever MLflow shows
+        print(f"could not mark the MLflow run requeued: {e}", file=sys.stderr)
 
 
 def _close_mlflow_run(spec: RunSpec) -> None:

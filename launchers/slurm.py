@@ -12,7 +12,8 @@ from .base import Launcher
 from .environment import worker_env
 from .errors import LaunchError
 from .signals import SignalGuard
-from .watch import streaming, watch
+from .slurm_state import DEFAULT_KILL_WAIT_S, PartitionFacts, job_state, partition_facts
+from .watch import Requeues, streaming, watch
 from ..config.placement import Placement
 from ..config.rundir import RunDir
 from ..run.checks import has_line_break, line_break
@@ -69,6 +70,21 @@ def with_restarts(script: str, max_restarts: int) -> str:
     return "\n".join([*lines[:at], *loop, *lines[at + 1:]]) + "\n"
 
 
+def node_ram(mem_gb: Optional[int], facts: Optional[PartitionFacts]
+             ) -> tuple[Optional[int], str, str]:
+    """(one node's RAM for the job, where that number comes from, how to get more):
+    cluster.mem_gb, else the partition's smallest node as SLURM reports it (sinfo), else not
+    known (SLURM does not answer where the plan is made)."""
+    if mem_gb:
+        return int(mem_gb * 10**9), "cluster.mem_gb", "a larger cluster.mem_gb, if the nodes have it"
+    if facts is not None and facts.node_memory_mb:
+        return (facts.node_memory_mb * 2**20,
+                f"partition {facts.name}'s nodes, sinfo",
+                "nodes with more memory (cluster.partition, cluster.constraint)")
+    return None, "cluster.mem_gb unset, and SLURM does not answer here", \
+        "cluster.mem_gb, to ask SLURM for what the run needs"
+
+
 def make_executor(spec: RunSpec, *, preview: bool = False) -> Any:
     """The run's SLURM executor; ``preview``: one that only writes the script (no SLURM needed)."""
     cls = restarting_slurm_executor(spec.cluster.max_restarts, with_restarts, preview=preview)
@@ -95,9 +111,18 @@ class SlurmLauncher(Launcher):
     def waits(self) -> bool:
         return bool(self.cluster.wait)
 
+    def sweep_note(self, points: int) -> Optional[str]:
+        if self.waits:
+            return (f"running {points} sweep points as SLURM jobs, one after another "
+                    "(cluster.wait=true waits for each)")
+        return (f"submitting {points} sweep points as SLURM jobs, all at once; the sweep returns "
+                "once they are queued")
+
     def placement(self, cfg: Any, output_dir: str) -> Placement:
         """The job's nodes as the config asks for them (cluster.gpus_per_node, cluster.mem_gb),
-        wherever the plan is made: the jobs wait in SLURM's queue."""
+        wherever the plan is made: the jobs wait in SLURM's queue. Where SLURM answers, the
+        partition's nodes' memory stands in for an unset cluster.mem_gb, and its GraceTime and
+        KillWait say how long the ranks have after SLURM's SIGTERM."""
         c, problems = cfg.cluster, []
         if c.nodes is None:
             problems.append("cluster.nodes=null with cluster=slurm: set a number of nodes")
@@ -112,13 +137,13 @@ class SlurmLauncher(Launcher):
                             "--time, in minutes): set cluster.timeout_min=<minutes>")
         if has_line_break(str(output_dir)):  # in the #SBATCH lines
             problems.append(line_break("output_dir", str(output_dir)))
+        facts = partition_facts(c.partition)
+        ram, source, more = node_ram(c.mem_gb, facts)
         return Placement(
             device=device, nodes=c.nodes or 1, nproc_per_node=nproc, on_this_host=False,
-            gpus_per_node=c.gpus_per_node,
-            ram_bytes=int(c.mem_gb * 10**9) if c.mem_gb else None,
-            ram_source="cluster.mem_gb" if c.mem_gb else "cluster.mem_gb unset",
-            more_ram="a larger cluster.mem_gb, if the nodes have it", queued=True,
-            problems=tuple(problems))
+            gpus_per_node=c.gpus_per_node, ram_bytes=ram, ram_source=source, more_ram=more,
+            queued=True, problems=tuple(problems),
+            stop_warning_s=facts.stop_warning_s if facts else DEFAULT_KILL_WAIT_S)
 
     def preflight(self, spec: RunSpec) -> list[str]:
         """sbatch on PATH, and a SLURM controller that answers."""
@@ -168,5 +193,7 @@ class SlurmLauncher(Launcher):
             guard.job = job
             with streaming(job, stream):
                 # SLURM's accounting is asked each poll: not more often than every 2 s
+                job_id = str(job.job_id)
                 return watch(job, spec.output_dir, max_restarts=spec.cluster.max_restarts,
-                             restarts_inside=True, poll_s=2.0)
+                             restarts_inside=True, poll_s=2.0,
+                             requeues=Requeues(job_id, lambda: job_state(job_id)))

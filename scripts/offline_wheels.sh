@@ -90,6 +90,26 @@ PINS=(
     dill==0.4.1
     multiprocess==0.70.19
     fsspec==2026.9.0
+    # eval.harness / python -m llama_fsdp.evaluate: lm-eval and what its import path needs
+    # (sacrebleu: lm_eval.api.metrics imports it; evaluate, pytablewriter for its tables).
+    # Left out: scikit-learn + scipy (~50 MiB; only some tasks' f1 / mcc metrics import them),
+    # rouge-score + nltk + absl-py (only tasks scored by ROUGE)
+    lm-eval==0.4.13
+    sacrebleu==2.6.0
+    portalocker==4.4.2
+    tabulate==0.10.0
+    colorama==0.4.6
+    lxml==6.1.3
+    more-itertools==11.2.1
+    evaluate==0.4.6
+    pytablewriter==1.2.1
+    dataproperty==1.1.1
+    mbstrdecoder==1.1.5
+    typepy==1.3.5
+    tabledata==1.3.5
+    tcolorpy==0.1.7
+    pathvalidate==3.3.1
+    chardet==6.0.0.post1
 )
 
 # benchmarks/throughput.py's torchtitan runner (BENCH_DIR, see above)
@@ -140,6 +160,8 @@ download "$DIR" "${PINS[@]}"
 
 # sdist only on PyPI: build the (pure-Python) wheel here.
 $PIP wheel --no-deps --no-binary=:all: -w "$DIR" antlr4-python3-runtime==4.9.3
+# lm-eval's sqlitedict and word2number: sdists too (pure Python)
+$PIP wheel --no-deps --no-binary=:all: -w "$DIR" sqlitedict==2.1.0 word2number==1.1
 
 check "$DIR"
 

@@ -389,8 +389,9 @@ def _slurm_conf(c: Cluster) -> str:
         "AuthType=auth/munge",
         "CredType=cred/munge",
         # cred_expire also sets how long a requeued job waits before it may start again
-        # (default 120 s): 20 s keeps the preemption test short on a cluster this small
-        f"AuthInfo=socket={c.munge_socket},cred_expire=20",
+        # (default 120 s): 10 s keeps the requeue tests short on a cluster this small, and
+        # leaves a loaded machine 10 s to start a job step with its credential
+        f"AuthInfo=socket={c.munge_socket},cred_expire=10",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
@@ -401,7 +402,9 @@ def _slurm_conf(c: Cluster) -> str:
         "ReturnToService=2",
         "MpiDefault=none",
         "SchedulerType=sched/backfill",
-        "SchedulerParameters=batch_sched_delay=0",
+        # a requeued job starts once its wait is over, at the next scheduling pass: every 2 s,
+        # not every 60 s (sched_interval's default)
+        "SchedulerParameters=batch_sched_delay=0,sched_interval=2",
         "SlurmctldTimeout=30",
         "SlurmdTimeout=60",
         "MessageTimeout=20",

@@ -121,6 +121,54 @@ def _scope_rank(item) -> tuple[int, int]:
     return (0 if _scope(item.nodeid) == "slurm" else 1, order)
 
 
+# Longest scope first (LPT): each scope's seconds in the last whole-suite run (every phase of
+# every test, summed), kept in pytest's cache (.pytest_cache). Handing scopes to whichever
+# worker frees up, in that order, ends at most 7/6 of the best split of 2 workers (Graham's
+# bound; xdist queues the next scope when a worker has 2 tests left, which loosens it a little);
+# the folder order above, all a fresh checkout has, started the longest multirank module
+# (test_plan_memory.py, 5 min on CI) after ten others. A scope the cache has not seen (a new
+# module) goes first: it may be long.
+SCOPE_SECONDS = "llama_fsdp/scope_seconds"
+
+
+def _scope_seconds(config) -> dict[str, float]:
+    cache = getattr(config, "cache", None)
+    seconds = cache.get(SCOPE_SECONDS, {}) if cache is not None else {}
+    return seconds if isinstance(seconds, dict) else {}
+
+
+def _lpt_rank(seconds: dict[str, float]):
+    def rank(item) -> tuple:
+        known = seconds.get(_scope(item.nodeid))
+        return (0, 0.0, _scope_rank(item)) if known is None else (1, -known, _scope_rank(item))
+    return rank
+
+
+def _whole_suite(config) -> bool:
+    """A run of the suite as `make test` runs it (not -k, -m, a file, --lf): its scopes' times
+    are worth keeping."""
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.getoption("keyword") and not config.getoption("markexpr")
+            and not config.getoption("lf", False) and not config.getoption("failedfirst", False))
+
+
+_ran: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):  # under xdist the controller sees every worker's
+    scope = _scope(report.nodeid)
+    _ran[scope] = _ran.get(scope, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if (hasattr(config, "workerinput") or not _ran or getattr(config, "cache", None) is None
+            or not _whole_suite(config) or exitstatus not in (0, 1)):
+        return
+    config.cache.set(SCOPE_SECONDS, {**_scope_seconds(config),
+                                     **{k: round(v, 1) for k, v in _ran.items()}})
+
+
 def _skip_reason(report) -> str:
     longrepr = report.longrepr
     text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
@@ -153,14 +201,16 @@ def pytest_make_collect_report(collector):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Heaviest scopes first (a stable sort: a module's tests keep their order), and a test on
-    the SLURM cluster outside the SLURM files is refused: it would start a second cluster."""
+    """Heaviest scopes first (a stable sort: a module's tests keep their order): by the last
+    whole suite's seconds per scope where the cache has them, else by SCOPE_ORDER; and a test
+    on the SLURM cluster outside the SLURM files is refused: it would start a second cluster."""
     for item in items:
         if ("slurm_cluster" in getattr(item, "fixturenames", ())
                 and _scope(item.nodeid) != "slurm"):
             raise pytest.UsageError(f"{item.nodeid} uses the SLURM cluster: move it to a "
                                     f"tests/integration/test_slurm_*.py module")
-    items.sort(key=_scope_rank)
+    seconds = _scope_seconds(config)
+    items.sort(key=_lpt_rank(seconds) if seconds else _scope_rank)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist still runs the suite

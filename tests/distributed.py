@@ -100,3 +100,33 @@ def recorded_grad_norms() -> Iterator[list[float]]:
         yield seen
     finally:
         train.clip_grad_norm = original
+
+
+def trained_parts(model) -> dict[str, tuple[int, Any]]:
+    """In a rank process: this rank's part of every trainable parameter after training, as it
+    computed it alone (its own reduce-scattered gradient, its own optimizer step), copied to
+    numpy: (the part's first row in the whole tensor, its rows). A plain tensor (one rank, or a
+    replica) is all of its rows."""
+    from llama_fsdp.model.lora import local_rows
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            key = name.replace("._checkpoint_wrapped_module", "")  # the same name under AC
+            out[key] = (local_rows(p)[0], local.detach().float().numpy().copy())
+    return out
+
+
+def assert_rows_match(parts: dict, whole: dict, *, rtol: float, atol: float, msg: str) -> None:
+    """Every part of one rank (``trained_parts``) equals the same rows of the whole tensors of
+    another run (``trained_parts`` of one rank, or of a replica, whose parts are whole)."""
+    import torch
+
+    assert parts and parts.keys() == whole.keys(), msg
+    for name, (start, rows) in parts.items():
+        first, full = whole[name]
+        assert first == 0 and len(full) >= start + len(rows), (msg, name)
+        torch.testing.assert_close(torch.from_numpy(rows),
+                                   torch.from_numpy(full[start:start + len(rows)]),
+                                   rtol=rtol, atol=atol, msg=lambda m: f"{msg}, {name}: {m}")

@@ -34,6 +34,7 @@ DOC_FILES = ("README.md", "docs/*.md")
 LOCAL = "tests/integration/test_docs_commands.py"
 SLURM = "tests/integration/test_slurm_docs_commands.py"
 GPU_CHECK = "tests/integration/test_gpu_check.py"
+HARNESS = "tests/integration/test_harness.py"
 # the environment's bin/: `python`, `llama-fsdp`, `mlflow` as a user with it activated has them
 BIN = Path(sys.executable).parent
 
@@ -406,7 +407,7 @@ REGISTRY: dict[str, Entry] = {
     # --- docs/gpu.md -----------------------------------------------------------------------
     "bash scripts/offline_wheels.sh": Entry(
         "offline_wheels", f"{GPU_CHECK}::test_offline_wheels",
-        "not run by default: it downloads the 39 wheels (24 MiB) the GPU check carries. Here the "
+        "not run by default: it downloads the 57 wheels (39 MiB) the GPU check carries. Here the "
         "script must parse (bash -n); with LLAMA_FSDP_DOCS_INSTALL=1 it runs into a temporary "
         "folder: one wheel per package, the pins' names, and the carried size under 64 MiB",
         (Replace("bash scripts/offline_wheels.sh",
@@ -583,6 +584,54 @@ REGISTRY: dict[str, Entry] = {
         "docs/recipes.md shows (its lines, numbers aside), no traceback on the console; the "
         "traceback and the report in the run's diverged.txt; the MLflow run FAILED with status "
         "diverged"),
+    # --- docs/evaluate.md (its first command is README.md's too: one entry) ----------------
+    "python -m llama_fsdp eval.harness.tasks=[llama_fsdp_synthetic] eval.harness.every_steps=30 "
+    "save.every_steps=30": Entry(
+        "harness_run", f"{HARNESS}::test_the_run_scores_itself_with_lm_eval",
+        "the default run scored by lm-eval at steps 30 and 60: the printed harness line, the "
+        "MLflow metric at both steps (better at 60), lm-eval's results JSON in the run and in "
+        "MLflow, the commands to evaluate and talk to it printed",
+        (Append(f"{CPU} eval.harness.limit=100", "the CPU pinned as in every CPU test; 100 of "
+                                                 "the task's 200 documents"),)),
+    "python -m llama_fsdp experiment=llama3_8b_lora_alpaca model.path=meta-llama/Llama-3.1-8B "
+    "data.path=alpaca_data.json eval.harness.tasks=[hellaswag,arc_easy,mmlu] "
+    "eval.harness.limit=500": Entry(
+        "harness_hub", f"{HARNESS}::test_hub_tasks_without_the_hub_are_refused",
+        "run as written where the hub is out of reach (as here): refused before launch (exit 2), "
+        "naming the hub tasks and their datasets and eval.harness.include_path; nothing left",
+        (Env("HF_HUB_OFFLINE", "1", "no hub here, said explicitly"),)),
+    "python -m llama_fsdp -m finetune=full,lora,qlora eval.harness.tasks=[llama_fsdp_synthetic_mc]":
+    Entry("harness_sweep", f"{HARNESS}::test_a_sweep_has_a_harness_column_per_point",
+          "three points finished; the summary table and each point's MLflow run have "
+          "harness/llama_fsdp_synthetic_mc/acc; lora and qlora scored their merged export",
+          (SHRINK, SYNTH, Append("eval.harness.limit=50", "50 documents"))),
+    "python -m llama_fsdp.evaluate RUN_DIR --tasks llama_fsdp_synthetic_mc": Entry(
+        "evaluate_run", f"{HARNESS}::test_evaluate_logs_into_the_run",
+        "the finished run's export scored: the scores printed, in the run's MLflow run at its "
+        "last step, and in a results file beside the run's own (which stays as it was)",
+        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
+    "python -m llama_fsdp.evaluate RUN_DIR --tasks llama_fsdp_synthetic --step 30": Entry(
+        "evaluate_step", f"{HARNESS}::test_evaluate_a_checkpoint_scores_as_the_run_did",
+        "checkpoint step 30 converted and scored: the same exact match the run logged at step "
+        "30, not logged again to MLflow",
+        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),
+         Append("--limit 100", "the run's 100 documents"))),
+    'lm_eval --model hf --model_args pretrained=RUN_DIR/export,add_bos_token=True '
+    '--include_path "$(python -m llama_fsdp.evaluate --tasks-dir)" --tasks llama_fsdp_synthetic '
+    '--device cpu --batch_size 8': Entry(
+        "lm_eval_cli", f"{HARNESS}::test_lm_eval_on_the_export_scores_what_the_run_did",
+        "lm-eval's own command on the export: the exact match (and its stderr) the run logged "
+        "at its last step",
+        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),
+         Append("--limit 100", "the run's 100 documents"))),
+    'python -m llama_fsdp.generate RUN_DIR "Opposite up" "Next c"': Entry(
+        "generate", f"{HARNESS}::test_generate_answers_what_lm_eval_scored",
+        "two answers, one line each, as greedy decoding in the run's prompt format gives them",
+        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
+    'echo "Next c" | python -m llama_fsdp.generate RUN_DIR': Entry(
+        "generate_stdin", f"{HARNESS}::test_generate_answers_what_lm_eval_scored",
+        "the prompt read from standard input: the same answer as given as an argument",
+        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
     "bash .ci/slurm_deps.sh": Entry(
         "slurm_deps", f"{SLURM}::test_slurm_deps",
         "with SLURM installed it returns at once (exit 0) and every binary is there"),

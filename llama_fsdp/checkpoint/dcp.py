@@ -235,6 +235,9 @@ class Checkpointer:
         self.identity = read_identity(output_dir)
         self.last_saved: Optional[int] = None
         self.resumed_from: Optional[Path] = None
+        # how long a save is expected to take: the last one's write time, or before any, the
+        # time the checkpoint resumed from took to load (the same bytes); None: not known
+        self.expected_save_s: Optional[float] = None
         self._pending: Optional[tuple[Any, int, Path, float]] = None
         # Async saves run their collectives in a background thread: on a group of their own, so
         # they never interleave with the training step's collectives on the default group.
@@ -300,7 +303,8 @@ class Checkpointer:
         if failed.item() and error is None:
             error = "another rank could not read it"
         if error is None:
-            log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+            self.expected_save_s = time.perf_counter() - t0
+            log.info("loaded %s in %.2fs", path, self.expected_save_s)
         return error
 
     def load(self, path: Path) -> None:
@@ -417,6 +421,7 @@ class Checkpointer:
     def _publish(self, step: int, tmp: Path, final: Path, t0: float) -> None:
         dist.barrier()  # every rank's files are written
         written = time.perf_counter() - t0
+        self.expected_save_s = written
         if self.rank == 0:
             if not (tmp / METADATA).is_file():
                 raise RuntimeError(f"DCP finished but {tmp / METADATA} is missing")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +26,7 @@ from ..config.credentials import export_credentials, redact
 from ..run.spec import RunSpec, point_name
 from ..tracking.store import resolve_tracking_uri
 from ..tracking.sweep import (
+    Best,
     parent_run,
     start_parent,
     summarize,
@@ -97,6 +99,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.sweep, "dir"))
+        say_what_launching_means(launcher_for(config.cluster))
         _credentials_to_environ(config)
         if not config.tracking.enabled:
             return
@@ -104,7 +107,9 @@ class SweepCallback(Callback):
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
                      uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
                      experiment=config.tracking.experiment, command=command_line(),
-                     swept=swept_overrides(task), points=sweep_size(task))
+                     swept=swept_overrides(task), points=sweep_size(task),
+                     best=Best.chosen(config.tracking.best_metric, config.tracking.best_mode,
+                                      config.eval.harness.tasks))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         outcome = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
@@ -141,6 +146,35 @@ class SweepCallback(Callback):
                       ", ".join(p.name or "(no overrides)" for p in failed), sweep_dir)
         if self.failed:
             raise SystemExit(max(p.code for p in self.failed))
+
+
+HYDRA_LAUNCHER_LOG = "hydra._internal.core_plugins.basic_launcher"  # Hydra's own launcher
+_LAUNCHING = re.compile(r"Launching (\d+) jobs locally$")
+
+
+class _LaunchingNote(logging.Filter):
+    """Hydra's "Launching N jobs locally", said as the run's launcher does it (a SLURM sweep
+    submits its points as jobs)."""
+
+    def __init__(self, note: Any) -> None:
+        super().__init__()
+        self.note = note
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = _LAUNCHING.match(record.getMessage())
+        if m:
+            record.msg, record.args = self.note(int(m.group(1))), ()
+        return True
+
+
+def say_what_launching_means(launcher: Any) -> None:
+    """Hydra's launcher logs "Launching N jobs locally" for every sweep; where the run's
+    launcher does something else with the points, that is what the line says."""
+    hydra_log = logging.getLogger(HYDRA_LAUNCHER_LOG)
+    for f in [f for f in hydra_log.filters if isinstance(f, _LaunchingNote)]:
+        hydra_log.removeFilter(f)
+    if launcher.sweep_note(1) is not None:
+        hydra_log.addFilter(_LaunchingNote(launcher.sweep_note))
 
 
 # The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,

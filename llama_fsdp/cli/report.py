@@ -8,8 +8,16 @@ from typing import Any
 from .overrides import command_line
 from ..config import metrics as names
 from ..config.status import DIVERGED, FINISHED
+from ..harness import BUNDLED_TASK, PREFIX
 from ..run.spec import RunSpec
 from ..tracking import read_run_file, runs_page
+
+
+def _loads_whole(spec: RunSpec) -> bool:
+    """The run left a whole model the commands load: its HF export, or under adapters the
+    merged one (a PEFT adapter over a hub base loads too; over a random base it cannot)."""
+    ft = spec.finetune
+    return not ft.adapters or ft.export_merged or spec.model.path is not None
 
 
 def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
@@ -34,6 +42,11 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
         what = ("CUDA allocated" if spec.device == "cuda" else "process RSS, runtime included")
         lines.append(f"peak memory    {s[names.SUMMARY_PEAK_MEMORY]:.2f} GB ({what}, max over "
                      f"ranks; the plan's tensors {s[names.SUMMARY_PREDICTED_PEAK_MEMORY]:.2f} GB)")
+    scores = {k: v for k, v in s.items() if k.startswith(PREFIX)}
+    if scores:  # eval.harness at the end: lm-eval's headline metric per task
+        lines.append("harness        " + "; ".join(
+            f"{k[len(PREFIX):]} {v:.4f}" for k, v in sorted(scores.items()))
+            + f" (lm-eval; {spec.output_dir}/harness/)")
     lines.append(f"run dir        {spec.output_dir}")
     if rank0.status == DIVERGED and rank0.report:  # its own fix: not "continue with" as it was
         lines += [f"diverged       {line}" if i == 0 else f"               {line}"
@@ -45,6 +58,12 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
         lines.append("no checkpoint  none was saved (save.every_steps=0), so this run cannot be "
                      "continued from where it stopped. Set save.every_steps=N to make a stopped "
                      "run resumable")
+    if rank0.status == FINISHED and rank0.export_dir and _loads_whole(spec):
+        task = BUNDLED_TASK if spec.data.name == "synthetic" else "hellaswag"
+        ask = '"Opposite hot"' if spec.data.name == "synthetic" else '"your prompt"'
+        lines.append(f"evaluate it    python -m llama_fsdp.evaluate {spec.output_dir} "
+                     f"--tasks {task}")
+        lines.append(f"talk to it     python -m llama_fsdp.generate {spec.output_dir} {ask}")
     if rank0.mlflow_run_id:
         lines.append(f"mlflow run     {rank0.mlflow_run_id} in experiment "
                      f"'{spec.tracking.experiment}' at {spec.tracking_uri}")

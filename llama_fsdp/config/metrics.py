@@ -19,6 +19,7 @@ PEAK_MEMORY = "peak_memory_gb"
 PEAK_MEMORY_RESERVED = "peak_memory_reserved_gb"  # CUDA's caching allocator's
 MFU = "mfu"
 RESTART = "restart"  # at the first step of a restarted or requeued run: how many times
+SYSTEM_PREFIX = "system/"  # MLflow's system metrics, stepped by their samples, not by steps
 
 # at eval steps: the held-out numbers, each a per-step name (or the task metric) after EVAL_PREFIX
 EVAL_PREFIX = "eval_"
@@ -44,6 +45,7 @@ SUMMARY_PREDICTED_PEAK_MEMORY = "summary/predicted_peak_memory_gb"  # the plan's
 SUMMARY_FINAL_LOSS = "summary/final_loss"
 SUMMARY_EVAL_LOSS = "summary/eval_loss"
 SUMMARY_EVAL_EXACT_MATCH = "summary/eval_exact_match"
+HARNESS_PREFIX = "harness/"  # eval.harness: harness/<task>/<metric> (and _stderr), lm-eval's scores
 
 # objective=dpo (TRL's names): per log step, means over the step's pairs, and with "eval_" before
 # them at eval steps; at the end, the last values the runs table shows

@@ -39,5 +39,9 @@ class Placement:
     more_ram: Optional[str] = None
     # The job waits in a scheduler's queue before its ranks start.
     queued: bool = False
+    # SIGTERM is the scheduler's warning that it stops the job (a preemption, a requeue, a
+    # cancel), at most this many seconds before its SIGKILL: the ranks save and stop at their
+    # next log step when a save fits (train/stopping.py). None: SIGTERM is no warning here.
+    stop_warning_s: Optional[int] = None
     # What this launcher cannot do with the config, each with its fix.
     problems: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .kernels import AUTO as AUTO_KERNEL
+from .metrics import SUMMARY_EVAL_LOSS
 from .objectives import DEFAULT as DEFAULT_OBJECTIVE
 from .optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from .optimizers import OPTIMIZERS
@@ -285,6 +286,31 @@ class TrainConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """EleutherAI's lm-evaluation-harness on the trained weights (llama_fsdp/harness/): at the
+    end of the run on its HF export (LoRA / QLoRA: the merged one, written for it), and every
+    ``every_steps`` on the model gathered at that step. Results: MLflow metrics
+    harness/<task>/<metric> (and _stderr), lm-eval's results JSON (<run>/harness/)."""
+
+    # lm-eval task (or group, or tag) names; empty: no harness. llama_fsdp_synthetic is bundled
+    # (the default data's held-out records, offline); hellaswag, arc_easy, mmlu for real runs.
+    tasks: list[str] = field(default_factory=list)
+    # A folder of task YAMLs of your own (searched besides lm-eval's and ours).
+    include_path: Optional[str] = None
+    # Documents per task (below 1: a fraction); null: all.
+    limit: Optional[float] = None
+    # Few-shot examples per prompt; null: each task's own default.
+    num_fewshot: Optional[int] = None
+    batch_size: int = 8
+    # Also every N steps during training (0: only at the end).
+    every_steps: int = 0
+    # The longest context in tokens (longer ones are cut from the left); null: the model's.
+    max_length: Optional[int] = None
+    # lm-eval's bootstrap resamples for the stderr of metrics that are not means.
+    bootstrap_iters: int = 100000
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = 20
     max_batches: int = 4
@@ -293,6 +319,7 @@ class EvalConfig:
     task_prompts: int = 64
     # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
     max_new_tokens: Optional[int] = None
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
 @dataclass
@@ -407,8 +434,10 @@ class SaveConfig:
     async_save: bool = False
     # A consolidated HF directory (<output_dir>/export: safetensors, config.json, tokenizer)
     # at the end, loadable with from_pretrained; `python -m llama_fsdp.convert` does the same
-    # for any checkpoint.
-    export_hf: bool = False
+    # for any checkpoint. null: true for a full fine-tune of a model under 100M parameters
+    # (the tiny default leaves a model to evaluate and talk to: 14 MB), false otherwise;
+    # eval.harness.tasks turn it on (the harness scores the export).
+    export_hf: Optional[bool] = None
     # Gather model + optimizer to rank 0 (CPU) and write one file there, instead of every rank
     # writing its shards. Still a DCP checkpoint: resume and convert read it the same way.
     full_state_dict: bool = False
@@ -416,6 +445,8 @@ class SaveConfig:
 
 @dataclass
 class TrackingConfig:
+    BEST_MODES = ("min", "max")  # valid values of best_mode (a class attribute, not a key)
+
     enabled: bool = True
     # Relative sqlite paths resolve against the directory the command was launched from.
     uri: str = f"sqlite:///{MLFLOW_DB}"
@@ -431,6 +462,10 @@ class TrackingConfig:
     # CPU / GPU utilisation and memory as MLflow system metrics, every interval_s.
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0
+    # A sweep's best point, whose numbers its parent row shows: the finished point with the
+    # lowest (best_mode=min) or highest (max) value of this end-of-run metric.
+    best_metric: str = SUMMARY_EVAL_LOSS
+    best_mode: str = "min"
 
 
 @dataclass

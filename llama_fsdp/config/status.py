@@ -30,9 +30,11 @@ STATUSES = {FINISHED: MLFLOW_FINISHED, USER_STOPPED: MLFLOW_KILLED, PREEMPTED: M
 EXIT_DIVERGED = 3
 
 # The runs table's status column (the "status" tag): a run's MLflow status as words, and the
-# words before MLflow has one (a run created, its job queued or its ranks starting)
+# words before MLflow has one (a run created, its job queued or its ranks starting, or its job
+# back in the queue)
 QUEUED = "queued"
 STARTING = "starting"
+REQUEUED = "requeued"  # its job was requeued (a preemption, an admin's requeue): SCHEDULED again
 STATUS_WORDS = {MLFLOW_RUNNING: "running", MLFLOW_SCHEDULED: QUEUED, MLFLOW_FINISHED: "finished",
                 MLFLOW_FAILED: "failed", MLFLOW_KILLED: "stopped"}
 # a run's own word for the status column where MLflow's status says less (diverged: FAILED)

@@ -36,7 +36,10 @@ def device_capacity_bytes(spec: RunSpec) -> tuple[int, str]:
     if place.ram_bytes is not None:
         return place.ram_bytes // spec.nproc_per_node, f"{place.ram_source} / ranks per node"
     # CPU ranks on nodes whose RAM the plan is not told: this host's, as a stand-in
-    return _host_ram_bytes() // spec.nproc_per_node, "host RAM / ranks per node"
+    where = "host RAM / ranks per node"
+    if not place.on_this_host:
+        where = "this host's RAM (a stand-in) / ranks per node"
+    return _host_ram_bytes() // spec.nproc_per_node, where
 
 
 def _host_ram_bytes() -> int:

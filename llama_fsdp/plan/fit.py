@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..run.spec import RunSpec
 from . import full, lora, preference
+from .harness import harness_bytes
 from .device import GB, device_capacity_bytes, peak_flops, runtime_bytes
 from .host import activation_host_bytes, host_capacity_bytes, load_peak_bytes
 from .phases import Memory
@@ -52,7 +53,11 @@ def phase_peaks(spec: RunSpec, *, gloo: bool) -> dict[str, int]:
     policy = (lora.lora_phase_peaks if spec.finetune.adapters
               else full.full_phase_peaks)(spec, gloo=gloo)
     runtime = runtime_bytes(spec)
-    return {k: v + runtime for k, v in preference.phase_peaks(spec, policy).items()}
+    peaks = {k: v + runtime for k, v in preference.phase_peaks(spec, policy).items()}
+    if spec.eval.harness.tasks:  # on rank 0, after training (and every N steps, beside it)
+        peaks["harness"] = runtime + harness_bytes(
+            spec, during_training=spec.eval.harness.every_steps > 0)
+    return peaks
 
 
 def phase_peak_bytes(spec: RunSpec, *, gloo: bool) -> int:

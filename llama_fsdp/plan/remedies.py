@@ -245,6 +245,8 @@ def fixes_text(spec: RunSpec, plan: Plan) -> str:
     """Why the run does not fit, and the cheapest fixes with their predicted peaks."""
     if plan.device_fits:  # the devices fit, the host does not
         return _host_text(spec, plan)
+    if plan.peak_phase == "harness":
+        return _harness_text(spec, plan)
     head = (f"{spec.model.name} with sharding={spec.strategy} precision={spec.precision.name} "
             f"checkpointing={spec.checkpointing.mode} on {spec.world_size} {spec.device} rank(s) "
             f"needs {plan.predicted_peak_gb:.1f} GB per device, but {plan.usable_bytes / GB:.1f} "
@@ -254,6 +256,25 @@ def fixes_text(spec: RunSpec, plan: Plan) -> str:
         "  - none left in this config: every memory-saving setting is on; it needs devices "
         "with more memory, or more of them")
     return f"{head}\nCheapest fixes (predicted peak per device):\n{fixes}"
+
+
+def _harness_text(spec: RunSpec, plan: Plan) -> str:
+    """eval.harness loads the whole exported model on rank 0's device: the training fits, the
+    harness does not."""
+    h = spec.eval.harness
+    train_peak = max(v for k, v in plan.phases.items() if k != "harness")
+    fixes = [f"eval.harness.batch_size=1 or eval.harness.max_length=<shorter> (planned at "
+             f"{h.batch_size} x {h.max_length or spec.train.seq_len} tokens)"]
+    if h.every_steps:
+        fixes.insert(0, "eval.harness.every_steps=0 (only at the end, after the training "
+                        "state is freed)")
+    return (f"eval.harness.tasks={list(h.tasks)} load the whole exported {spec.model.name} "
+            f"on rank 0's device: {plan.predicted_peak_gb:.1f} GB, but "
+            f"{plan.usable_bytes / GB:.1f} GB is usable ({plan.capacity_source}); the training "
+            f"alone fits ({train_peak / GB:.1f} GB). Fixes: " + "; ".join(fixes)
+            + "; or train without eval.harness.tasks and score the export where it fits: "
+              "python -m llama_fsdp.evaluate <run dir> --tasks ... on a larger device, or "
+              "lm_eval with --model vllm / --model_args parallelize=True across GPUs")
 
 
 def _host_text(spec: RunSpec, plan: Plan) -> str:

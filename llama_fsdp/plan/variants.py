@@ -79,7 +79,10 @@ def with_method(spec: RunSpec, method: str) -> RunSpec:
                                       OBJECTIVES[spec.objective.name].pairs)
         ft = dataclasses.replace(ft, rank=ft.rank if ft.rank is not None else table["rank"],
                                  alpha=ft.alpha if ft.alpha is not None else table["alpha"])
-    return checked(dataclasses.replace(spec, finetune=ft))
+    # (an adapter run exports its PEFT adapter: export_hf, on by default for small full
+    # fine-tunes, does not apply)
+    save = dataclasses.replace(spec.save, export_hf=spec.save.export_hf and method == "full")
+    return checked(dataclasses.replace(spec, finetune=ft, save=save))
 
 
 def with_train(spec: RunSpec, **changes) -> RunSpec:

@@ -331,7 +331,15 @@ def tracking_option_problems(t: TrackingConfig) -> list[str]:
                            t.system_metrics_interval_s, low=0, low_open=True),
               name_problem("tracking.experiment", t.experiment, MAX_EXPERIMENT_NAME),
               name_problem("tracking.run_name", t.run_name, MAX_RUN_NAME)]
-    return [c for c in checks if c]
+    out = [c for c in checks if c]
+    if t.best_mode not in TrackingConfig.BEST_MODES:
+        out.append(f"tracking.best_mode={t.best_mode!r}: valid: "
+                   f"{', '.join(TrackingConfig.BEST_MODES)} (the lowest or the highest "
+                   f"tracking.best_metric is a sweep's best point)")
+    if not t.best_metric.strip():
+        out.append("tracking.best_metric is empty: name the end-of-run metric that picks a "
+                   "sweep's best point (e.g. summary/eval_loss, summary/tokens_per_sec)")
+    return out
 
 
 def tracking_store_problems(uri: str, enabled: bool) -> list[str]:
@@ -888,7 +896,9 @@ def config_problems(cfg: Config) -> list[str]:
                  + objective_option_problems(cfg.objective))
     if OBJECTIVES.get(cfg.objective.name) is not None and OBJECTIVES[cfg.objective.name].pairs:
         problems += pair_data_problems(cfg.data)
-    return problems
+    from ..harness import harness_problems  # (lm-eval itself: imported only for tasks)
+
+    return problems + harness_problems(cfg.eval.harness)
 
 
 def derived_problems(cfg: Any, *, place: Placement, mesh: MeshSpec, world: int,

@@ -238,6 +238,26 @@ def typed_config(cfg: DictConfig | Config) -> Config:
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
+SMALL_EXPORT_PARAMS = 100_000_000  # save.export_hf=null exports full fine-tunes below this
+
+
+def resolve_exports(obj: Config) -> Config:
+    """save.export_hf=null: true for a full fine-tune of a small model (the tiny default leaves
+    a model behind) or when eval.harness.tasks are set (the harness scores the export); under
+    LoRA / QLoRA the harness turns on finetune.export_merged (it scores the merged model)."""
+    save, ft, harness = obj.save, obj.finetune, obj.eval.harness
+    if ft.method in FinetuneConfig.METHODS and ft.adapters:
+        if harness.tasks and not ft.export_merged:
+            obj = dataclasses.replace(obj, finetune=dataclasses.replace(ft, export_merged=True))
+        return dataclasses.replace(obj, save=dataclasses.replace(
+            save, export_hf=bool(save.export_hf)))
+    export = save.export_hf
+    if export is None:
+        export = recipes.approx_params(obj.model) < SMALL_EXPORT_PARAMS
+    return dataclasses.replace(obj, save=dataclasses.replace(
+        save, export_hf=bool(export or harness.tasks)))
+
+
 def build_spec(cfg: DictConfig | Config, *, placement: Placer,
                output_dir: Optional[str] = None, launch_dir: Optional[Path] = None,
                sweep_id: Optional[str] = None, sweep_dir: Optional[str] = None,
@@ -256,6 +276,7 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
     # (an unknown objective is refused by config_problems; its recipe is SFT's meanwhile)
     known = OBJECTIVES.get(obj.objective.name)
     obj, recipe = recipes.resolve(obj, pairs=bool(known and known.pairs))
+    obj = resolve_exports(obj)
     out = Path(output_dir or obj.output_dir).expanduser()
     out = out if out.is_absolute() else (base / out)
     # (resume=auto looks in the run directory this launch writes to: under torchrun the

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from . import events as ev
-from ..config.status import MLFLOW_RUNNING
+from ..config.metrics import SYSTEM_PREFIX
+from ..config.status import MLFLOW_RUNNING, MLFLOW_SCHEDULED, REQUEUED
+from .mlflow_compat import delete_points_after, deletes_points
 from .spool import Spool, read_run_file, write_run_file
 from .store import FAST_FAIL_ENV, NotAStore, artifact_location, open_client
 from .view import STATUS_TAG, VIEW_TAG, experiment_tags, status_text, view_is_current
@@ -108,6 +110,27 @@ class Delivery:
             case ev.Running():
                 c.update_run(self.run_id, status=MLFLOW_RUNNING)
                 c.set_tag(self.run_id, STATUS_TAG, status_text(MLFLOW_RUNNING))
+            case ev.Waiting():
+                c.update_run(self.run_id, status=MLFLOW_SCHEDULED)
+                c.set_tag(self.run_id, STATUS_TAG, REQUEUED)
+            case ev.Rewind():
+                self._rewind(e.step)
+
+    def _rewind(self, step: int) -> None:
+        """The stopped attempt's points past ``step`` out of the run's history, where the store
+        allows it (the resumed attempt logs the steps again after this event); elsewhere the
+        resumed attempt did not log them again (tracker.py)."""
+        if not deletes_points(self.uri):
+            return
+        try:
+            gone = delete_points_after(self.client, self.run_id, step, keep_prefix=SYSTEM_PREFIX)
+        except Exception as e:  # noqa: BLE001 - never a reason to hold the rest of the spool
+            log.warning("the points logged after step %d by the attempt that stopped could not "
+                        "be replaced (%s: %s): those steps show twice in MLflow", step,
+                        type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            return
+        log.info("the run continues from step %d: %d metric points logged after it by the "
+                 "attempt that stopped are replaced", step, gone)
 
     def _log_model(self, e: ev.Model) -> None:
         """An exported directory as the run's logged model (its Models column and tab):

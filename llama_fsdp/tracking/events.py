@@ -179,9 +179,42 @@ class Running:
         return cls()
 
 
-Event = Union[Create, Params, Metrics, Tags, Text, Artifacts, Model, Inputs, Status, Running]
+@dataclass(frozen=True)
+class Waiting:
+    """The run waits in a scheduler's queue again (its job was requeued): SCHEDULED, with the
+    status word "requeued", until its ranks start again (``Running``)."""
+
+    KIND: ClassVar[str] = "waiting"
+
+    def wire(self) -> dict[str, Any]:
+        return {"t": self.KIND}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "Waiting":
+        return cls()
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """The run continues from its checkpoint at ``step``: the points an attempt that stopped
+    later logged past it (of every metric but the system ones) are replaced by the steps
+    trained again, which follow."""
+
+    KIND: ClassVar[str] = "rewind"
+    step: int
+
+    def wire(self) -> dict[str, Any]:
+        return {"t": self.KIND, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "Rewind":
+        return cls(d["step"])
+
+
+Event = Union[Create, Params, Metrics, Tags, Text, Artifacts, Model, Inputs, Status, Running,
+              Waiting, Rewind]
 KINDS: dict[str, Any] = {k.KIND: k for k in (Create, Params, Metrics, Tags, Text, Artifacts,
-                                              Model, Inputs, Status, Running)}
+                                              Model, Inputs, Status, Running, Waiting, Rewind)}
 
 
 def decode(d: dict[str, Any]) -> Event:

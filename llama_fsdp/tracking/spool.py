@@ -8,11 +8,22 @@ import fcntl
 import json
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..config.metrics import GLOBAL_BATCH, SYSTEM_PREFIX
 from ..config.rundir import RunDir, replace_text
-from .events import Event, decode
+from .events import Create, Event, Metrics, decode
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """What a run's spool says its MLflow run holds: the last training step logged, and
+    whether its setup (the step-0 facts, the plan) is recorded."""
+
+    logged_through: int = 0
+    started: bool = False
 
 
 class Spool:
@@ -64,6 +75,19 @@ class Spool:
             return []
         return [decode(json.loads(line)) for line in self.path.read_text().splitlines()
                 if line.strip()]
+
+    def history(self) -> RunHistory:
+        """The MLflow run's history as this spool wrote it (since its last Create: a new run
+        in the same directory starts a new history)."""
+        through, started = 0, False
+        for e in self.events():
+            if isinstance(e, Create):
+                through, started = 0, False
+            elif isinstance(e, Metrics):
+                if e.step > 0 and not all(k.startswith(SYSTEM_PREFIX) for k in e.metrics):
+                    through = max(through, e.step)
+                started = started or (e.step == 0 and GLOBAL_BATCH in e.metrics)
+        return RunHistory(through, started)
 
     def backlog(self) -> int:
         return max(0, (self.path.stat().st_size if self.path.exists() else 0) - self.shipped())

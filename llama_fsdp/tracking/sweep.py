@@ -4,7 +4,8 @@ MLflow's convention for searches is nested runs: the runs table shows the sweep 
 expandable row. The parent is made when the sweep starts (Hydra callback), holds the swept
 parameters, the command and the number of points, and gets the summary: a table of the swept
 values against throughput, memory and loss, a plot, and in its own row the numbers of its best
-point (the most tokens per second). The summary is final once every point has ended; until then
+point: the finished point with the lowest eval loss, or whatever ``tracking.best_metric`` and
+``tracking.best_mode`` name (the parent's tag ``best by`` says which). The summary is final once every point has ended; until then
 it says how many have ("running 1/3"), and no point still queued or running counts as failed. A
 local sweep summarizes when its last point ends; a SLURM sweep (which returns at submission)
 when the last of its jobs ends, or on demand:
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import DIVERGED_AT_TAG, STATUS_TAG, command_note, status_text
+from .view import DIVERGED_AT_TAG, HARNESS, STATUS_TAG, command_note, status_text
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
 POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
 POINTS_TAG = "sweep.points"  # on the parent: how many points the sweep runs
 REFUSED_TAG = "sweep.refused"  # on the parent: the points refused before launch (JSON)
+BEST_METRIC_TAG = "sweep.best_metric"  # on the parent: what picks its best point (Best)
+BEST_MODE_TAG = "sweep.best_mode"
 ENDED = frozenset(STATUSES.values())  # MLflow statuses of a run that has ended
 
 
@@ -73,10 +77,11 @@ def parent_run(sweep_dir: str) -> Optional[str]:
 
 
 def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
-                 swept: dict[str, str], points: Optional[int] = None) -> None:
+                 swept: dict[str, str], points: Optional[int] = None,
+                 best: Optional["Best"] = None) -> None:
     """Create the sweep's parent run (or keep the one of this sweep dir); ``swept``: the swept
     keys and their values as typed ({"train.batch_size": "1,2,4"}); ``points``: how many
-    points the sweep runs (None: not known)."""
+    points the sweep runs (None: not known); ``best``: what picks its best point."""
     if read_run_file(sweep_dir).get("tracking_uri") == uri:  # started again in its own dir:
         Spool(sweep_dir).append(events.Running())  # the same parent, running again
         deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
@@ -89,6 +94,7 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
             "mlflow.note.content": command_note(command, f"Sweep {sweep_id}:")}
     if points is not None:
         tags[POINTS_TAG] = str(points)
+    tags.update((best or Best()).tags())
     spool.append(events.Create(experiment, name, tags))
     spool.append(events.Params(dict(swept)))
     deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
@@ -144,7 +150,8 @@ def _point_values(tags: dict[str, str]) -> dict[str, str]:
 
 
 def summary_rows(runs: list[Any], swept: list[str] = (),
-                 refused: list[tuple[dict[str, str], int]] = ()
+                 refused: list[tuple[dict[str, str], int]] = (),
+                 best_metric: Optional[str] = None
                  ) -> tuple[list[str], list[dict[str, Any]]]:
     """The table's columns (the keys the sweep names, and any other that differs between its
     points) and a row per point: its runs, then the points refused before they launched (no
@@ -162,10 +169,14 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
         return point.get(key, next((v for g, v in point.items() if key.startswith(g + ".")),
                                    None))
 
+    # eval.harness's scores: a column per task and headline metric any point has
+    scores = harness_columns(runs)
+
     def row(params: dict[str, Any], point: dict[str, str], metrics: dict[str, Any],
             status: str) -> dict:
         return {**{k: value(k, params, point) for k in keys},
-                **{m: metrics.get(m) for m in SUMMARY_METRICS}, "status": status}
+                **{m: metrics.get(m) for m in (*_metric_columns(best_metric), *scores)},
+                "status": status}
 
     # a point not ended is no failure and has no numbers yet: its row says so
     rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics,
@@ -188,8 +199,25 @@ def _header(col: str) -> str:
     return col.removeprefix(names.SUMMARY_PREFIX)
 
 
-def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
-    cols = [*keys, *SUMMARY_METRICS, "status"]
+def harness_columns(runs: list[Any]) -> list[str]:
+    """harness/<task>/<metric> of the runs (stderrs left out), in a stable order."""
+    return sorted({k for r in runs for k in r.data.metrics
+                   if k.startswith(names.HARNESS_PREFIX) and not k.endswith("_stderr")})
+
+
+def _metric_columns(best_metric: Optional[str]) -> tuple[str, ...]:
+    """The table's metrics: the summary's, and the one that picks the best point."""
+    # (the harness score is its task's column already: harness/<task>/<metric>)
+    extra = (best_metric,) if best_metric and best_metric not in (*SUMMARY_METRICS,
+                                                                 HARNESS.name) else ()
+    return (*SUMMARY_METRICS, *extra)
+
+
+def format_table(keys: list[str], rows: list[dict[str, Any]],
+                 best_metric: Optional[str] = None) -> str:
+    scores = sorted({k for row in rows for k in row if k.startswith(names.HARNESS_PREFIX)}
+                    - {best_metric})
+    cols = [*keys, *_metric_columns(best_metric), *scores, "status"]
 
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
@@ -256,11 +284,58 @@ def progress(statuses: list[str], refused: int, points: Optional[int]) -> Progre
                     waiting=max(0, points - made) if points is not None else 0)
 
 
-def best_run(runs: list[Any]) -> Optional[Any]:
-    """The finished point with the most tokens per second (a point not ended has none)."""
-    done = [r for r in runs if r.info.status == mlflow_status(FINISHED)
-            and r.data.metrics.get(names.SUMMARY_TOKENS_PER_SEC) is not None]
-    return max(done, key=lambda r: r.data.metrics[names.SUMMARY_TOKENS_PER_SEC], default=None)
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """What picks a sweep's best point: the lowest (``mode`` "min") or highest ("max") value of
+    an end-of-run ``metric`` (tracking.best_metric, tracking.best_mode), among the points that
+    finished: a point that failed, stopped, or has not ended yet is never the best."""
+
+    metric: str = TrackingConfig.best_metric
+    mode: str = TrackingConfig.best_mode
+
+    def __str__(self) -> str:
+        return f"{'lowest' if self.mode == 'min' else 'highest'} {self.metric}"
+
+    @classmethod
+    def chosen(cls, metric: str, mode: str, harness_tasks: Any = ()) -> "Best":
+        """tracking.best_metric / best_mode; left at their defaults in a sweep whose points run
+        eval.harness, the highest harness score (the first task's headline metric) instead of
+        the lowest eval loss: the benchmark is what the user compares then."""
+        if harness_tasks and (metric, mode) == (cls.metric, cls.mode):
+            return cls(HARNESS.name, "max")
+        return cls(metric, mode)
+
+    @classmethod
+    def of(cls, tags: dict[str, str]) -> "Best":
+        """The choice a sweep's parent run records (the defaults for a parent made before)."""
+        return cls(tags.get(BEST_METRIC_TAG, cls.metric), tags.get(BEST_MODE_TAG, cls.mode))
+
+    def tags(self) -> dict[str, str]:
+        return {BEST_METRIC_TAG: self.metric, BEST_MODE_TAG: self.mode}
+
+    def value(self, run: Any) -> Optional[float]:
+        v = run.data.metrics.get(self.metric)
+        return v if v is not None and math.isfinite(v) else None
+
+    def choose(self, runs: list[Any]) -> Optional[Any]:
+        """The best finished point (of equals, the first by name: the same on every call)."""
+        done = [r for r in runs if r.info.status == mlflow_status(FINISHED)
+                and self.value(r) is not None]
+        sign = 1.0 if self.mode == "min" else -1.0
+        return min(done, key=lambda r: (sign * self.value(r), r.info.run_name or ""),
+                   default=None)
+
+    def line(self, runs: list[Any]) -> str:
+        """The summary's word on it: the best point and its value, or why there is none."""
+        best = self.choose(runs)
+        if best is None:
+            return f"best point: none yet (no finished point has {self.metric})"
+        return f"best point: {best.info.run_name} ({self}: {self.value(best):.4g})"
+
+
+def best_run(runs: list[Any], best: Best = Best()) -> Optional[Any]:
+    """The sweep's best point by ``best`` (lowest eval loss unless the sweep said otherwise)."""
+    return best.choose(runs)
 
 
 @contextlib.contextmanager
@@ -304,22 +379,25 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
         points = parent.data.tags.get(POINTS_TAG)
         state = progress([r.info.status for r in runs], len(refused),
                          int(points) if points else None)
-        keys, rows = summary_rows(runs, list(parent.data.params), refused)
-        table = format_table(keys, rows)
+        best = Best.of(parent.data.tags)
+        keys, rows = summary_rows(runs, list(parent.data.params), refused, best.metric)
+        table = format_table(keys, rows, best.metric) + "\n" + best.line(runs)
         if not state.complete:
             table += (f"\n{state.ended} of {state.total} points ended; the summary is final "
                       f"when the last ends (or run: python -m llama_fsdp.sweep {sweep_id})")
-        _log_summary(client, parent, sweep_id, table, keys, rows, state, best_run(runs))
+        _log_summary(client, parent, sweep_id, table, keys, rows, state, best,
+                     best.choose(runs))
     return table
 
 
 def _log_summary(client: Any, parent: Any, sweep_id: str, table: str, keys: list[str],
-                 rows: list[dict[str, Any]], state: Progress, best: Optional[Any]) -> None:
-    """The summary on the parent: artifacts, its row's numbers (its best point's), its
-    status; ended FINISHED once every point has."""
+                 rows: list[dict[str, Any]], state: Progress, by: Best,
+                 best: Optional[Any]) -> None:
+    """The summary on the parent: artifacts, its row's numbers (its best point's, and what
+    chose it), its status; ended FINISHED once every point has."""
     from mlflow.entities import Metric, RunTag
 
-    from .view import BEST_POINT_TAG, SHOWN, STATUS_TAG
+    from .view import BEST_BY_TAG, BEST_POINT_TAG, SHOWN, STATUS_TAG
 
     parent_id = parent.info.run_id
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,10 +406,10 @@ def _log_summary(client: Any, parent: Any, sweep_id: str, table: str, keys: list
         client.log_artifacts(parent_id, tmp)
     now = int(time.time() * 1000)
     metrics = [Metric("points", float(state.total), now, 0)]
-    tags = [RunTag(STATUS_TAG, state.status())]
+    tags = [RunTag(STATUS_TAG, state.status()), RunTag(BEST_BY_TAG, str(by))]
     if best is not None:
-        tokens = best.data.metrics[names.SUMMARY_TOKENS_PER_SEC]
-        metrics += [Metric("best/tokens_per_sec", tokens, now, 0),
+        metrics += [Metric("best/" + by.metric.removeprefix(names.SUMMARY_PREFIX),
+                           by.value(best), now, 0),  # type: ignore[arg-type]
                     *(Metric(s.name, best.data.metrics[s.name], now, 0) for s in SHOWN
                       if s.name in best.data.metrics)]
         tags.append(RunTag(BEST_POINT_TAG, best.info.run_name))

@@ -7,10 +7,12 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.metrics import SYSTEM_PREFIX
 from ..config.status import MLFLOW_FINISHED
 from . import events as ev
 from .delivery import Shipper
-from .spool import Spool, read_run_file
+from .mlflow_compat import deletes_points
+from .spool import RunHistory, Spool, read_run_file
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class SystemSampler(threading.Thread):
                     metrics.update(m.aggregate_metrics())
                 finally:
                     m.clear_metrics()
-            self.tracker.log_metrics({f"system/{k}": v for k, v in metrics.items()}, step=sample)
+            self.tracker.log_metrics({SYSTEM_PREFIX + k: v for k, v in metrics.items()},
+                                     step=sample)
             sample += 1
 
     def stop(self) -> None:
@@ -84,6 +87,7 @@ class Tracker:
         self.sampler = _system_sampler(self, system_metrics_s) if system_metrics_s else None
         self._start_metrics: dict[str, float] = {}
         self._start_lock = threading.Lock()  # the system sampler logs from its own thread
+        self._held_through = 0  # steps 1..this are in the run's history already (not logged)
         self.shipper = Shipper(self.spool, uri) if ship else None
         if self.shipper is not None:
             self.shipper.start()
@@ -98,9 +102,36 @@ class Tracker:
         self.spool.append(ev.Params(params))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if 0 < step <= self._held_through:  # kept from the attempt before (continue_from)
+            metrics = {k: v for k, v in metrics.items() if k.startswith(SYSTEM_PREFIX)}
         if metrics:
             self.spool.append(ev.Metrics({k: float(v) for k, v in metrics.items()}, int(step)))
         self._log_start_metrics()
+
+    def history(self) -> RunHistory:
+        """What this run's MLflow record holds already (a run continued from a checkpoint)."""
+        return self.spool.history()
+
+    def continue_from(self, step: int, history: RunHistory) -> None:
+        """The run goes on from its checkpoint at ``step``, after attempts that logged up to
+        ``history.logged_through``: the steps between are trained again and must show once,
+        the new attempt's. A store that can delete metric points drops the stopped attempt's
+        (a Rewind event, delivered before the new points); an MLflow server cannot, and the
+        new attempt does not log the steps the history holds (each step once, the earlier
+        attempt's: the same batches from the same state)."""
+        if history.logged_through <= step:
+            return
+        if deletes_points(self.uri):
+            self.spool.append(ev.Rewind(step))
+            return
+        self._held_through = history.logged_through
+        log.info("steps %d-%d are in the run's history already (logged before it stopped; %s "
+                 "cannot delete metric points): they are trained again, not logged again",
+                 step + 1, history.logged_through, self.uri)
+
+    def running(self) -> None:
+        """The run is RUNNING again (its job requeued, or its ranks restarted)."""
+        self.spool.append(ev.Running())
 
     def log_start_metrics(self, metrics: dict[str, float]) -> None:
         """Step-0 facts of the run (the plan, the data, the parameter counts), logged after the
@@ -166,6 +197,10 @@ class NullTracker:
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def history(self) -> RunHistory:
+        return RunHistory()
+    def continue_from(self, step: int, history: RunHistory) -> None: ...
+    def running(self) -> None: ...
     def log_start_metrics(self, metrics: dict[str, float]) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...

@@ -34,6 +34,7 @@ RUNS_QUERY = f"workflowType=machine_learning&viewStateShareKey={VIEW}"
 STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
 BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
 DIVERGED_AT_TAG = "diverged at step"  # a run the divergence guard stopped (train/divergence.py)
+BEST_BY_TAG = "best by"  # on a sweep's parent: what chose it ("lowest summary/eval_loss")
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,20 @@ SPEED_MEMORY = (Shown("tokens per sec", _metric(m.SUMMARY_TOKENS_PER_SEC), 4, 10
                 Shown("peak GB", _metric(m.SUMMARY_PEAK_MEMORY), 3, 74),
                 Shown("planned GB", _metric(m.SUMMARY_PREDICTED_PEAK_MEMORY), 3, 92))
 BASE = Shown("base M", _metric(m.BASE_PARAMS, 1e-6), 3, 72)
+
+
+def _harness_score(exact: Mapping[str, float]) -> Optional[float]:
+    """eval.harness's first task's headline metric (harness/<task>/<metric>, not a stderr)."""
+    return next((v for k, v in exact.items()
+                 if k.startswith(m.HARNESS_PREFIX) and not k.endswith("_stderr")), None)
+
+
+HARNESS = Shown("harness score", _harness_score, 3, 104)
 # after the first screen (1600 px holds the columns of every run; a DPO run's reward accuracy
 # is the first column past it)
-LATER = (*BY_OBJECTIVE[DPO], BASE)
+LATER = (*BY_OBJECTIVE[DPO], HARNESS, BASE)
 SHOWN: tuple[Shown, ...] = (*TRAINABLE, *(s for cols in BY_OBJECTIVE.values() for s in cols),
-                            *SPEED_MEMORY, BASE)
+                            *SPEED_MEMORY, HARNESS, BASE)
 
 
 def round_to(value: float, digits: int) -> float:
@@ -105,7 +115,7 @@ COLUMNS: tuple[tuple[str, int], ...] = (
     (_col("params", "finetune.method"), 116),
     *((_col("metrics", s.name), s.width) for s in SHOWN if s not in LATER),
     (DURATION, 68), *((_col("metrics", s.name), s.width) for s in LATER),
-    (_col("tags", BEST_POINT_TAG), 120),
+    (_col("tags", BEST_POINT_TAG), 120), (_col("tags", BEST_BY_TAG), 170),
     ("attributes.`Dataset`", 230), ("attributes.`Models`", 260),
     (_col("params", "model.name"), 96), (_col("tags", "precision"), 80),  # resolved, not "auto"
     (_col("tags", "strategy"), 80), (_col("tags", "world_size"), 86),

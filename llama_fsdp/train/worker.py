@@ -55,6 +55,7 @@ from ..config import metrics as names
 from ..checkpoint.layout import resume_candidates
 from ..config.schema import TrainConfig
 from ..data import DataModule, build_data
+from . import harness_step
 from .distributed import DistEnv, process_group
 from ..config.hf_dir import hub_name
 from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
@@ -79,6 +80,7 @@ from ..config.status import (
     FINISHED,
     MLFLOW_RUNNING,
     OWN_WORDS,
+    PREEMPTED,
     RunResult,
     mlflow_status,
 )
@@ -207,7 +209,9 @@ class RankRun:
         return run
 
     def record_start(self) -> None:
-        """Placement, derived values, data statistics, parameter counts and the plan."""
+        """Placement, derived values, data statistics, parameter counts and the plan; a run
+        that continues its MLflow run (a restart, a requeue, a resume) records only what
+        changed, and its steps from the checkpoint on (``Tracker.continue_from``)."""
         hosts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         spec = self.spec
@@ -217,19 +221,25 @@ class RankRun:
         self.counts = {names.TRAINABLE_PARAMS: trainable, names.TOTAL_PARAMS: total,
                        # the base is frozen whole under adapters: all the rest is the base
                        names.BASE_PARAMS: total - trainable if spec.finetune.adapters else total}
+        history = self.tracker.history()
+        if spec.restart:  # its job requeued (SCHEDULED meanwhile), or its ranks restarted
+            self.tracker.running()
         self.tracker.set_tags({"rank_hosts": ",".join(hosts),  # which node each rank ran on
                                **({"restarts": str(spec.restart)} if spec.restart else {}),
-                               "derived.world_size": str(spec.world_size),
-                               "derived.mesh": "x".join(map(str, spec.mesh.shape)),
-                               "derived.precision": spec.precision.name,
-                               STATUS_TAG: status_text(MLFLOW_RUNNING),
-                               **self.data.info.params()})
-        self.tracker.log_text(self.plan.table(), "plan.txt")
-        self.tracker.log_start_metrics({
-            names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
-            names.GLOBAL_BATCH: spec.global_batch, names.TOKENS_PER_STEP: spec.tokens_per_step,
-            names.LOCAL_PARAMS_RANK0: local_numel(self.model), **self.counts, **self.data.stats,
-            **self.plan.metrics()})
+                               STATUS_TAG: status_text(MLFLOW_RUNNING)})
+        if not history.started:  # once per MLflow run: the same facts again are no news
+            self.tracker.set_tags({"derived.world_size": str(spec.world_size),
+                                   "derived.mesh": "x".join(map(str, spec.mesh.shape)),
+                                   "derived.precision": spec.precision.name,
+                                   **self.data.info.params()})
+            self.tracker.log_text(self.plan.table(), "plan.txt")
+            self.tracker.log_start_metrics({
+                names.SUMMARY_PREDICTED_PEAK_MEMORY: self.plan.predicted_peak_gb,
+                names.GLOBAL_BATCH: spec.global_batch,
+                names.TOKENS_PER_STEP: spec.tokens_per_step,
+                names.LOCAL_PARAMS_RANK0: local_numel(self.model), **self.counts,
+                **self.data.stats, **self.plan.metrics()})
+        self.tracker.continue_from(self.state.step, history)
         if spec.restart:
             self.tracker.log_metrics({names.RESTART: float(spec.restart)}, step=self.state.step)
 
@@ -246,16 +256,23 @@ class RankRun:
             tracker=self.tracker, console=self.console,
             flops_per_token=self.plan.flops_per_token, peak_flops=self.plan.peak_flops,
             guard=guard,
-            on_step_end=[save, *load_callbacks(spec, self.env.rank), hang.arm],
+            on_step_end=[save, *load_callbacks(spec, self.env.rank),
+                         harness_step.periodic(spec, rank=self.env.rank, device=self.device,
+                                               tracker=self.tracker, export=self.export_at),
+                         hang.arm],
             saves_at=self.checkpointer.saves_at,
             evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
             stop_request=stops.request,
             on_stop=stop_handler(self.checkpointer.save_now,
-                                 save_on_user_stop=spec.save.every_steps > 0),
+                                 save_on_user_stop=spec.save.every_steps > 0,
+                                 why=lambda: stops.why),
             after_first_step=lambda: set_train_timeout(spec))
 
     def train(self) -> RunResult:
-        stops, hang = StopSignals().install(), HangWatch(self.spec, self.env.rank)
+        place = self.spec.placement
+        stops = StopSignals(warning_s=place.stop_warning_s if place else None,
+                            save_s=lambda: self.checkpointer.expected_save_s).install()
+        hang = HangWatch(self.spec, self.env.rank)
         status, export_dir, final, summary, report = FAILED, None, {}, {}, None
         linked = False  # the final metrics went with the logged model
         t = self.spec.train
@@ -272,6 +289,7 @@ class RankRun:
                          self.state.step)
             else:
                 export_dir, linked = self.export(self.final_metrics(summary))
+                summary.update(self.harness_at_end())
             status = FINISHED
         except StopRequested as e:
             status = e.reason
@@ -288,7 +306,7 @@ class RankRun:
             hang.close()
             self.checkpointer.close()
             self.console.close()
-            if not linked:
+            if not linked and status != PREEMPTED:  # a preempted run goes on in its requeue
                 self.tracker.log_metrics(self.final_metrics(summary), step=0)
             self.tracker.finish(mlflow_status(status), word=OWN_WORDS.get(status))
             if self.env.rank == 0:
@@ -338,6 +356,32 @@ class RankRun:
         path = ckpt_io.export_hf(self.model, run_dir.export, config=self.checkpointer.hf_config,
                                  tokenizer=self.data.tokenizer)
         return path, self.tracker.log_model_dir(path, **logged)
+
+    def export_at(self, where: Path) -> None:
+        """The model as it is now, as an HF directory (merged under adapters). Collective."""
+        spec = self.spec
+        if spec.finetune.adapters:
+            ckpt_io.export_merged(self.model, where, config=self.checkpointer.hf_config,
+                                  dtype=torch_dtype(spec.policy.param_dtype),
+                                  tokenizer=self.data.tokenizer)
+        else:
+            ckpt_io.export_hf(self.model, where, config=self.checkpointer.hf_config,
+                              tokenizer=self.data.tokenizer)
+
+    def harness_at_end(self) -> dict[str, float]:
+        """eval.harness on the export just written: rank 0 frees the training state and scores
+        it; the others are done. The summary's scores (rank 0)."""
+        if not self.spec.eval.harness.tasks or self.env.rank != 0:
+            return {}
+        self.model = self.optimizer = self.scheduler = None  # (the export holds the weights)
+        self.checkpointer.app = None
+        harness_step.free()
+        found = harness_step.score(self.spec, harness_step.model_dir_of(self.spec),
+                                   step=self.state.step, device=self.device,
+                                   tracker=self.tracker)
+        headline = harness_step.summary_of(found)
+        self.tracker.log_metrics(shown_metrics(headline), step=0)  # the table's column
+        return headline
 
     def summary(self, logged: list[dict[str, float]], final: dict[str, float]) -> dict[str, float]:
         """End-of-run numbers the MLflow table sorts on (summary/*)."""

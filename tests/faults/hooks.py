@@ -15,6 +15,7 @@ SIGNAL = "LLAMA_FSDP_TEST_SIGNAL"  # "rank=R,step=S,sig=KILL": rank R sends itse
 MARK = "LLAMA_FSDP_TEST_MARK"  # a file: its first line says whether this fault already fired
 SLOW = "LLAMA_FSDP_TEST_STEP_SLEEP"  # seconds every rank sleeps after each step
 SLOW_FIRST = "LLAMA_FSDP_TEST_STEP_SLEEP_FIRST_ATTEMPT"  # "1": only until a restart or requeue
+STALL = "LLAMA_FSDP_TEST_STALL"  # "step=S,seconds=T": every rank sleeps T s after step S, once
 EXIT_CODE = 86
 
 
@@ -78,15 +79,35 @@ def self_signal(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any
     return hook
 
 
+def _restarted() -> bool:
+    """Whether this is a restarted or requeued attempt of the run."""
+    return any(int(os.environ.get(v) or 0) > 0
+               for v in ("LLAMA_FSDP_ATTEMPT", "SLURM_RESTART_COUNT"))
+
+
+def stall(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
+    """Every rank sleeps after step S in the run's first attempt (not once restarted or
+    requeued): a job that a test stops there has logged step S, and has no checkpoint of it."""
+    import time
+
+    want = _spec(STALL)
+    if _restarted():
+        return lambda state: None
+
+    def hook(state: Any) -> None:
+        if state.step == int(want["step"]):
+            time.sleep(float(want["seconds"]))
+
+    return hook
+
+
 def slow(*, rank: int, world_size: int, output_dir: str) -> Callable[[Any], None]:
     """Every rank sleeps after each step (so a test can act while a run is mid-way); with
     SLOW_FIRST=1 only in the run's first attempt (not once restarted or requeued by SLURM)."""
     import time
 
     seconds = float(os.environ[SLOW])
-    restarted = any(int(os.environ.get(v) or 0) > 0
-                    for v in ("LLAMA_FSDP_ATTEMPT", "SLURM_RESTART_COUNT"))
-    if restarted and os.environ.get(SLOW_FIRST) == "1":
+    if _restarted() and os.environ.get(SLOW_FIRST) == "1":
         return lambda state: None
     return lambda state: time.sleep(seconds)
 

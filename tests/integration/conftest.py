@@ -6,7 +6,11 @@ A 2-node Slurm 22.05 cluster: ``slurmctld`` + ``slurmdbd`` (real accounting, pri
 in the root namespace, ``slurmd`` for ``node1`` and ``node2`` each in its own network namespace
 with its own hostname, on a private bridge ``10.77.K.0/24``. Nodes advertise 4 CPUs each
 (oversubscribing the host: they all share its cores) and the host's memory; partition
-``debug`` is the default. Brought up once per test session (about 3 s) and ALWAYS torn down at
+``debug`` is the default; ``preemptible`` (``GraceTime`` ``PREEMPT_GRACE_S``) and ``urgent``
+(a higher ``PriorityTier``) hold the same nodes, and a job in ``urgent`` preempts one in
+``preemptible`` or ``debug`` (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``: the
+job is sent SIGTERM, killed after its grace time and ``KillWait`` (5 s), and requeued).
+Brought up once per test session (about 3 s) and ALWAYS torn down at
 the end: pytest finalizer, ``atexit``, SIGTERM, and -- should the session be SIGKILLed -- the
 next ``up`` on this machine reaps it (the cluster records the session's pid as its owner).
 
@@ -99,6 +103,13 @@ REQUIRE_ENV = "LLAMA_FSDP_REQUIRE_SLURM"
 UP_TIMEOUT_S = 180          # a shared 2-core machine can be slow
 NODES = 2
 CPUS_PER_NODE = 4
+PREEMPT_GRACE_S = 30  # GraceTime of partition preemptible
+# preemption by partition priority: a job in "urgent" preempts one in "debug" or "preemptible"
+PREEMPTION_CONF = (
+    "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+    f"PartitionName=preemptible Nodes=node[1-{NODES}] GraceTime={PREEMPT_GRACE_S} "
+    "MaxTime=INFINITE State=UP",
+    f"PartitionName=urgent Nodes=node[1-{NODES}] PriorityTier=2 MaxTime=INFINITE State=UP")
 # submitit waits `Job._results_timeout_s` (15 s) per task for a result file that a crashed job
 # never writes (a grace for slow NFS). The cluster's folders are on local disk and a task writes
 # its result before it exits, so the fixture sets it to 0 while the session runs: a crashed 2x2
@@ -343,7 +354,7 @@ def _fast_missing_results():
 def slurm_cluster(tmp_path_factory):
     require_slurm()
     cluster = _start(_state_dir(tmp_path_factory), NODES, CPUS_PER_NODE,
-                     slurm_cluster_mod.PARTITION, ())
+                     slurm_cluster_mod.PARTITION, PREEMPTION_CONF)
     try:
         with cluster.activate(), _fast_missing_results():
             yield cluster

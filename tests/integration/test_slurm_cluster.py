@@ -90,8 +90,9 @@ def test_cluster_is_up(slurm_cluster):
     # the session's cluster: jobs of earlier tests may still be completing for a few seconds
     deadline = time.monotonic() + 60
     while True:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %c %P"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split("\n")
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o",
+                              "%N %T %c %P"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout.split("\n")
         rows = sorted(line.split() for line in out if line.strip())
         if all(r[1] == "idle" for r in rows) or time.monotonic() > deadline:
             break

@@ -68,6 +68,20 @@ def test_a_crashing_rank_fails_the_job_with_its_error(tmp_path, slurm_cluster):
     assert "injected fault on rank 1 after step 1" in log
 
 
+def test_the_plan_sizes_a_nodes_memory_from_the_partition_when_mem_gb_is_unset(tmp_path,
+                                                                              slurm_cluster):
+    """cluster.mem_gb unset: the plan's capacity is the partition's nodes' memory as SLURM
+    reports it, and says so (before: the submitting host's RAM, called "host RAM")."""
+    out = _cli(tmp_path, slurm_cluster, "dry_run=true", "cluster.nproc_per_node=2", *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mb = int(subprocess.run(["sinfo", "-h", "-p", slurm_cluster.partition, "-o", "%m"],
+                            capture_output=True, text=True, check=True).stdout.split()[0])
+    row = next(line for line in (out.stdout + out.stderr).splitlines()
+               if line.strip().startswith("host capacity ("))
+    assert f"(partition {slurm_cluster.partition}'s nodes, sinfo / ranks per node)" in row, row
+    assert row.split()[-2] == f"{mb * 2**20 / 2 / 1e9:.2f}", row  # GB per rank
+
+
 def test_invalid_partition_fails_at_submission_with_slurms_message(tmp_path, slurm_cluster):
     env = {**os.environ, **slurm_cluster.env}
     out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
@@ -90,11 +104,18 @@ def _wait_all_finished(cwd: Path, n: int, timeout: float) -> list:
 
 
 def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
+    """Every point submitted at once, summarized by the last job to end; its best point is the
+    one with the lowest eval loss (before: the most tokens per second, whatever its loss), and
+    the sweep says it submits its points (before: Hydra's "Launching 4 jobs locally")."""
+    evaluated = [o for o in FAST if not o.startswith("eval.every_steps")]
     out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4", "sharding=full,no_shard",
-               "cluster.nproc_per_node=1", "train.max_steps=2", *FAST)
+               "cluster.nproc_per_node=1", "train.max_steps=2", *evaluated, "eval.every_steps=2",
+               "eval.max_batches=1")
     assert out.returncode == 0, out.stderr[-4000:]
     log = out.stdout + out.stderr
     assert log.count("submitted SLURM job") == 4
+    assert "jobs locally" not in log
+    assert "submitting 4 sweep points as SLURM jobs, all at once" in log
     # the summary at submission says the points are not done, and how to see it later
     assert re.search(r"\n[0-3] of 4 points ended; the summary is final when the last ends", log)
     assert "python -m llama_fsdp.sweep" in log
@@ -113,7 +134,11 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert len(parents) == 1
     parent = _wait_parent_finished(client, parents[0].info.run_id, timeout=60)
     assert parent.data.tags["status"] == "finished" and parent.data.tags["failed_points"] == "0"
-    assert parent.data.tags["best point"] in {r.info.run_name for r in runs}
+    # (full and no_shard compute the same losses: of equals, the first by name)
+    best = min(runs, key=lambda r: (r.data.metrics["summary/eval_loss"], r.info.run_name))
+    assert parent.data.tags["best point"] == best.info.run_name
+    assert parent.data.tags["best by"] == "lowest summary/eval_loss"
+    assert parent.data.metrics["best/eval_loss"] == best.data.metrics["summary/eval_loss"]
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
     assert sorted(r.info.run_name for r in runs) == [
         "b=2 shard=full", "b=2 shard=no_shard",
@@ -123,6 +148,8 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
     assert "points ended" not in summary.stdout + summary.stderr
+    assert (f"best point: {best.info.run_name} (lowest summary/eval_loss: "
+            in summary.stdout + summary.stderr)
     parent = client.get_run(parents[0].info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
 

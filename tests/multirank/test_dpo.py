@@ -4,19 +4,23 @@ One module fixture trains every run the tests read (4 steps, a global batch of 8
 synthetic pairs, each row holding several pairs):
 
 - 2 ranks: ``lora`` (micro-batch 4, tracked in MLflow, a checkpoint at step 2, its adapter
-  exported), ``lora_2x2`` (micro-batch 2 x 2 accumulated), ``lora_1x4``, ``lora_r2`` (resumes
-  ``lora``'s step-2 checkpoint), ``full`` (full fine-tuning: the frozen copy as reference),
-  ``qlora``, ``full_ddp`` (sharding=no_shard), ``lora_zero2_ac`` (grad_op, full AC),
-  ``lora_cached`` and ``full_cached`` (objective.reference=cached, in a cache of their own, the
-  first computing it), ``lora_cached_again`` (finds it), ``full_cached_r2`` (resumes
-  ``full``'s step 2 in a cache of its own: nothing cached yet), ``full_loss`` (``full`` with
-  train.loss=full: every other run takes the default chunked head), ``lora_learns`` (the
-  default command's shape for 20 steps, the held-out pairs at the end);
+  exported), ``lora_2x2`` (micro-batch 2 x 2 accumulated), ``lora_1x4``, ``full`` (full
+  fine-tuning: the frozen copy as reference), ``qlora``, ``full_ddp`` (sharding=no_shard),
+  ``lora_zero2_ac`` (grad_op, full AC), ``lora_cached`` and ``full_cached``
+  (objective.reference=cached, in a cache of their own, the first computing it),
+  ``lora_cached_again`` (finds it), ``full_loss`` (``full`` with train.loss=full: every other
+  run takes the default chunked head), ``lora_learns`` (the default command's shape for 20
+  steps, the held-out pairs at the end);
+- 2 ranks again, in fresh processes (the checkpoint alone carries a run): ``lora_r2`` (resumes
+  ``lora``'s step-2 checkpoint) and ``full_cached_r2`` (resumes ``full``'s step 2 in a cache of
+  its own: nothing cached yet);
 - 1 rank: ``lora_1`` (micro-batch 8) and ``lora_r1`` (resumes ``lora``'s step 2).
+
+Every rank reports what it computed itself: its gradient norm at each step, and for the runs in
+PARTS its part of every trainable parameter after training.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -26,7 +30,8 @@ import torch
 
 from llama_fsdp.tracking import NullTracker
 from tests.conftest import make_spec
-from tests.distributed import run_ranks
+from tests.distributed import (assert_rows_match, recorded_grad_norms, run_ranks,
+                               trained_parts)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -36,6 +41,15 @@ BASE = ["objective=dpo", "objective.beta=0.5", "eval.every_steps=0", "train.warm
         "data.eval_records=24", "train.seq_len=64", "finetune.rank=8", "finetune.alpha=16"]
 PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
 RTOL = 1e-4  # another world size or micro-batching: the same sums in another order
+# A trained weight, likewise, to what AdamW's step makes of it: the step divides by the
+# gradient's root mean square, so where that is near zero the same sums in another order move a
+# weight further: up to 2e-6 here for full fine-tuning; up to 1.6e-4 for LoRA's A, which gets no
+# gradient at the first step (B is zero) and a tiny one at the next. A shard stepped with a wrong
+# gradient, or not stepped, is off by about lr (3e-3) a step.
+FULL_ATOL, LORA_ATOL = 1e-5, 5e-4
+# the runs whose ranks report their trained parts: LoRA on 2 ranks against 1, resumed and not;
+# full fine-tuning's shards against a whole replica's (no_shard)
+PARTS = ("lora", "lora_1", "lora_r2", "full", "full_ddp")
 
 
 class Recorder(NullTracker):
@@ -76,20 +90,26 @@ def _session(rank, world, specs):
         before = _local(ref_model) if ref_model is not None else None
         trained = {id(p) for p in run.model.parameters() if p.requires_grad}
         optimized = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
-        result = run.train()
-        out[name] = {"result": result, "logits": _logits(run.model),
+        with recorded_grad_norms() as norms:
+            result = run.train()
+        # (before the probe: its forward leaves the units FSDP2 keeps gathered unsharded)
+        out[name] = {"parts": trained_parts(run.model) if name in PARTS else None,
+                     "result": result, "logits": _logits(run.model), "grad_norms": norms,
                      "metrics": getattr(run.tracker, "metrics", None),
                      "optimizer_holds_what_trains": optimized == trained}
         if ref_model is not None:
-            after = _local(ref_model)
-            out[name]["reference"] = {
-                "unchanged": all((before[k] == after[k]).all() for k in before),
-                "frozen": not any(p.requires_grad or p.grad is not None
-                                  for p in ref_model.parameters()),
-                "outside_the_optimizer": not ({id(p) for p in ref_model.parameters()}
-                                              & optimized),
-                "sharded_per_layer": _units(ref_model), "before": before}
+            out[name]["reference"] = _reference(ref_model, before, optimized)
     return out
+
+
+def _reference(ref_model, before, optimized) -> dict:
+    """What this rank holds of a frozen reference copy after training, against ``before``."""
+    after = _local(ref_model)
+    return {"unchanged": all((before[k] == after[k]).all() for k in before),
+            "frozen": not any(p.requires_grad or p.grad is not None
+                              for p in ref_model.parameters()),
+            "outside_the_optimizer": not ({id(p) for p in ref_model.parameters()} & optimized),
+            "sharded_per_layer": _units(ref_model), "before": before}
 
 
 def _units(model) -> list[list[str]]:
@@ -128,15 +148,11 @@ def runs(tmp_path_factory, hf_dir):
         return make_spec([*BASE, f"model.path={hf_dir}", track, f"cluster.nproc_per_node={world}",
                           f"train.batch_size={batch}", *extra], output_dir=root / name)
 
-    step2 = layout.step_dir(root / "lora", 2)
     cached = [f"cache_dir={ref_cache}", "objective.reference=cached"]
     two = {"lora": spec("lora", 2, 4, "finetune=lora", "save.every_steps=2",
                         "eval.every_steps=2", "eval.task_prompts=4", tracked=True),
            "lora_2x2": spec("lora_2x2", 2, 2, "finetune=lora", "train.grad_accum=2"),
            "lora_1x4": spec("lora_1x4", 2, 1, "finetune=lora", "train.grad_accum=4"),
-           # (resumes a checkpoint the session writes before it gets there)
-           "lora_r2": dataclasses.replace(spec("lora_r2", 2, 4, "finetune=lora"),
-                                          resume=str(step2)),
            "full": spec("full", 2, 4, "finetune=full", "save.every_steps=2"),
            "full_loss": spec("full_loss", 2, 4, "finetune=full", "train.loss=full"),
            "qlora": spec("qlora", 2, 4, "finetune=qlora"),
@@ -147,13 +163,7 @@ def runs(tmp_path_factory, hf_dir):
                                  "checkpointing=full"),
            "lora_cached": spec("lora_cached", 2, 4, "finetune=lora", *cached),
            "lora_cached_again": spec("lora_cached_again", 2, 4, "finetune=lora", *cached),
-           "full_cached": spec("full_cached", 2, 4, "finetune=full", *cached),
-           # resumes full's step 2 with no cache yet: the reference's log-probs must come
-           # from the initial weights (a copy made for them), not from the policy
-           "full_cached_r2": dataclasses.replace(
-               spec("full_cached_r2", 2, 4, "finetune=full", "objective.reference=cached",
-                    f"cache_dir={tmp_path_factory.mktemp('ref-cache-2')}"),
-               resume=str(layout.step_dir(root / "full", 2)))}
+           "full_cached": spec("full_cached", 2, 4, "finetune=full", *cached)}
     # the default command's data and rows (4000 pairs, 8 x 128 tokens per rank), 20 steps, the
     # held-out pairs at the end
     two["lora_learns"] = make_spec(
@@ -162,11 +172,21 @@ def runs(tmp_path_factory, hf_dir):
         output_dir=root / "lora_learns")
     prepare(two["lora"], command="pytest")  # its MLflow run, as the driver makes it
     out = run_ranks(_session, 2, two)
+    step2 = layout.step_dir(root / "lora", 2)
+    resumed = {"lora_r2": spec("lora_r2", 2, 4, "finetune=lora", f"resume={step2}"),
+               # resumes full's step 2 with no cache yet: the reference's log-probs must come
+               # from the initial weights (a copy made for them), not from the policy
+               "full_cached_r2": spec("full_cached_r2", 2, 4, "finetune=full",
+                                      "objective.reference=cached",
+                                      f"cache_dir={tmp_path_factory.mktemp('ref-cache-2')}",
+                                      f"resume={layout.step_dir(root / 'full', 2)}")}
+    for rank, r in enumerate(run_ranks(_session, 2, resumed)):  # fresh processes
+        out[rank].update(r)
     one = {"lora_1": spec("lora_1", 1, 8, "finetune=lora"),
            "lora_r1": spec("lora_r1", 1, 8, "finetune=lora", f"resume={step2}")}
     out0 = {**out[0], **run_ranks(_session, 1, one)[0]}
-    return {"rank0": out0, "ranks": out, "hf": hf_dir, "specs": {**two, **one}, "root": root,
-            "ref_cache": ref_cache}
+    return {"rank0": out0, "ranks": out, "hf": hf_dir, "specs": {**two, **resumed, **one},
+            "root": root, "ref_cache": ref_cache}
 
 
 def _losses(runs, name):
@@ -194,21 +214,42 @@ def test_held_out_reward_accuracy_rises_well_above_chance(runs):
     assert final["eval_rewards/margin"] > 0 and final["eval_loss"] < 0.6
 
 
+def _grad_norms(runs, name):
+    return runs["rank0"][name]["grad_norms"]
+
+
 def test_micro_batches_and_world_sizes_agree(runs):
-    """micro-batch 4 == 2 x 2 accumulated == 1 x 4; 1 rank == 2 ranks; every rank the same."""
+    """micro-batch 4 == 2 x 2 accumulated == 1 x 4; 1 rank == 2 ranks; FSDP == DDP: the losses
+    and the gradient norms per step (AdamW's update is blind to a gradient scaled by a
+    constant, the norm is not)."""
     want = _losses(runs, "lora")
     assert len(want) == STEPS and want[-1] < want[0]
-    for name in ("lora_2x2", "lora_1x4", "lora_1", "lora_zero2_ac"):
-        torch.testing.assert_close(_losses(runs, name), want, rtol=RTOL, atol=0, msg=name)
-    torch.testing.assert_close(_losses(runs, "full_ddp"), _losses(runs, "full"), rtol=RTOL,
-                               atol=0)
+    pairs = [(name, "lora") for name in ("lora_2x2", "lora_1x4", "lora_1", "lora_zero2_ac")]
+    for name, ref in [*pairs, ("full_ddp", "full")]:
+        for numbers in (_losses, _grad_norms):
+            got, expected = numbers(runs, name), numbers(runs, ref)
+            assert len(got) == STEPS, (name, numbers.__name__)
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=0,
+                                       msg=f"{name} vs {ref}: {numbers.__name__}")
     assert _losses(runs, "qlora")[-1] < _losses(runs, "qlora")[0]
-    for name in ("lora", "full"):
-        per_rank = [r[name]["result"].losses for r in runs["ranks"]]
-        assert per_rank[0] == per_rank[1], name
     m2, m1 = runs["rank0"]["lora_2x2"]["metrics"], runs["rank0"]["lora_1"]["metrics"]
     for key in ("rewards/margin", "logps/chosen", "logps/rejected"):
         assert m2[STEPS][key] == pytest.approx(m1[STEPS][key], rel=RTOL, abs=1e-6), key
+
+
+def test_each_rank_s_shards_are_the_same_rows_of_a_whole_run(runs):
+    """What each rank computes alone, after 4 steps: its LoRA shards (its own reduce-scattered
+    gradient, its own AdamW step) are the same rows of the 1-rank run's adapters, and full
+    fine-tuning's shards the same rows of the weights each replica of no_shard computed."""
+    whole = runs["rank0"]["lora_1"]["parts"]
+    for rank, r in enumerate(runs["ranks"]):
+        assert_rows_match(r["lora"]["parts"], whole, rtol=RTOL, atol=LORA_ATOL,
+                          msg=f"lora, rank {rank}")
+        assert_rows_match(r["full"]["parts"], r["full_ddp"]["parts"], rtol=RTOL,
+                          atol=FULL_ATOL, msg=f"full, rank {rank}")
+    for run in ("lora", "full"):  # each rank its half of every tensor, not all of one
+        halves = [r[run]["parts"] for r in runs["ranks"]]
+        assert all(halves[1][n][0] == len(rows) for n, (_, rows) in halves[0].items()), run
 
 
 def test_the_chunked_head_trains_as_the_full_logits_do(runs):
@@ -226,30 +267,42 @@ def test_the_chunked_head_trains_as_the_full_logits_do(runs):
 
 
 def test_resume_is_exact_and_works_on_another_world_size(runs):
+    """Resumed by processes that did not train the run (the checkpoint alone carries it): on
+    the same world size every step's loss and gradient norm, and each rank's trained shards,
+    are bit-exact."""
     full = _losses(runs, "lora")
-    assert _losses(runs, "lora_r2") == full[2:]  # same world size: bit-exact
+    assert runs["rank0"]["lora_r2"]["result"].resumed_from.endswith("step_000002")
+    assert _losses(runs, "lora_r2") == full[2:]
+    assert _grad_norms(runs, "lora_r2") == _grad_norms(runs, "lora")[2:]
+    for rank, r in enumerate(runs["ranks"]):
+        resumed, straight = r["lora_r2"]["parts"], r["lora"]["parts"]
+        assert resumed and resumed.keys() == straight.keys(), rank
+        for n, (start, rows) in resumed.items():
+            assert start == straight[n][0] and np.array_equal(rows, straight[n][1]), (rank, n)
     torch.testing.assert_close(_losses(runs, "lora_r1"), full[2:], rtol=RTOL, atol=0)
 
 
 def test_full_fine_tuning_keeps_its_reference_frozen_sharded_and_bit_identical(runs):
     from safetensors.torch import load_file
 
-    ref = runs["rank0"]["full"]["reference"]
-    assert ref["unchanged"] and ref["frozen"] and ref["outside_the_optimizer"]
-    units = ref["sharded_per_layer"]  # the embedding, each layer, [norm, head], the root
-    assert len(units) == 4 + 3 and ["model.norm", "lm_head"] in units
-    # its shards are the HF weights it started from, on both ranks
     hf = {}
     for f in Path(runs["hf"]).glob("*.safetensors"):
         hf.update(load_file(str(f)))
-    for rank_result in runs["ranks"]:
-        local = rank_result["full"]["reference"]["before"]
-        for name, shard in local.items():
-            rows = shard.shape[0]
-            whole = hf[name.replace("._checkpoint_wrapped_module", "")]
-            assert any(torch.equal(torch.from_numpy(shard), part)
-                       for part in torch.split(whole, rows)), name
-    assert runs["rank0"]["full"]["optimizer_holds_what_trains"]
+    world = len(runs["ranks"])
+    for rank, r in enumerate(runs["ranks"]):
+        ref = r["full"]["reference"]
+        assert ref["unchanged"] and ref["frozen"] and ref["outside_the_optimizer"], rank
+        assert r["full"]["optimizer_holds_what_trains"], rank
+        units = ref["sharded_per_layer"]  # the embedding, each layer, [norm, head], the root
+        assert len(units) == 4 + 3 and ["model.norm", "lm_head"] in units, rank
+        # its shards are this rank's rows of the HF weights it started from (FSDP2 splits
+        # dim 0 as torch.chunk does, rank r holding chunk r)
+        shards = {n.replace("._checkpoint_wrapped_module", ""): v
+                  for n, v in ref["before"].items()}
+        assert shards.keys() == hf.keys(), rank
+        for name, shard in shards.items():
+            own = torch.chunk(hf[name], world)[rank]
+            assert torch.equal(torch.from_numpy(shard), own), (rank, name)
     # the checkpoint holds the policy only: as many model tensors as HF has
     from llama_fsdp.checkpoint import dcp, layout
 
@@ -303,8 +356,13 @@ def test_mlflow_has_the_dpo_metrics_per_step_and_at_eval_and_the_adapter(runs):
         assert steps == [0, 2, 4], key
     baseline = client.get_metric_history(run.info.run_id, "eval_loss")[0].value
     assert baseline == pytest.approx(math.log(2), rel=1e-6)
-    for key in ("summary/reward_accuracy", "summary/eval_reward_accuracy"):
-        assert 0 <= run.data.metrics[key] <= 1, key
+    # the summary is each number's last logged value (accuracy and margin: not one for another)
+    for key, source in (("summary/reward_accuracy", "rewards/accuracy"),
+                        ("summary/reward_margin", "rewards/margin"),
+                        ("summary/eval_reward_accuracy", "eval_rewards/accuracy"),
+                        ("summary/eval_reward_margin", "eval_rewards/margin")):
+        last = max(client.get_metric_history(run.info.run_id, source), key=lambda m: m.step)
+        assert run.data.metrics[key] == last.value, (key, source)
     assert run.data.params["objective.name"] == "dpo" and run.data.params["objective.beta"] == "0.5"
     model = client.get_logged_model(run.outputs.model_outputs[0].model_id)
     assert model.model_type == "peft-lora"

@@ -32,6 +32,8 @@ from tests.conftest import make_spec
     ("tracking.final_delivery_s=nan", "tracking.final_delivery_s=nan must be a finite number"),
     ("eval.max_batches=0", "eval.max_batches=0 must be >= 1"),
     ("finetune=lora finetune.alpha=inf", "finetune.alpha=inf must be a finite number > 0"),
+    ("tracking.best_mode=lowest", "tracking.best_mode='lowest': valid: min, max"),
+    ("tracking.best_metric=", "tracking.best_metric is empty: name the end-of-run metric"),
 ])
 def test_numbers_are_finite_and_in_range_at_compose(override, message, tmp_path):
     """Before: NaN and infinity passed every check and trained silently; beta1=1.5,

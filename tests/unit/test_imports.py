@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KNOWN_CIRCLES: list[set[str]] = []  # (none: a circle found fails)
 
 # The folders, lowest first: each imports only those before it (and the root's leaves).
-FOLDERS = ("config", "data", "tracking", "model", "checkpoint", "run", "plan", "objective",
-           "prepare", "train", "launchers", "cli")
+FOLDERS = ("config", "data", "tracking", "model", "checkpoint", "harness", "run", "plan",
+           "objective", "prepare", "train", "launchers", "cli")
 # Modules at the root: the package's plumbing (lazy, versions, import_noise), below every folder,
 # and its commands (python -m llama_fsdp[.convert|.sweep|...]), above them.
 ROOT_LEAVES = ("lazy", "versions", "import_noise")

@@ -11,7 +11,7 @@ import pytest
 
 from llama_fsdp.config import metrics as names
 from llama_fsdp.cli.overrides import command_args, sweep_size
-from llama_fsdp.tracking.sweep import best_run, progress
+from llama_fsdp.tracking.sweep import Best, best_run, progress
 from llama_fsdp.tracking.view import (
     COLUMNS,
     RUNS_QUERY,
@@ -135,26 +135,38 @@ def test_a_sweep_is_final_only_when_every_point_has_ended(statuses, refused, poi
     assert state.failed == sum(s in ("FAILED", "KILLED") for s in statuses) + refused
 
 
-def test_the_best_point_is_a_finished_one(tmp_path):
+def test_the_best_point_is_the_finished_one_with_the_best_chosen_metric(tmp_path):
+    """Lowest eval loss by default, whatever the speed (issue 57: a sweep's parent showed the
+    faster method's worse loss); another metric and direction when the sweep names them; a
+    point that did not finish, or lacks the metric, is never the best."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.create_experiment("s")
 
-    def run(name: str, tokens: float | None, status: str):
+    def run(name: str, eval_loss: float | None, tokens: float | None, status: str):
         r = client.create_run(exp, run_name=name)
-        if tokens is not None:
-            client.log_batch(r.info.run_id,
-                             metrics=[Metric(names.SUMMARY_TOKENS_PER_SEC, tokens, 0, 0)])
+        metrics = {names.SUMMARY_EVAL_LOSS: eval_loss, names.SUMMARY_TOKENS_PER_SEC: tokens}
+        client.log_batch(r.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()
+                                                 if v is not None])
         if status != "RUNNING":
             client.set_terminated(r.info.run_id, status=status)
         return client.get_run(r.info.run_id)
 
-    runs = [run("a", 100.0, "FINISHED"), run("b", 300.0, "FAILED"), run("c", 200.0, "FINISHED"),
-            run("d", 900.0, "RUNNING"), run("e", None, "FINISHED")]
-    assert best_run(runs).info.run_name == "c"
-    assert best_run(runs[3:4]) is None
+    runs = [run("full", 2.78, 100.0, "FINISHED"), run("failed", 1.0, 300.0, "FAILED"),
+            run("lora", 3.92, 200.0, "FINISHED"), run("running", 0.5, 900.0, "RUNNING"),
+            run("bare", None, None, "FINISHED"), run("nan", float("nan"), 50.0, "FINISHED")]
+    assert best_run(runs).info.run_name == "full"  # not lora, the faster one
+    assert str(Best()) == "lowest summary/eval_loss"
+    assert Best().line(runs) == "best point: full (lowest summary/eval_loss: 2.78)"
+    fastest = Best(names.SUMMARY_TOKENS_PER_SEC, "max")
+    assert best_run(runs, fastest).info.run_name == "lora"
+    assert str(fastest) == "highest summary/tokens_per_sec"
+    assert best_run(runs[1:2]) is None and best_run(runs[3:5]) is None
+    assert Best().line(runs[3:4]) == ("best point: none yet (no finished point has "
+                                      "summary/eval_loss)")
+    assert Best.of(fastest.tags()) == fastest and Best.of({}) == Best()
 
 
 def test_a_new_run_brings_an_experiments_earlier_view_up_to_date(tmp_path):

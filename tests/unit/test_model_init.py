@@ -53,8 +53,12 @@ def test_the_values_are_torch_randn_per_block_for_any_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(d, draws[0]) for d in draws[1:])
-    for block in (0, 2):
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + index) * 1_000_033 + block)
+    # each block's generator seed, written out for (seed 7, parameter 3): the seeds every
+    # checkpoint and run so far drew its init from, (7 x 1,000,003 + 3) x 1,000,033 + block;
+    # a change of the seeding changes every run's weights, and must be made here as well
+    seeds = {0: 7_000_255_000_792, 2: 7_000_255_000_794}
+    for block, block_seed in seeds.items():
+        gen = torch.Generator().manual_seed(block_seed)
         rows = min(per_block, shape[0] - block * per_block)
         expected = torch.randn((rows, shape[1]), generator=gen)
         assert torch.equal(draws[0][block * per_block:block * per_block + rows], expected)

@@ -317,9 +317,10 @@ def test_resume_auto_checks_the_run_directory_the_launch_writes_to(tmp_path):
         make_spec(f"resume={ckpt}")
 
 
-def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=False):
+def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=False,
+                      entered=None):
     """A thread's 'first compiled step': compiled_once around hold_s of work; its span (start,
-    end) and whether it finished."""
+    end) and whether it finished. ``entered`` (an Event) is set when its step starts."""
     import time
 
     from llama_fsdp.train.optimizer import compiled_once
@@ -328,6 +329,8 @@ def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=Fals
     try:
         with compiled_once(directory, wait_s=wait_s):
             start = time.monotonic()
+            if entered is not None:
+                entered.set()
             time.sleep(hold_s)
             if fail:
                 raise RuntimeError("the compile failed")
@@ -336,14 +339,21 @@ def _in_compiled_once(directory, spans, name, hold_s, *, wait_s=600.0, fail=Fals
     spans[name] = (start, time.monotonic(), not fail)
 
 
-def _threads(*targets):
+def _threads(first, *rest):
+    """``first``'s thread, and once its step has started (it holds the lock, or found a first
+    step done and runs at once), the others': an order kept by an event, not by a stagger
+    that a loaded machine can overrun."""
     import threading
-    import time
 
-    threads = [threading.Thread(target=_in_compiled_once, args=a, kwargs=k) for a, k in targets]
-    for t in threads:
+    entered = threading.Event()
+    args, kwargs = first
+    threads = [threading.Thread(target=_in_compiled_once, args=args,
+                                kwargs={**kwargs, "entered": entered})]
+    threads[0].start()
+    assert entered.wait(30), f"{args[2]} never started its step"
+    threads += [threading.Thread(target=_in_compiled_once, args=a, kwargs=k) for a, k in rest]
+    for t in threads[1:]:
         t.start()
-        time.sleep(0.1)  # in this order
     for t in threads:
         t.join(30)
 

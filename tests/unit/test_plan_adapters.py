@@ -315,7 +315,8 @@ def test_flops_and_mfu_count_no_weight_gradients_over_the_frozen_base():
 # --- host RAM ----------------------------------------------------------------------------------
 
 
-def test_host_ram_of_cpu_offload_is_checked_against_cluster_mem_gb():
+def test_host_ram_of_cpu_offload_is_checked_against_cluster_mem_gb(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "none.conf"))  # no SLURM answers here
     common = ["model=70b", "cluster=slurm", "cluster.gpus_per_node=8", "cluster.timeout_min=60",
               "sharding.cpu_offload=true", "cluster.device=cuda"]
     small = P.make_plan(make_spec(*common, "cluster.mem_gb=256"))
@@ -330,7 +331,8 @@ def test_host_ram_of_cpu_offload_is_checked_against_cluster_mem_gb():
     assert big.host_fits
     unknown = P.make_plan(make_spec(*common))
     assert unknown.host_capacity_bytes is None and unknown.host_fits
-    assert "host RAM not checked (cluster.mem_gb unset)" in unknown.table()
+    assert ("host RAM not checked (cluster.mem_gb unset, and SLURM does not answer here)"
+            in unknown.table())
 
 
 def test_loading_holds_one_tensors_rows_on_the_host():

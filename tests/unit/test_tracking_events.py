@@ -15,7 +15,8 @@ def test_every_event_kind_round_trips_through_the_spool(tmp_path):
                events.Text("yaml: 1", "config.yaml"), events.Artifacts("/d", "sub"),
                events.Model("/run/export", "run", 4, {"base": "x"}, "peft-lora",
                             {"summary/final_loss": 2.5}, ts=8),
-               events.Inputs([{"name": "n"}]), events.Status("FINISHED", ts=9), events.Running()]
+               events.Inputs([{"name": "n"}]), events.Status("FINISHED", ts=9), events.Running(),
+               events.Waiting(), events.Rewind(12)]
     assert {type(e) for e in written} == set(events.KINDS.values())  # one of each kind
     spool = Spool(tmp_path)
     for e in written:

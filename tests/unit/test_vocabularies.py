@@ -23,7 +23,8 @@ CHECKED = {
     "llama_fsdp/config/kernels.py": set(kernels.KERNELS) - {kernels.AUTO},
     "llama_fsdp/config/optimizers.py": set(optimizers.OPTIMIZERS),
     "llama_fsdp/config/status.py": {*status.STATUSES, *status.STATUSES.values(),
-                                    *status.STATUS_WORDS.values()},
+                                    *status.STATUS_WORDS.values(), status.STARTING,
+                                    status.REQUEUED},
     "llama_fsdp/config/metrics.py": {v for k, v in vars(metrics).items()
                                      if k.isupper() and isinstance(v, str)}
     | set(metrics.DPO_METRICS) | set(metrics.DPO_SUMMARY),

@@ -1,0 +1,73 @@
+"""Every use of MLflow beyond its public API, in one place, for the releases it was read from.
+
+MLflow's metric history is append-only: no client call, and no REST endpoint of its server,
+deletes a metric point. A run resumed from a checkpoint trains again the steps its stopped
+attempt logged past that checkpoint, and those steps must show once, the resumed attempt's. A
+store MLflow reaches through SQLAlchemy (sqlite, PostgreSQL, MySQL, MSSQL URIs) is a database
+this process opens itself: ``delete_points_after`` deletes the stopped attempt's points there,
+through the store's own session and tables (``metrics``, ``latest_metrics``). An MLflow server
+keeps its database to itself: ``deletes_points`` is False, and the resumed run does not log the
+steps its history holds already (tracking/tracker.py).
+
+``check_version`` says when the installed MLflow is not one of ``TESTED``.
+"""
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+TESTED = ((3, 17),)  # MLflow releases (major, minor) whose store tables this module reads
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # SQLAlchemy URIs MLflow opens itself
+
+
+def check_version() -> Optional[str]:
+    """None when the installed MLflow is a tested release, else a warning to show."""
+    have = version("mlflow")
+    release = tuple(int(x) for x in have.split(".")[:2] if x.isdigit())
+    if release in TESTED:
+        return None
+    return (f"mlflow {have} is not a release llama_fsdp's metric replacement was checked "
+            f"against ({', '.join('.'.join(map(str, t)) for t in TESTED)}.x): it deletes a "
+            "resumed run's replayed points in the store's own tables (tracking/mlflow_compat.py)")
+
+
+def deletes_points(uri: str) -> bool:
+    """Whether metric points of a run in the store at ``uri`` can be deleted from here."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    return "://" in uri and scheme in SQL_SCHEMES
+
+
+def delete_points_after(client: Any, run_id: str, step: int, *, keep_prefix: str) -> int:
+    """Delete the run's metric points logged at steps after ``step`` (but those of the metrics
+    named ``keep_prefix``..., whose step is not a training step), and set each affected metric's
+    latest value to what is left; returns how many points went."""
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+
+    if (warning := check_version()) is not None:
+        log.warning("%s", warning)
+    store = client._tracking_client.store
+    with store.ManagedSessionMaker(read_only=False) as session:  # (3.x: a write session)
+        later = session.query(SqlMetric).filter(
+            SqlMetric.run_uuid == run_id, SqlMetric.step > step,
+            ~SqlMetric.key.startswith(keep_prefix, autoescape=True))
+        keys = sorted({k for (k,) in later.with_entities(SqlMetric.key).distinct()})
+        deleted = later.delete(synchronize_session=False)
+        for key in keys:
+            newest = (session.query(SqlMetric)
+                      .filter(SqlMetric.run_uuid == run_id, SqlMetric.key == key)
+                      .order_by(SqlMetric.step.desc(), SqlMetric.timestamp.desc(),
+                                SqlMetric.value.desc()).first())
+            latest = (session.query(SqlLatestMetric)
+                      .filter(SqlLatestMetric.run_uuid == run_id, SqlLatestMetric.key == key)
+                      .one_or_none())
+            if latest is None:
+                continue
+            if newest is None:
+                session.delete(latest)
+            else:
+                latest.value, latest.step = newest.value, newest.step
+                latest.timestamp, latest.is_nan = newest.timestamp, newest.is_nan
+    return deleted
