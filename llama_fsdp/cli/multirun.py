@@ -129,7 +129,9 @@ class SweepCallback(Callback):
                               parent_id=parent_run(sweep_dir), sweep_dir=sweep_dir,
                               refused=[(p.values, p.code) for p in self.failed if p.code == 2])
         if table:
-            log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
+            # the whole command, as a single run's report gives it: the page needs the server
+            log.info("sweep %s summary:\n%s\ncompare the points: mlflow ui --backend-store-uri "
+                     "%s, then open %s", sweep_id, table, uri,
                      sweep_page(uri, config.tracking.experiment))
         if config.tracking.enabled and not launcher_for(config.cluster).waits:
             log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
