@@ -158,7 +158,8 @@ class Supervisor:
 
     def run(self) -> Any:
         entry, spec = pickle.loads(self.payload)
-        set_title(self.rank, spec.world_size, "supervisor", spec.output_dir)
+        if hasattr(spec, "world_size"):  # a RunSpec (an entry point may take anything)
+            set_title(self.rank, spec.world_size, "supervisor", spec.output_dir)
         if self.attempt or self.requeue:  # a restart or a requeue continues the checkpoints
             spec = replace(spec, resume="auto", restart=self.attempt + self.requeue)
         self.spec = spec

@@ -19,7 +19,8 @@ from llama_fsdp.launchers.proctitle import set_title
 
 def main(inp: str, out: str, tb_file: str) -> int:
     entry, spec = pickle.loads(Path(inp).read_bytes())
-    set_title(int(os.environ.get("RANK", "0")), spec.world_size, "worker", spec.output_dir)
+    if hasattr(spec, "world_size"):  # a RunSpec (an entry point may take anything)
+        set_title(int(os.environ.get("RANK", "0")), spec.world_size, "worker", spec.output_dir)
     entry = load_entry(entry)
     try:
         result = entry(spec)
