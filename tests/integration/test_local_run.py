@@ -176,3 +176,21 @@ def test_a_checkout_runs_without_being_installed(tmp_path):
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "status         finished" in log and "steps          2" in log
+
+
+def test_the_default_run_leaves_a_model_and_says_how_to_use_it(default_run):
+    """The default run exports its model (save.export_hf's default for the tiny model) and ends
+    with the two commands of README.md's summary block that evaluate it and talk to it, each
+    naming this run's directory; the export loads in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    cwd, out = default_run
+    log = out.stdout + out.stderr
+    text = README.read_text().split("then a summary like", 1)[1].split("```", 2)[1]
+    shown_dir = docs.summary_value(text, "run dir")
+    run_dir = docs.summary_value(log, "run dir")
+    for key in ("evaluate it", "talk to it"):
+        assert docs.summary_value(log, key) == docs.summary_value(text, key).replace(
+            shown_dir, run_dir), key
+    model = AutoModelForCausalLM.from_pretrained(Path(run_dir) / "export")
+    assert sum(p.numel() for p in model.parameters()) == 3_410_176  # the tiny Llama, whole
