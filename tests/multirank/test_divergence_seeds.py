@@ -1,4 +1,4 @@
-"""The divergence guard never flags the default run: `python -m llama_fsdp` at train.seed=0..2 (seed 2 has the largest spike of seeds 0..4: a loss 2.08 above the lowest so far)
+"""The divergence guard never flags the default run: `python -m llama_fsdp` at train.seed=0..4 (seed 2 has the largest spike: a loss 2.08 above the lowest so far)
 on 2 gloo ranks (60 steps, the tiny recipe), each finishing with a loss that never comes near
 the guard's line (docs/recipes.md)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-SEEDS = range(3)
+SEEDS = range(5)
 
 
 def _train(rank, world, specs):
@@ -26,14 +26,14 @@ def _train(rank, world, specs):
     return out
 
 
-def test_the_default_run_is_never_flagged_at_seeds_0_to_2(tmp_path):
+def test_the_default_run_is_never_flagged_at_seeds_0_to_4(tmp_path):
     # the default command's run (eval off: the guard reads the training loss only)
     specs = {seed: make_spec([f"train.seed={seed}", "tracking.enabled=false",
                               "eval.every_steps=0", "eval.task_prompts=0",
                               "save.export_hf=false"],
                              output_dir=tmp_path / f"seed{seed}") for seed in SEEDS}
     assert all(s.train.divergence == DivergenceConfig() for s in specs.values())
-    results = run_ranks(_train, 2, specs)[0]
+    results = run_ranks(_train, 2, specs, timeout=900)[0]  # five 60-step runs
     # with room to spare: a guard 10% tighter in ratio and half the rise passes them too
     tighter = DivergenceConfig(ratio=1.35, min_rise=0.5)
     for seed, r in results.items():
