@@ -186,3 +186,37 @@ def test_hub_tasks_without_the_hub_are_refused(tmp_path):
         assert name in line, line
     assert "Traceback" not in r.output
     assert not (tmp_path / "outputs" / "runs").exists()
+
+
+def test_generate_merges_a_lora_adapter_on_the_fly(harness_run, tmp_path):
+    """LoRA trained on the harness run's export as its base (model.path): its run keeps the PEFT
+    adapter (export/) and, asked for, the merged model (export_merged/). The adapter merged on
+    the fly (harness/models.py) is that merged model: same logits, same greedy answers."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from llama_fsdp.harness import load_model
+    from llama_fsdp.harness.models import resolve
+
+    _, _, base_run, _ = harness_run
+    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+                        "finetune=lora", f"model.path={base_run / 'export'}",
+                        "finetune.export_merged=true", "train.max_steps=4",
+                        "train.warmup_steps=0", "eval.every_steps=0", "eval.task_prompts=0",
+                        "train.lr=0.01", "tracking.enabled=false"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    run_dir = Path(docs.summary_value(r.stdout + r.stderr, "run dir"))
+    adapter = run_dir / "export"
+    assert (adapter / "adapter_config.json").is_file()
+    with resolve(adapter) as found:  # the adapter alone: merged onto its base on the fly
+        assert "merged onto" in found.what
+        merged, tok = load_model(found.hf_dir, device="cpu")
+        ids = torch.tensor([tok("Next c =")["input_ids"]])
+        fly = merged(ids).logits
+    reference, _ = load_model(run_dir / "export_merged", device="cpu")
+    torch.testing.assert_close(fly, reference(ids).logits, rtol=1e-4, atol=1e-4)
+    base, _ = load_model(base_run / "export", device="cpu")
+    assert not torch.allclose(base(ids).logits, fly, atol=1e-3)  # the adapters changed it
