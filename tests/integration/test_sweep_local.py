@@ -82,7 +82,7 @@ def test_a_failed_point_does_not_stop_the_sweep(sweep):
     assert first.returncode == 1, log[-3000:]
     assert "1 point(s) of sweep" in log and "to resume them" in log
     parent, kids = _family(sweep["before"])
-    assert [k.info.run_name for k in kids] == [f"finetune={m}" for m in METHODS]
+    assert [k.info.run_name for k in kids] == [f"ft={m}" for m in METHODS]
     assert [k.info.status for k in kids] == ["FAILED", "FINISHED", "FINISHED"]
     assert parent.data.tags["failed_points"] == "1" and parent.info.status == "FINISHED"
     assert parent.data.tags["status"] == "1/3 failed"
@@ -149,7 +149,7 @@ def test_points_carry_summary_metrics_data_sets_models_and_their_own_command(swe
         (output,) = k.outputs.model_outputs
         model = client.get_logged_model(output.model_id)
         assert model.source_run_id == k.info.run_id and model.status.to_proto() == 2  # READY
-        assert model.name == model_name(f"finetune={method}", k.data.tags["sweep_id"])
+        assert model.name == model_name(f"ft={method}", k.data.tags["sweep_id"])
         # the run's final metrics are the model's too (its page lists them)
         linked = {x.key: x.value for x in model.metrics}
         assert linked["summary/final_loss"] == m["summary/final_loss"]
