@@ -203,6 +203,8 @@ NO_SLURM = Env("PATH", "{bin}", "no SLURM commands on PATH: the dry run plans on
 HUB = (Env("HF_HUB_CACHE", "{hub}", "the hub cache holding a tiny Llama (and its tokenizer) "
                                     "under each hub name, as a download leaves it"),
        Env("HF_HUB_OFFLINE", "1", "no network here: the hub client serves its cache"))
+HARNESS_RUN_DIR = Replace("RUN_DIR", "{run_dir}", "the harness run's folder")
+HARNESS_LIMIT = Append("--limit 100", "the run's 100 documents")
 
 TINY_70B = Replace("model=70b", "model=tiny", "70B's shape needs its 70.6B-parameter weights; the "
                                           "tiny Llama under the hub name meta-llama/Llama-3.1-70B "
@@ -609,29 +611,29 @@ REGISTRY: dict[str, Entry] = {
         "evaluate_run", f"{HARNESS}::test_evaluate_logs_into_the_run",
         "the finished run's export scored: the scores printed, in the run's MLflow run at its "
         "last step, and in a results file beside the run's own (which stays as it was)",
-        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
+        (HARNESS_RUN_DIR,)),
     "python -m llama_fsdp.evaluate RUN_DIR --tasks llama_fsdp_synthetic --step 30": Entry(
         "evaluate_step", f"{HARNESS}::test_evaluate_a_checkpoint_scores_as_the_run_did",
         "checkpoint step 30 converted and scored: the same exact match the run logged at step "
         "30, not logged again to MLflow",
-        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),
-         Append("--limit 100", "the run's 100 documents"))),
+        (HARNESS_RUN_DIR,
+         HARNESS_LIMIT)),
     'lm_eval --model hf --model_args pretrained=RUN_DIR/export,add_bos_token=True '
     '--include_path "$(python -m llama_fsdp.evaluate --tasks-dir)" --tasks llama_fsdp_synthetic '
     '--device cpu --batch_size 8': Entry(
         "lm_eval_cli", f"{HARNESS}::test_lm_eval_on_the_export_scores_what_the_run_did",
         "lm-eval's own command on the export: the exact match (and its stderr) the run logged "
         "at its last step",
-        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),
-         Append("--limit 100", "the run's 100 documents"))),
+        (HARNESS_RUN_DIR,
+         HARNESS_LIMIT)),
     'python -m llama_fsdp.generate RUN_DIR "Opposite up" "Next c"': Entry(
         "generate", f"{HARNESS}::test_generate_answers_what_lm_eval_scored",
         "two answers, one line each, as greedy decoding in the run's prompt format gives them",
-        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
+        (HARNESS_RUN_DIR,)),
     'echo "Next c" | python -m llama_fsdp.generate RUN_DIR': Entry(
         "generate_stdin", f"{HARNESS}::test_generate_answers_what_lm_eval_scored",
         "the prompt read from standard input: the same answer as given as an argument",
-        (Replace("RUN_DIR", "{run_dir}", "the harness run's folder"),)),
+        (HARNESS_RUN_DIR,)),
     "bash .ci/slurm_deps.sh": Entry(
         "slurm_deps", f"{SLURM}::test_slurm_deps",
         "with SLURM installed it returns at once (exit 0) and every binary is there"),

@@ -254,8 +254,13 @@ def metrics(results: dict[str, Any]) -> dict[str, float]:
 
 def headline(results: dict[str, Any]) -> dict[str, float]:
     """One number per task (its first metric that is not a stderr): what summaries show."""
+    return headline_of(metrics(results))
+
+
+def headline_of(found: dict[str, float]) -> dict[str, float]:
+    """``headline`` of metrics already flattened (harness/<task>/<metric>)."""
     out: dict[str, float] = {}
-    for key, v in metrics(results).items():
+    for key, v in found.items():
         task = key.rsplit("/", 1)[0]
         if not key.endswith("_stderr") and task not in {k.rsplit("/", 1)[0] for k in out}:
             out[key] = v

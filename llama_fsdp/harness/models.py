@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ..config.rundir import RunDir
+from ..config.rundir import RUN_MARKERS, RunDir, read_run_status
 from ..checkpoint.peft import ADAPTER_CONFIG, PEFT_PREFIX
 
 log = logging.getLogger("llama_fsdp.harness.models")
@@ -29,9 +29,7 @@ class Found:
 
 
 def _is_run(p: Path) -> bool:
-    return (p / "config.yaml").is_file() and ((p / "run_status.json").is_file()
-                                               or (p / "checkpoints").is_dir()
-                                               or (p / "export").is_dir())
+    return RunDir(p).config.is_file() and any((p / m).exists() for m in RUN_MARKERS)
 
 
 def _is_hf(p: Path) -> bool:
@@ -90,8 +88,7 @@ def _resolve(path: Path, run: Optional[Path], step: Optional[int], tmp: Path) ->
         return _convert(path, run, tmp)
     if run is not None and path == run:
         rd = RunDir(run)
-        status = _read(run / "run_status.json")
-        at = status.get("step")
+        at = read_run_status(run).get("step")
         if _is_hf(rd.export_merged):
             return Found(rd.export_merged, run, "the run's merged export (export_merged/)", at)
         if _is_hf(rd.export):
@@ -110,13 +107,6 @@ def _resolve(path: Path, run: Optional[Path], step: Optional[int], tmp: Path) ->
     raise ModelNotFound(f"{path} holds no model: give a run directory, a checkpoint "
                         "(checkpoints/step_N), an HF model folder (config.json + safetensors) or "
                         "a PEFT adapter folder (adapter_config.json)")
-
-
-def _read(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _convert(ckpt: Path, run: Optional[Path], tmp: Path) -> Found:

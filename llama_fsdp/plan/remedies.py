@@ -13,6 +13,7 @@ from ..config.optimizers import OPTIMIZERS
 from ..config.precision import PRECISION_POLICIES
 from ..run.spec import RunSpec
 from ..config.strategies import LEAST_MEMORY
+from .harness import context_tokens
 from .device import GB
 from .fit import Plan, make_plan
 from .search import nodes_needed
@@ -264,7 +265,7 @@ def _harness_text(spec: RunSpec, plan: Plan) -> str:
     h = spec.eval.harness
     train_peak = max(v for k, v in plan.phases.items() if k != "harness")
     fixes = [f"eval.harness.batch_size=1 or eval.harness.max_length=<shorter> (planned at "
-             f"{h.batch_size} x {h.max_length or spec.train.seq_len} tokens)"]
+             f"{h.batch_size} x {context_tokens(spec)} tokens)"]
     if h.every_steps:
         fixes.insert(0, "eval.harness.every_steps=0 (only at the end, after the training "
                         "state is freed)")

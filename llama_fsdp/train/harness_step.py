@@ -4,11 +4,10 @@ every eval.harness.every_steps on the model exported at that step into <run>/har
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -71,27 +70,8 @@ def periodic(spec: Any, *, rank: int, device: torch.device, tracker: Any,
     return at
 
 
-def free(*objects: Any) -> None:
-    """Drop the training state before the end's harness loads the whole model."""
-    del objects
+def free() -> None:
+    """Give back what the training state held, before the end's harness loads the whole model."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def summary_of(found: dict[str, float]) -> dict[str, float]:
-    """The end's scores for the run's summary: each task's headline metric (harness.headline)."""
-    return harness.headline({"results": _nest(found)})
-
-
-def _nest(found: dict[str, float]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for key, v in found.items():
-        task, metric = key[len(harness.PREFIX):].rsplit("/", 1)
-        out.setdefault(task, {})[metric] = v
-    return out
-
-
-def results_json(output_dir: str, step: int) -> Optional[dict]:
-    p = step_dir(output_dir, step) / harness.RESULTS_FILE
-    return json.loads(p.read_text()) if p.is_file() else None

@@ -56,6 +56,7 @@ from ..checkpoint.layout import resume_candidates
 from ..config.schema import TrainConfig
 from ..data import DataModule, build_data
 from . import harness_step
+from .. import harness
 from .distributed import DistEnv, process_group
 from ..config.hf_dir import hub_name
 from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
@@ -379,7 +380,7 @@ class RankRun:
         found = harness_step.score(self.spec, harness_step.model_dir_of(self.spec),
                                    step=self.state.step, device=self.device,
                                    tracker=self.tracker)
-        headline = harness_step.summary_of(found)
+        headline = harness.headline_of(found)
         self.tracker.log_metrics(shown_metrics(headline), step=0)  # the table's column
         return headline
 

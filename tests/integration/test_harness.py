@@ -171,9 +171,8 @@ def test_a_sweep_has_a_harness_column_per_point(tmp_path):
     assert len(runs) == 3
     for run in runs:
         assert f"harness/{MC}/acc" in run.data.metrics, run.data.params["finetune.method"]
-        scored = Path(run.data.params["output_dir"]) if "output_dir" in run.data.params else None
-        if run.data.params["finetune.method"] != "full" and scored is not None:
-            assert (scored / "export_merged" / "config.json").is_file()
+        if run.data.params["finetune.method"] != "full":  # the merged model was what scored
+            assert (Path(run.data.tags["output_dir"]) / "export_merged" / "config.json").is_file()
 
 
 def test_hub_tasks_without_the_hub_are_refused(tmp_path):
