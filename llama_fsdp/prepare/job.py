@@ -14,6 +14,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from ..checkpoint.layout import continued_run, retire
+from ..config import recipes
 from ..config.rundir import RunDir, config_digest, read_run_status, write_identity
 from ..config.status import FINISHED
 from ..run.checks import callback_problems
@@ -85,16 +86,49 @@ NOT_THE_RUN = ("output_dir", "resume", "dry_run", "force", "train.max_steps", "t
 
 def config_changes(old_yaml: Path, new_yaml: str) -> list[str]:
     """The keys whose values differ between the run directory's config.yaml and a new launch's
-    config ("key: old -> new"), but those in NOT_THE_RUN."""
+    config ("key: old -> new"), but those in NOT_THE_RUN. A key left to the recipe (null) reads
+    as the recipe's value on its side: lr null then lr=0.003 (the recipe's) is no change, and
+    lr null then lr=0.001 reads ``train.lr: 0.003 (recipe) -> 0.001``."""
     from ..tracking import flatten
 
     try:
-        old = flatten(OmegaConf.to_container(OmegaConf.load(old_yaml)))  # type: ignore[arg-type]
+        old_cfg = OmegaConf.load(old_yaml)
     except (OSError, ValueError):
         return ["its config.yaml cannot be read"]
-    new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml)))  # type: ignore[arg-type]
-    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new))
-            if k not in NOT_THE_RUN and old.get(k) != new.get(k)]
+    new_cfg = OmegaConf.create(new_yaml)
+    old, new = (flatten(OmegaConf.to_container(c)) for c in (old_cfg, new_cfg))  # type: ignore[arg-type]
+    changed = [k for k in sorted(set(old) | set(new))
+               if k not in NOT_THE_RUN and old.get(k) != new.get(k)]
+    if not changed:
+        return []
+    old_values, new_values = _recipe_values(old_cfg), _recipe_values(new_cfg)
+
+    def show(k: str, raw: dict[str, Any], recipe: dict[str, Any]) -> tuple[Any, str]:
+        if raw.get(k) is None and k in recipe:
+            return recipe[k], f"{recipes.show(recipe[k])} (recipe)"
+        return raw.get(k), recipes.show(raw.get(k))
+
+    out = []
+    for k in changed:
+        (a, a_text), (b, b_text) = show(k, old, old_values), show(k, new, new_values)
+        if a != b:
+            out.append(f"{k}: {a_text} -> {b_text}")
+    return out
+
+
+def _recipe_values(cfg: Any) -> dict[str, Any]:
+    """The recipe's value of each recipe key a composed config leaves null (config/recipes.py);
+    {} when the config no longer reads as the schema (an older release's run directory)."""
+    from ..config.objectives import OBJECTIVES
+    from ..config.schema import Config
+
+    try:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+        known = OBJECTIVES.get(obj.objective.name)  # type: ignore[attr-defined]
+        return recipes.resolve(obj, pairs=bool(known and known.pairs))[1].values
+    except Exception as e:  # noqa: BLE001 -- the raw values are shown instead
+        log.debug("the recipe of %s is not known (%s): its null keys show as null", cfg, e)
+        return {}
 
 
 def take_the_run_dir(spec: RunSpec) -> str:

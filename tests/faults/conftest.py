@@ -92,13 +92,16 @@ def wait_for_step(cwd: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 
 def leftovers(marker: str) -> list[str]:
-    """Processes still alive whose command line mentions ``marker`` (a test's directory)."""
+    """Processes still alive whose command line or working directory mentions ``marker`` (a
+    test's directory). The working directory too: a rank's process title (launchers/
+    proctitle.py) replaces its command line, and names only the run directory's last part."""
     import psutil
 
     out = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+    for p in psutil.process_iter(["pid", "cmdline", "status", "cwd"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
+        if ((marker in cmd or marker in (p.info["cwd"] or ""))
+                and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid()):
             out.append(f"{p.pid}: {cmd[:200]}")
     return out
 

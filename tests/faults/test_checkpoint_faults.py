@@ -154,9 +154,14 @@ def test_a_finished_run_relaunched_with_another_config_is_refused_not_skipped(fi
     cwd, run = finished_run
     code, log, _ = run_cli(cwd, *STEPS, "train.lr=0.001", f"output_dir={run}")
     assert code == 2, log[-3000:]
-    assert "finished at step 6 with another config (train.lr: 0.003 -> 0.001)" in log
+    # the run left train.lr to its recipe (3e-3 for the tiny model): the change names its value
+    assert ("finished at step 6 with another config (train.lr: 3.0e-03 (recipe) -> 1.0e-03)"
+            in log)
     assert "nothing to train" not in log
     code, log, _ = run_cli(cwd, *STEPS, f"output_dir={run}")  # the same config: nothing to do
+    assert code == 0 and "nothing to train" in log, log[-3000:]
+    # the recipe's value given by name is the same run, not another config
+    code, log, _ = run_cli(cwd, *STEPS, "train.lr=0.003", f"output_dir={run}")
     assert code == 0 and "nothing to train" in log, log[-3000:]
 
 
