@@ -27,6 +27,7 @@ from ..run.spec import RunSpec, point_name
 from ..tracking.store import resolve_tracking_uri
 from ..tracking.sweep import (
     Best,
+    compare_line,
     parent_run,
     start_parent,
     summarize,
@@ -130,9 +131,8 @@ class SweepCallback(Callback):
                               refused=[(p.values, p.code) for p in self.failed if p.code == 2])
         if table:
             # the whole command, as a single run's report gives it: the page needs the server
-            log.info("sweep %s summary:\n%s\ncompare the points: mlflow ui --backend-store-uri "
-                     "%s, then open %s", sweep_id, table, uri,
-                     sweep_page(uri, config.tracking.experiment))
+            log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
+                     compare_line(uri, sweep_page(uri, config.tracking.experiment, sweep_id)))
         if config.tracking.enabled and not launcher_for(config.cluster).waits:
             log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
                      "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,

@@ -11,6 +11,7 @@ from ..config.status import DIVERGED, FINISHED
 from ..harness import BUNDLED_TASK, PREFIX
 from ..run.spec import RunSpec
 from ..tracking import read_run_file, runs_page
+from ..tracking.store import ui_command
 
 
 def _loads_whole(spec: RunSpec) -> bool:
@@ -67,10 +68,10 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
     if rank0.mlflow_run_id:
         lines.append(f"mlflow run     {rank0.mlflow_run_id} in experiment "
                      f"'{spec.tracking.experiment}' at {spec.tracking_uri}")
-        page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"))
+        page = runs_page(spec.tracking_uri, read_run_file(spec.output_dir).get("experiment_id", "0"),
+                         view=spec.sweep_id)  # a sweep point: its sweep's own view
         if spec.tracking_uri.startswith("sqlite:///"):
-            lines.append(f"compare runs   mlflow ui --backend-store-uri {spec.tracking_uri}, then "
-                         f"open {page}")
+            lines.append(f"compare runs   {ui_command(spec.tracking_uri)}, then open {page}")
         else:
             lines.append(f"compare runs   {page}")
     return lines

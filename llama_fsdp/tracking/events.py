@@ -24,14 +24,17 @@ class Create:
     run_name: str
     tags: dict[str, str] = field(default_factory=dict)
     ts: int = field(default_factory=now_ms)
+    experiment_tags: dict[str, str] = field(default_factory=dict)  # set on the experiment too
+    # (a sweep's own saved view)
 
     def wire(self) -> dict[str, Any]:
         return {"t": self.KIND, "experiment": self.experiment, "run_name": self.run_name,
-                "tags": self.tags, "ts": self.ts}
+                "tags": self.tags, "ts": self.ts, "etags": self.experiment_tags}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Create":
-        return cls(d["experiment"], d["run_name"], d.get("tags") or {}, d["ts"])
+        return cls(d["experiment"], d["run_name"], d.get("tags") or {}, d["ts"],
+                   d.get("etags") or {})
 
 
 @dataclass(frozen=True)

@@ -184,10 +184,22 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def runs_page(uri: str, experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
-    """The URL of the experiment's runs table in model-training mode with the llama_fsdp view
-    (for a sqlite store: as `mlflow ui` serves it)."""
-    from .view import RUNS_QUERY
+def ui_command(uri: str) -> str:
+    """The `mlflow ui` command that serves a file store (sqlite) to one person's browser: one
+    web worker where MLflow's ui takes --workers (3.x, where ui is server): it answers in about
+    7 s instead of 12 with its default four, 10 processes instead of 15
+    (benchmarks/mlflow_ui_startup.md)."""
+    from importlib.metadata import version
+
+    workers = " --workers 1" if int(version("mlflow").split(".")[0]) >= 3 else ""
+    return f"mlflow ui --backend-store-uri {uri}{workers}"
+
+
+def runs_page(uri: str, experiment_id: str, base: str = "http://127.0.0.1:5000",
+              view: Optional[str] = None) -> str:
+    """The URL of the experiment's runs table in model-training mode with the llama_fsdp view,
+    or the saved view ``view`` (for a sqlite store: as `mlflow ui` serves it)."""
+    from .view import runs_query
 
     host = uri if uri.startswith("http") else base
-    return f"{host}/#/experiments/{experiment_id}/runs?{RUNS_QUERY}"
+    return f"{host}/#/experiments/{experiment_id}/runs?{runs_query(view) if view else runs_query()}"

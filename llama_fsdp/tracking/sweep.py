@@ -32,7 +32,7 @@ from ..config import metrics as names
 from ..config.schema import TrackingConfig
 from ..config.status import FINISHED, MLFLOW_RUNNING, STATUSES, mlflow_status
 from ..config.credentials import export_credentials
-from .store import resolve_tracking_uri
+from .store import resolve_tracking_uri, ui_command
 from . import (
     START_DELIVERY_S,
     Spool,
@@ -42,7 +42,8 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import DIVERGED_AT_TAG, HARNESS, STATUS_TAG, command_note, status_text
+from .view import (DIVERGED_AT_TAG, HARNESS, POINT_TAG, STATUS_TAG, command_note, status_text,
+                   sweep_view)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ IGNORED_PARAMS = ("output_dir", "tracking.run_name", "recipe")
 # where a value came from, not a value: the columns show the values in use (train.lr)
 PROVENANCE = ("derived.", "source.")
 KIND_TAG = "llama_fsdp.kind"  # "sweep" on the parent
-POINT_TAG = "point."  # a child run's tag per swept key: point.<key> = its value
 POINTS_TAG = "sweep.points"  # on the parent: how many points the sweep runs
 REFUSED_TAG = "sweep.refused"  # on the parent: the points refused before launch (JSON)
 BEST_METRIC_TAG = "sweep.best_metric"  # on the parent: what picks its best point (Best)
@@ -91,21 +91,34 @@ def start_parent(sweep_dir: str, *, uri: str, experiment: str, command: str,
     spool = Spool(sweep_dir)
     name = "sweep " + " ".join(f"{k}={v}" for k, v in swept.items()) if swept else sweep_id
     tags = {"sweep_id": sweep_id, KIND_TAG: "sweep", STATUS_TAG: status_text(MLFLOW_RUNNING),
-            "mlflow.note.content": command_note(command, f"Sweep {sweep_id}:")}
+            "mlflow.note.content": command_note(command, f"Sweep {sweep_id}:"),
+            **point_tags(swept)}  # the parent's row in the swept keys' columns: "1,2,4"
     if points is not None:
         tags[POINTS_TAG] = str(points)
     tags.update((best or Best()).tags())
-    spool.append(events.Create(experiment, name, tags))
+    # the sweep's own view (its swept keys' columns first, its runs alone): sweep_page opens it
+    spool.append(events.Create(experiment, name, tags,
+                               experiment_tags=dict([sweep_view(sweep_id, list(swept))])))
     spool.append(events.Params(dict(swept)))
     deliver_pending(sweep_dir, deadline_s=START_DELIVERY_S)
 
 
-def sweep_page(uri: str, experiment: str) -> str:
-    """The runs page (with the saved view) of the experiment the sweep is in."""
+def sweep_page(uri: str, experiment: str, sweep_id: Optional[str] = None) -> str:
+    """The runs page of the experiment the sweep is in, with the sweep's own view (the swept
+    keys first, its runs alone) when the experiment holds it, else the experiment's view."""
     from . import open_client, runs_page
 
     exp = open_client(uri).get_experiment_by_name(experiment)
-    return runs_page(uri, exp.experiment_id if exp else "0")
+    own = bool(exp and sweep_id and sweep_view(sweep_id, [])[0] in exp.tags)
+    return runs_page(uri, exp.experiment_id if exp else "0", view=sweep_id if own else None)
+
+
+def compare_line(uri: str, page: str) -> str:
+    """How to open the comparison: the whole command for a store the UI must serve (a file),
+    the page alone for a server."""
+    if uri.startswith(("http://", "https://")):
+        return page
+    return f"{ui_command(uri)}, then open {page}"
 
 
 def _children(client: Any, parent_id: str) -> list[Any]:
@@ -446,7 +459,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if table is None:
         raise SystemExit(1)
     log.info("%s", table)
-    log.info("compare the points: %s", sweep_page(uri, args.experiment))
+    log.info("compare the points: %s", compare_line(uri, sweep_page(uri, args.experiment,
+                                                                     args.sweep_id)))
 
 
 if __name__ == "__main__":

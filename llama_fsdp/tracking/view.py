@@ -29,8 +29,16 @@ from ..config.status import STATUS_WORDS
 
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
 VIEW = "llama_fsdp"
-VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
-RUNS_QUERY = f"workflowType=machine_learning&viewStateShareKey={VIEW}"
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # + a view's share key: the experiment tag of a view
+VIEW_TAG = f"{VIEW_TAG_PREFIX}{VIEW}"
+
+
+def runs_query(view: str = VIEW) -> str:
+    """The runs page's query: model-training mode and the saved view ``view``."""
+    return f"workflowType=machine_learning&viewStateShareKey={view}"
+
+
+RUNS_QUERY = runs_query()
 STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
 BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
 DIVERGED_AT_TAG = "diverged at step"  # a run the divergence guard stopped (train/divergence.py)
@@ -122,6 +130,54 @@ COLUMNS: tuple[tuple[str, int], ...] = (
     (_col("params", "optim.name"), 92), (_col("params", "train.batch_size"), 128),
 )
 SELECTED = [c for c, _ in COLUMNS if c not in (RUN_NAME, CREATED, DURATION)]
+POINT_TAG = "point."  # a sweep point's tag per swept key: point.<key> = its value (its parent's:
+# the values swept, "1,2,4")
+# MLflow 3.17's runs table at a 1600 px wide window, its sidebar open (measured in Chromium): the
+# table's width, less its row-selection column and a vertical scrollbar
+FIRST_SCREEN_PX = 1346 - 73 - 15
+# a sweep's view makes room for its swept keys on the first screen by moving these after the
+# duration, in this order (what the plan or the method fixes, before what was measured)
+MAKE_ROOM = (_col("metrics", "planned GB"), _col("metrics", "trainable pct"),
+             _col("metrics", "trainable M"))
+
+
+def swept_column(key: str) -> tuple[str, int]:
+    """The column of a swept key's values: its param (``train.batch_size``; a swept group's,
+    such as finetune's method, where the view has one), else its ``point.<key>`` tag; its
+    width the view's, or one its header fits in (about 8 px a character)."""
+    col = GROUP_COLUMNS.get(key) or (_col("params", key) if "." in key
+                                     else _col("tags", POINT_TAG + key))
+    header = col.split("`")[1]
+    return col, dict(COLUMNS).get(col, max(80, 8 * len(header) + 16))
+
+
+GROUP_COLUMNS = {"finetune": _col("params", "finetune.method")}  # a swept group -> its column
+
+
+def columns(first: tuple[str, ...] = ()) -> tuple[tuple[str, int], ...]:
+    """COLUMNS with the columns of the swept keys ``first`` right after the run's name and
+    start (the values the points differ in, before what they measured), and as many of
+    MAKE_ROOM moved past the duration as the first screen needs to hold them."""
+    lead = tuple(dict.fromkeys(swept_column(k) for k in first))
+    ids = {c for c, _ in lead}
+    rest = [c for c in COLUMNS[2:] if c[0] not in ids]
+    later: list[tuple[str, int]] = []
+
+    def first_screen() -> int:
+        shown = [*COLUMNS[:2], *lead, *rest]
+        end = [c for c, _ in shown].index(DURATION) + 1
+        return sum(w for _, w in shown[:end])
+
+    for col in MAKE_ROOM:
+        if first_screen() <= FIRST_SCREEN_PX:
+            break
+        moved = next((c for c in rest if c[0] == col), None)
+        if moved:
+            rest.remove(moved)
+            later.append(moved)
+    at = [c for c, _ in rest].index(DURATION) + 1
+    return (*COLUMNS[:2], *lead, *rest[:at], *later, *rest[at:])
+
 
 # charts: (section, [(metric, chart type)]); a section's other metrics follow its listed ones
 CHART_SECTIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
@@ -159,12 +215,25 @@ def chart_state() -> dict[str, Any]:
             "isAccordionReordered": True, "hideEmptyCharts": True}
 
 
-def view_state() -> dict[str, Any]:
+def view_state(first: tuple[str, ...] = (), search: str = "") -> dict[str, Any]:
     """The saved view's state, as MLflow's UI keeps it (its ExperimentPageUIState and search
-    facets): newest runs first, so a sweep's points stay under their parent."""
-    return {"selectedColumns": SELECTED, "columnOrder": [c for c, _ in COLUMNS],
-            "columnWidths": dict(COLUMNS), "orderByKey": "attributes.start_time",
-            "orderByAsc": False, **chart_state()}
+    facets): newest runs first, so a sweep's points stay under their parent. A sweep's own view
+    (``sweep_view``) puts its swept keys ``first`` and shows its runs alone (``search``)."""
+    cols = columns(first)
+    return {"selectedColumns": [c for c, _ in cols if c not in (RUN_NAME, CREATED, DURATION)],
+            "columnOrder": [c for c, _ in cols], "columnWidths": dict(cols),
+            "orderByKey": "attributes.start_time", "orderByAsc": False,
+            **({"searchFilter": search} if search else {}), **chart_state()}
+
+
+def sweep_view(sweep_id: str, swept: list[str]) -> tuple[str, str]:
+    """A sweep's own saved view, as (experiment tag, value): the experiment's view with the
+    swept keys' columns first, filtered to the sweep's parent and points. Its share key is
+    the sweep id, so the sweep's link (``runs_query(sweep_id)``) opens it."""
+    now = int(time.time() * 1000)
+    view = {"name": f"llama_fsdp: {sweep_id}", "createdAt": now, "updatedAt": now,
+            "state": json.dumps(view_state(tuple(swept), f"tags.sweep_id = '{sweep_id}'"))}
+    return f"{VIEW_TAG_PREFIX}{sweep_id}", json.dumps(view)
 
 
 def experiment_tags(existing: Optional[str] = None) -> dict[str, str]:

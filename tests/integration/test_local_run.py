@@ -140,7 +140,9 @@ def test_every_rank_process_has_a_title_that_ps_shows(tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     run = next((tmp_path / "outputs" / "runs").glob("*/*")).name
     rows = [line.split("\t") for line in shot.read_text().splitlines()]
-    titled = {args: comm for comm, args in rows if args.startswith("llama_fsdp rank")}
+    # (this run's: the tests on the other worker run ranks of their own meanwhile)
+    titled = {args: comm for comm, args in rows
+              if args.startswith("llama_fsdp rank") and args.endswith(f"(run {run})")}
     want = {f"llama_fsdp rank {r}/2 {role} (run {run})": f"lf{r}/2 {role}"[:15]
             for r in (0, 1) for role in ("worker", "supervisor")}
     assert titled == want, shot.read_text()

@@ -122,7 +122,7 @@ def _assert_four_digits_of(shown: float, exact: float) -> None:
 
 
 def test_points_carry_summary_metrics_data_sets_models_and_their_own_command(sweep):
-    from llama_fsdp.tracking.view import model_name
+    from llama_fsdp.tracking.view import SHOWN, model_name
 
     client = sweep["client"]
     _, kids = _family(sweep["after"])
@@ -150,10 +150,13 @@ def test_points_carry_summary_metrics_data_sets_models_and_their_own_command(swe
         model = client.get_logged_model(output.model_id)
         assert model.source_run_id == k.info.run_id and model.status.to_proto() == 2  # READY
         assert model.name == model_name(f"ft={method}", k.data.tags["sweep_id"])
-        # the run's final metrics are the model's too (its page lists them)
+        # the model's page lists the run's final numbers as the runs table rounds them (the
+        # exact summary/* metrics stay the run's)
         linked = {x.key: x.value for x in model.metrics}
-        assert linked["summary/final_loss"] == m["summary/final_loss"]
-        assert linked["final loss"] == m["final loss"]
+        assert linked == {s.name: m[s.name] for s in SHOWN if s.name in m}, linked
+        assert {"final loss", "eval loss", "tokens per sec", "peak GB"} <= set(linked)
+        _assert_four_digits_of(linked["tokens per sec"], m["summary/tokens_per_sec"])
+        assert "summary/tokens_per_sec" not in linked
     exp = client.get_experiment(sweep["exp"].experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "finetuning"
     assert "tokens per sec" in exp.tags["mlflow.sharedViewState.llama_fsdp"]
@@ -260,17 +263,59 @@ def _open_runs_table(page, sweep):
 
 
 def test_every_printed_link_opens_model_training_mode_with_the_saved_view(sweep, page):
-    from llama_fsdp.tracking.view import RUNS_QUERY
+    from llama_fsdp.tracking.view import runs_query
 
-    links = _printed_links(sweep)
-    assert links and all(link.startswith(sweep["server"].uri) and link.endswith(RUNS_QUERY)
+    parent, _ = _family(sweep["after"])
+    links = _printed_links(sweep)  # the points' and the sweep's: the sweep's own view
+    assert links and all(link.startswith(sweep["server"].uri) and
+                         link.endswith(runs_query(parent.data.tags["sweep_id"]))
                          for link in links), links
     _open_runs_table(page, sweep)
     side = page.locator("aside").first.inner_text()
     # model-training mode: runs, models and the registry; not GenAI's evaluations and judges
     assert "Model registry" in side and "Models" in side, side
     assert "Evaluation runs" not in side and "Judges" not in side, side
-    assert page.get_by_text("llama_fsdp: what runs differ in").count() >= 1
+    assert page.get_by_text(f"llama_fsdp: {parent.data.tags['sweep_id']}").count() >= 1
+
+
+def test_the_sweeps_view_shows_its_runs_alone_its_swept_key_first(sweep, page):
+    """The sweep's link: its parent and points only (a run outside the sweep is in the
+    experiment's view, not in the sweep's), the swept key's column before the status."""
+    from llama_fsdp.tracking.view import RUNS_QUERY
+
+    client, exp = sweep["client"], sweep["exp"]
+    outsider = client.create_run(exp.experiment_id, run_name="outside the sweep")
+    client.set_terminated(outsider.info.run_id)
+    try:
+        parent, kids = _open_runs_table(page, sweep)
+        assert page.locator(ROW.format(outsider.info.run_id)).count() == 0
+
+        def x(col: str) -> float:
+            return page.locator(f'.ag-header-cell[col-id="{col}"]').first.bounding_box()["x"]
+
+        assert x("params.`finetune.method`") < x("tags.`status`") < x("metrics.`final loss`")
+        _shot(page, "mlflow_sweep_view.png")
+        page.goto(f"{sweep['server'].uri}/#/experiments/{exp.experiment_id}/runs?{RUNS_QUERY}")
+        page.wait_for_selector(ROW.format(outsider.info.run_id))  # the experiment's view has it
+    finally:
+        client.delete_run(outsider.info.run_id)
+
+
+def test_a_models_page_shows_the_runs_numbers_rounded(sweep, page):
+    """The logged model's page lists the numbers the runs table shows, rounded as there."""
+    _, kids = _family(sweep["after"])
+    point = kids[0]
+    model_id = point.outputs.model_outputs[0].model_id
+    page.goto(f"{sweep['server'].uri}/#/experiments/{sweep['exp'].experiment_id}/models/"
+              f"{model_id}")
+    page.get_by_text("tokens per sec").first.wait_for()
+    text = page.locator("main").first.inner_text() if page.locator("main").count() else \
+        page.inner_text("body")
+    tps = point.data.metrics["tokens per sec"]
+    assert f"{tps:g}" in text, text[:3000]
+    exact = repr(point.data.metrics["summary/tokens_per_sec"])
+    assert exact not in text and "summary/tokens_per_sec" not in text, text[:3000]
+    _shot(page, "mlflow_model.png")
 
 
 def test_one_screen_shows_what_the_points_differ_in_rounded(sweep, page):

@@ -1,6 +1,8 @@
-"""The divergence guard never flags the default run: `python -m llama_fsdp` at train.seed=0..4 (seed 2 has the largest spike: a loss 2.08 above the lowest so far)
-on 2 gloo ranks (60 steps, the tiny recipe), each finishing with a loss that never comes near
-the guard's line (docs/recipes.md)."""
+"""The divergence guard never flags the default run: `python -m llama_fsdp` on 2 gloo ranks (60
+steps, the tiny recipe) at train.seed=2, the seed with the largest spike of seeds 0-4 (a loss 2.08
+above the lowest so far; all five measured in docs/recipes.md), finishing with a loss that never
+comes near the guard's line, nor that of a guard 10% tighter. Seed 0 is the default command's,
+which every test of the default run runs (a flagged run exits 3)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,7 @@ from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-SEEDS = range(5)
+SEEDS = (2,)  # seeds 0-4 cost 230 s of the suite on CI; the others never came close
 
 
 def _train(rank, world, specs):
@@ -26,14 +28,14 @@ def _train(rank, world, specs):
     return out
 
 
-def test_the_default_run_is_never_flagged_at_seeds_0_to_4(tmp_path):
+def test_the_default_run_is_never_flagged_at_its_spikiest_seed(tmp_path):
     # the default command's run (eval off: the guard reads the training loss only)
     specs = {seed: make_spec([f"train.seed={seed}", "tracking.enabled=false",
                               "eval.every_steps=0", "eval.task_prompts=0",
                               "save.export_hf=false"],
                              output_dir=tmp_path / f"seed{seed}") for seed in SEEDS}
     assert all(s.train.divergence == DivergenceConfig() for s in specs.values())
-    results = run_ranks(_train, 2, specs, timeout=900)[0]  # five 60-step runs
+    results = run_ranks(_train, 2, specs, timeout=900)[0]
     # with room to spare: a guard 10% tighter in ratio and half the rise passes them too
     tighter = DivergenceConfig(ratio=1.35, min_rise=0.5)
     for seed, r in results.items():

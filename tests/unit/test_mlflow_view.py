@@ -201,3 +201,56 @@ def test_run_names_say_what_is_sharding_and_points_fit_the_name_column(spec_fact
     assert spec.run_name == "tiny lora shard=full fp32 2xcpu b8"
     assert point_name({"train.batch_size": "2", "sharding": "full"}) == "b=2 shard=full"
     assert point_name({"finetune": "qlora", "objective.beta": "0.1"}) == "ft=qlora beta=0.1"
+
+
+@pytest.mark.parametrize("swept", [("finetune",), ("train.batch_size",),
+                                   ("train.batch_size", "sharding")])
+def test_a_sweeps_view_shows_its_swept_keys_first_and_on_the_first_screen(swept):
+    """A sweep's own view: the swept keys' columns right after the run's name and start; what
+    the points measured stays on the first screen (the plan's and the method's figures move
+    past the duration to make room); no column twice, none lost."""
+    from llama_fsdp.tracking.view import FIRST_SCREEN_PX, columns, swept_column
+
+    cols = columns(swept)
+    ids = [c for c, _ in cols]
+    assert ids[2:2 + len(swept)] == [swept_column(k)[0] for k in swept]
+    assert sorted(ids) == sorted(set(ids)) == sorted({c for c, _ in COLUMNS} |
+                                                     {swept_column(k)[0] for k in swept})
+    end = ids.index("duration") + 1
+    assert sum(w for _, w in cols[:end]) <= FIRST_SCREEN_PX
+    for measured in ("final loss", "eval loss", "tokens per sec", "MFU pct", "peak GB"):
+        assert f"metrics.`{measured}`" in ids[:end], measured
+    # a swept key's column: its param, a swept group's tag, the method's own column
+    assert swept_column("train.batch_size")[0] == "params.`train.batch_size`"
+    assert swept_column("sharding")[0] == "tags.`point.sharding`"
+    assert swept_column("finetune")[0] == "params.`finetune.method`"
+
+
+def test_a_sweep_gets_its_own_view_and_its_link_opens_it(tmp_path):
+    """The sweep's parent run makes the experiment's tag of the sweep's view (its runs alone,
+    the swept keys first); the sweep's page opens that view; the parent's row shows the values
+    swept. A sweep whose experiment lacks the view (an earlier version's) opens the
+    experiment's."""
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.tracking.sweep import start_parent, sweep_id_for, sweep_page
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sweep_dir = tmp_path / "sweeps" / "2026-11-28" / "12-00-00"
+    sweep_dir.mkdir(parents=True)
+    start_parent(str(sweep_dir), uri=uri, experiment="llama_fsdp", command="python -m llama_fsdp",
+                 swept={"train.batch_size": "1,2,4", "sharding": "full,hybrid"}, points=6)
+    sweep_id = sweep_id_for(str(sweep_dir))
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("llama_fsdp")
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.{sweep_id}"])
+    state = json.loads(view["state"])
+    assert state["searchFilter"] == f"tags.sweep_id = '{sweep_id}'"
+    assert state["columnOrder"][2:4] == ["params.`train.batch_size`", "tags.`point.sharding`"]
+    assert sweep_page(uri, "llama_fsdp", sweep_id).endswith(
+        f"/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&"
+        f"viewStateShareKey={sweep_id}")
+    assert sweep_page(uri, "llama_fsdp", "sweep-elsewhere").endswith(RUNS_QUERY)
+    (parent,) = client.search_runs([exp.experiment_id])
+    assert parent.data.params["train.batch_size"] == "1,2,4"
+    assert parent.data.tags["point.sharding"] == "full,hybrid"
