@@ -14,7 +14,7 @@ names = zipfile.ZipFile(sys.argv[1]).namelist()
 tops = sorted({n.split("/")[0] for n in names})
 assert tops == ["llama_fsdp", next(t for t in tops if t.endswith(".dist-info"))], tops
 for need in ("llama_fsdp/conf/config.yaml", "llama_fsdp/conf/model/tiny.yaml",
-             "llama_fsdp/conf/experiment/llama3_1b_alpaca.yaml", "launchers/rank.py"):
+             "llama_fsdp/conf/experiment/llama3_1b_alpaca.yaml", "llama_fsdp/launchers/rank.py"):
     assert need in names, need
 # every package of the checkout is in the wheel (pyproject lists them by hand)
 import pathlib
