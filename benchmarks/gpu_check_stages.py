@@ -273,7 +273,9 @@ def mlflow_readout(uri: str, output_dir: Optional[Path]) -> dict:
         return [x.value for x in sorted(client.get_metric_history(run.info.run_id, key),
                                         key=lambda x: x.step)]
 
-    losses, reserved = history("loss"), history("peak_memory_reserved_gb")
+    # (a DPO run's loss is dpo_loss in MLflow: llama_fsdp/config/metrics.py's DPO_LOGGED_AS)
+    losses = history("loss") or history("dpo_loss")
+    reserved = history("peak_memory_reserved_gb")
     return {"status": run.info.status, "steps": len(losses),
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,

@@ -57,6 +57,22 @@ LOGPS_CHOSEN = "logps/chosen"
 LOGPS_REJECTED = "logps/rejected"
 DPO_METRICS = (REWARDS_CHOSEN, REWARDS_REJECTED, REWARDS_MARGIN, REWARDS_ACCURACY, LOGPS_CHOSEN,
                LOGPS_REJECTED)
+# DPO's loss (a preference loss, ln 2 at the start) is logged to MLflow under its own names, so
+# that a chart never draws it beside SFT's cross-entropy (tracking/tracker.py renames; the
+# training code and the printed summary say "loss"); CANONICAL reads them back for comparisons
+DPO_LOSS = "dpo_loss"
+DPO_LOGGED_AS = {LOSS: DPO_LOSS, EVAL_LOSS: "eval_dpo_loss",
+                 SUMMARY_FINAL_LOSS: "summary/final_dpo_loss",
+                 SUMMARY_EVAL_LOSS: "summary/eval_dpo_loss"}
+CANONICAL = {logged: name for name, logged in DPO_LOGGED_AS.items()}
+
+
+def canonical(metrics: dict) -> dict:
+    """A run's MLflow metrics with each objective's own loss names read as the generic ones
+    (summary/eval_dpo_loss as summary/eval_loss): what a sweep's table and best point use."""
+    return {**metrics, **{CANONICAL[k]: v for k, v in metrics.items() if k in CANONICAL}}
+
+
 EVAL_REWARDS_ACCURACY = "eval_rewards/accuracy"
 EVAL_REWARDS_MARGIN = "eval_rewards/margin"
 SUMMARY_REWARD_ACCURACY = "summary/reward_accuracy"

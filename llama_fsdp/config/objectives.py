@@ -29,9 +29,12 @@ class Objective:
     metrics: tuple[str, ...] = ()
     # Its end-of-run numbers: summary name -> the logged metric whose last value it is.
     summary: dict[str, str] = field(default_factory=dict)
+    # The names MLflow gets for the generic ones (its loss: a chart of its own).
+    logged_as: dict[str, str] = field(default_factory=dict)
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective(SFT),
-    Objective(DPO, pairs=True, metrics=m.DPO_METRICS, summary=m.DPO_SUMMARY),
+    Objective(DPO, pairs=True, metrics=m.DPO_METRICS, summary=m.DPO_SUMMARY,
+              logged_as=m.DPO_LOGGED_AS),
 )}

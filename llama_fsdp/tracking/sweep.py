@@ -192,7 +192,7 @@ def summary_rows(runs: list[Any], swept: list[str] = (),
                 "status": status}
 
     # a point not ended is no failure and has no numbers yet: its row says so
-    rows = sorted((row(r.data.params, _point_values(r.data.tags), r.data.metrics,
+    rows = sorted((row(r.data.params, _point_values(r.data.tags), names.canonical(r.data.metrics),
                        _status_cell(r)) for r in runs), key=lambda row: [str(row[k]) for k in keys])
     rows += [row({}, point, {}, f"REFUSED (exit {code})") for point, code in refused]
     return keys, rows
@@ -327,7 +327,7 @@ class Best:
         return {BEST_METRIC_TAG: self.metric, BEST_MODE_TAG: self.mode}
 
     def value(self, run: Any) -> Optional[float]:
-        v = run.data.metrics.get(self.metric)
+        v = names.canonical(run.data.metrics).get(self.metric)  # (DPO's eval loss too)
         return v if v is not None and math.isfinite(v) else None
 
     def choose(self, runs: list[Any]) -> Optional[Any]:

@@ -73,10 +73,13 @@ class Tracker:
     """Rank 0's tracker: each call appends to the spool (microseconds); the shipper delivers."""
 
     def __init__(self, output_dir: str, uri: str, *, flush_timeout_s: float = 30.0,
-                 system_metrics_s: Optional[float] = None, ship: bool = True):
+                 system_metrics_s: Optional[float] = None, ship: bool = True,
+                 logged_as: Optional[dict[str, str]] = None):
         """``ship=False``: only append; the launcher delivers the spool while it waits (it
-        then never loads MLflow here, unless for system metrics)."""
+        then never loads MLflow here, unless for system metrics). ``logged_as``: the names
+        MLflow gets for some metrics (the objective's: DPO's loss is ``dpo_loss``)."""
         self.output_dir, self.uri = output_dir, uri
+        self.logged_as = dict(logged_as or {})
         self.spool = Spool(output_dir)
         self.flush_timeout_s = flush_timeout_s
         # The sampler's MLflow monitors are imported before the shipper thread starts and
@@ -105,7 +108,8 @@ class Tracker:
         if 0 < step <= self._held_through:  # kept from the attempt before (continue_from)
             metrics = {k: v for k, v in metrics.items() if k.startswith(SYSTEM_PREFIX)}
         if metrics:
-            self.spool.append(ev.Metrics({k: float(v) for k, v in metrics.items()}, int(step)))
+            self.spool.append(ev.Metrics({self.logged_as.get(k, k): float(v)
+                                          for k, v in metrics.items()}, int(step)))
         self._log_start_metrics()
 
     def history(self) -> RunHistory:
@@ -170,8 +174,8 @@ class Tracker:
             return False
         self._log_start_metrics()
         self.spool.append(ev.Model(str(path), name, step, params or {}, model_type,
-                                   {k: float(v) for k, v in (metrics or {}).items()},
-                                   ev.now_ms()))
+                                   {self.logged_as.get(k, k): float(v)
+                                    for k, v in (metrics or {}).items()}, ev.now_ms()))
         return True
 
     def finish(self, status: str = MLFLOW_FINISHED, word: Optional[str] = None) -> None:
@@ -216,6 +220,9 @@ def open_tracker(spec: Any) -> Any:
     """Rank 0's tracker for a RunSpec (the driver created the run), or the null twin."""
     if not spec.tracking.enabled:
         return NullTracker()
+    from ..config.objectives import OBJECTIVES
+
     t = spec.tracking
     return Tracker(spec.output_dir, spec.tracking_uri, ship=not spec.launcher_ships,
-                   system_metrics_s=t.system_metrics_interval_s if t.system_metrics else None)
+                   system_metrics_s=t.system_metrics_interval_s if t.system_metrics else None,
+                   logged_as=OBJECTIVES[spec.objective.name].logged_as)

@@ -181,11 +181,14 @@ def columns(first: tuple[str, ...] = ()) -> tuple[tuple[str, int], ...]:
 
 # charts: (section, [(metric, chart type)]); a section's other metrics follow its listed ones
 CHART_SECTIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    # DPO's loss has charts of its own (config/metrics.py's DPO_LOGGED_AS): beside SFT's
+    # cross-entropy its ln 2 start would read as a model far better than it is
     ("Model metrics", tuple((k, "LINE") for k in (
-        m.LOSS, m.EVAL_LOSS, m.TOKENS_PER_SEC, m.PEAK_MEMORY, m.STEP_TIME, m.MFU, m.LR,
-        m.GRAD_NORM))),
+        m.LOSS, m.EVAL_LOSS, m.DPO_LOGGED_AS[m.LOSS], m.DPO_LOGGED_AS[m.EVAL_LOSS],
+        m.TOKENS_PER_SEC, m.PEAK_MEMORY, m.STEP_TIME, m.MFU, m.LR, m.GRAD_NORM))),
     ("summary", tuple((k, "BAR") for k in (
-        m.SUMMARY_FINAL_LOSS, m.SUMMARY_EVAL_LOSS, m.SUMMARY_TOKENS_PER_SEC,
+        m.SUMMARY_FINAL_LOSS, m.SUMMARY_EVAL_LOSS, m.DPO_LOGGED_AS[m.SUMMARY_FINAL_LOSS],
+        m.DPO_LOGGED_AS[m.SUMMARY_EVAL_LOSS], m.SUMMARY_TOKENS_PER_SEC,
         m.SUMMARY_TOKENS_PER_SEC_PER_DEVICE, m.SUMMARY_MFU, m.SUMMARY_PEAK_MEMORY,
         m.SUMMARY_PREDICTED_PEAK_MEMORY, m.SUMMARY_STEP_TIME))),
     ("System metrics", ()),

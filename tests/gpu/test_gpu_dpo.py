@@ -13,6 +13,8 @@ import math
 
 import pytest
 
+from llama_fsdp.config.metrics import DPO_LOGGED_AS
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -41,7 +43,8 @@ def _summary(tmp_path, *extra: str) -> dict:
     steps: dict[int, dict[str, float]] = {}
     for key in ("loss", "grad_norm", "tokens_per_sec", "step_time_s", "rewards/chosen",
                 "rewards/rejected", "rewards/margin", "rewards/accuracy"):
-        for m in client.get_metric_history(run.info.run_id, key):
+        # (DPO's loss is dpo_loss in MLflow: config/metrics.py's DPO_LOGGED_AS)
+        for m in client.get_metric_history(run.info.run_id, DPO_LOGGED_AS.get(key, key)):
             steps.setdefault(m.step, {})[key] = m.value
     return {**run.data.metrics, "steps": steps}
 

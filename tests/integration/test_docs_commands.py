@@ -91,9 +91,11 @@ def client(work: Path) -> MlflowClient:
     return MlflowClient(tracking_uri=f"sqlite:///{work}/outputs/mlflow.db")
 
 
-def finished(r: docs.Ran, work: Path, steps: int = 2, logged: list[int] | None = None):
+def finished(r: docs.Ran, work: Path, steps: int = 2, logged: list[int] | None = None,
+             loss: str = "loss"):
     """The run finished all its steps, says so in its summary, and MLflow has it FINISHED with a
-    loss per logged step (every step unless ``logged`` says which); returns the MLflow run."""
+    ``loss`` per logged step (every step unless ``logged`` says which; DPO's: dpo_loss);
+    returns the MLflow run."""
     assert r.returncode == 0, str(r)
     assert docs.summary_value(r.output, "status") == "finished", str(r)
     assert docs.summary_value(r.output, "steps") == str(steps), str(r)
@@ -101,7 +103,7 @@ def finished(r: docs.Ran, work: Path, steps: int = 2, logged: list[int] | None =
     c = client(work)
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED"
-    losses = [m.step for m in c.get_metric_history(run_id, "loss")]
+    losses = [m.step for m in c.get_metric_history(run_id, loss)]
     assert losses == (logged or list(range(1, steps + 1))), losses
     return run
 
@@ -306,11 +308,11 @@ def test_sweep(work):
 # --- docs/finetune.md ---------------------------------------------------------------------------
 
 
-def _adapters(r: docs.Ran, work: Path, method: str):
+def _adapters(r: docs.Ran, work: Path, method: str, loss: str = "loss"):
     """A lora / qlora run finished; MLflow has its method, and the trainable parameters (the
     plan's adapter count) are a small part of all; its export is a PEFT adapter, logged as the
     run's model. Returns the MLflow run."""
-    run = finished(r, work)
+    run = finished(r, work, loss=loss)
     assert printed(r.output, "finetune").startswith(f"{method} (rank 16, alpha 32")
     m = re.search(rf"^trainable\s+([\d,]+) adapters \([\d.]+%\): {method} rank 16", r.output,
                   re.M)
@@ -365,12 +367,13 @@ def test_finetune_sweep(work):
 def _dpo(r: docs.Ran, work: Path):
     """A DPO run with adapters finished from weights equal to its reference (first loss ln 2),
     and MLflow has what it trains for and the DPO metrics of every step."""
-    run = _adapters(r, work, "lora")
+    run = _adapters(r, work, "lora", loss="dpo_loss")  # a chart of its own, not SFT's "loss"
+    assert "loss" not in run.data.metrics and "summary/final_loss" not in run.data.metrics
     assert printed(r.output, "objective") == "dpo (beta 0.1, sigmoid, reference model)"
     assert "reference: the policy with its adapters off" in r.output  # the plan says which
     c, run_id = client(work), run.info.run_id
     assert run.data.params["objective.name"] == "dpo"
-    assert c.get_metric_history(run_id, "loss")[0].value == pytest.approx(0.6931472, abs=1e-6)
+    assert c.get_metric_history(run_id, "dpo_loss")[0].value == pytest.approx(0.6931472, abs=1e-6)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
                 "logps/chosen", "logps/rejected"):
         assert [m.step for m in c.get_metric_history(run_id, key)] == [1, 2], key

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import math
 import os
 import re
 import shutil
@@ -199,6 +200,9 @@ def test_the_landed_features_run_and_none_is_skipped(rehearsal):
     assert not _of(records, "skipped")
     (dpo,) = _of(records, "run", name="dpo-lora")
     assert dpo["command"].startswith("python -m llama_fsdp model=tiny objective=dpo"), dpo
+    # its loss curve is read back (MLflow's dpo_loss): LoRA starts at the reference, ln 2
+    assert dpo["exit_code"] == 0 and dpo["steps"] >= 1, dpo
+    assert abs(dpo["loss_first"] - math.log(2)) < 1e-3, dpo
     assert "objective" in compose_error(["objective=nope"])
 
 

@@ -346,15 +346,20 @@ def test_mlflow_has_the_dpo_metrics_per_step_and_at_eval_and_the_adapter(runs):
     spec, result = runs["specs"]["lora"], runs["rank0"]["lora"]["result"]
     client = MlflowClient(tracking_uri=spec.tracking_uri)
     run = client.get_run(result.mlflow_run_id)
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin",
+    # DPO's loss under names of its own (a chart apart from SFT's cross-entropy)
+    assert not {"loss", "eval_loss", "summary/final_loss", "summary/eval_loss"} & set(
+        run.data.metrics)
+    for key in ("dpo_loss", "rewards/chosen", "rewards/rejected", "rewards/margin",
                 "rewards/accuracy", "logps/chosen", "logps/rejected"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert steps == list(range(1, STEPS + 1)), key
-    for key in ("eval_loss", "eval_rewards/accuracy", "eval_rewards/margin",
+    for key in ("eval_dpo_loss", "eval_rewards/accuracy", "eval_rewards/margin",
                 "eval_logps/chosen", "eval_exact_match"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert steps == [0, 2, 4], key
-    baseline = client.get_metric_history(run.info.run_id, "eval_loss")[0].value
+    assert run.data.metrics["summary/final_dpo_loss"] == result.final["loss"]
+    assert run.data.metrics["summary/eval_dpo_loss"] == result.final["eval_loss"]
+    baseline = client.get_metric_history(run.info.run_id, "eval_dpo_loss")[0].value
     assert baseline == pytest.approx(math.log(2), rel=1e-6)
     # the summary is each number's last logged value (accuracy and margin: not one for another)
     for key, source in (("summary/reward_accuracy", "rewards/accuracy"),

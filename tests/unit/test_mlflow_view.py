@@ -254,3 +254,35 @@ def test_a_sweep_gets_its_own_view_and_its_link_opens_it(tmp_path):
     (parent,) = client.search_runs([exp.experiment_id])
     assert parent.data.params["train.batch_size"] == "1,2,4"
     assert parent.data.tags["point.sharding"] == "full,hybrid"
+
+
+def test_dpos_loss_has_names_and_charts_of_its_own_and_the_sweep_reads_it_back(tmp_path):
+    """A DPO run's loss (ln 2 at the start) goes to MLflow as dpo_loss, eval_dpo_loss and
+    summary/*_dpo_loss, each with a chart of its own, never on SFT's loss chart; an SFT run's
+    keeps the generic names; a sweep's table and best point read DPO's as the generic ones."""
+    from types import SimpleNamespace
+
+    from llama_fsdp.config.metrics import canonical
+    from llama_fsdp.config.objectives import OBJECTIVES
+    from llama_fsdp.tracking import Spool, events
+    from llama_fsdp.tracking.tracker import Tracker
+
+    step = {"loss": 0.69, "eval_loss": 0.7, "summary/eval_loss": 0.68, "rewards/accuracy": 0.5}
+    logged = {}
+    for name in ("sft", "dpo"):
+        t = Tracker(str(tmp_path / name), "sqlite:///unused.db", ship=False,
+                    logged_as=OBJECTIVES[name].logged_as)
+        t.log_metrics(step, step=1)
+        (logged[name],) = [e.metrics for e in Spool(tmp_path / name).events()
+                           if isinstance(e, events.Metrics)]
+    assert logged["sft"] == step
+    assert logged["dpo"] == {"dpo_loss": 0.69, "eval_dpo_loss": 0.7,
+                             "summary/eval_dpo_loss": 0.68, "rewards/accuracy": 0.5}
+    charts = {c["metricKey"]: c for c in view_state()["compareRunCharts"] if not c["deleted"]}
+    for key in ("dpo_loss", "eval_dpo_loss"):
+        assert charts[key]["type"] == "LINE" and charts[key]["metricSectionId"].endswith(
+            "Model metrics")
+    assert charts["summary/eval_dpo_loss"]["type"] == "BAR"
+    run = SimpleNamespace(data=SimpleNamespace(metrics=logged["dpo"]))
+    assert Best().value(run) == 0.68  # summary/eval_loss, the default best metric
+    assert canonical(logged["dpo"])["loss"] == 0.69
