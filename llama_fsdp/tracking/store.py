@@ -199,7 +199,7 @@ def runs_page(uri: str, experiment_id: str, base: str = "http://127.0.0.1:5000",
               view: Optional[str] = None) -> str:
     """The URL of the experiment's runs table in model-training mode with the llama_fsdp view,
     or the saved view ``view`` (for a sqlite store: as `mlflow ui` serves it)."""
-    from .view import runs_query
+    from .view import VIEW, runs_query
 
     host = uri if uri.startswith("http") else base
-    return f"{host}/#/experiments/{experiment_id}/runs?{runs_query(view) if view else runs_query()}"
+    return f"{host}/#/experiments/{experiment_id}/runs?{runs_query(view or VIEW)}"

@@ -43,7 +43,7 @@ from . import (
     write_run_file,
 )
 from .view import (DIVERGED_AT_TAG, HARNESS, POINT_TAG, STATUS_TAG, command_note, status_text,
-                   sweep_view)
+                   sweep_view, view_tag)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def sweep_page(uri: str, experiment: str, sweep_id: Optional[str] = None) -> str
     from . import open_client, runs_page
 
     exp = open_client(uri).get_experiment_by_name(experiment)
-    own = bool(exp and sweep_id and sweep_view(sweep_id, [])[0] in exp.tags)
+    own = bool(exp and sweep_id and view_tag(sweep_id) in exp.tags)
     return runs_page(uri, exp.experiment_id if exp else "0", view=sweep_id if own else None)
 
 

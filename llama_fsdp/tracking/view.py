@@ -29,8 +29,14 @@ from ..config.status import STATUS_WORDS
 
 EXPERIMENT_KIND = "finetuning"  # mlflow.experimentKind: a model-training experiment
 VIEW = "llama_fsdp"
-VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # + a view's share key: the experiment tag of a view
-VIEW_TAG = f"{VIEW_TAG_PREFIX}{VIEW}"
+
+
+def view_tag(view: str) -> str:
+    """The experiment tag that holds the saved view whose share key is ``view``."""
+    return f"mlflow.sharedViewState.{view}"
+
+
+VIEW_TAG = view_tag(VIEW)
 
 
 def runs_query(view: str = VIEW) -> str:
@@ -236,7 +242,7 @@ def sweep_view(sweep_id: str, swept: list[str]) -> tuple[str, str]:
     now = int(time.time() * 1000)
     view = {"name": f"llama_fsdp: {sweep_id}", "createdAt": now, "updatedAt": now,
             "state": json.dumps(view_state(tuple(swept), f"tags.sweep_id = '{sweep_id}'"))}
-    return f"{VIEW_TAG_PREFIX}{sweep_id}", json.dumps(view)
+    return view_tag(sweep_id), json.dumps(view)
 
 
 def experiment_tags(existing: Optional[str] = None) -> dict[str, str]:
