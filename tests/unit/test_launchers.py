@@ -592,9 +592,16 @@ def test_more_ctrl_cs_while_the_mlflow_run_is_closed_wait_for_it(tmp_path, monke
             os.kill(os.getpid(), signal.SIGINT)
 
     launcher = launcher_for(type("C", (), {"kind": "local"})())
+    # a known start, whatever an earlier test in this worker left: Python's own handler (one
+    # left ignoring SIGINT would make the Ctrl-Cs no-ops and the check of its restoring moot)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=impatient_user).start()
-    launcher.close_tracking(str(run), status=USER_STOPPED, deadline_s=20)  # no KeyboardInterrupt
-    time.sleep(0.5)  # (the last signal, if late, still meets the shield or the default handler)
+    try:
+        launcher.close_tracking(str(run), status=USER_STOPPED, deadline_s=20)  # no KeyboardInterrupt
+        time.sleep(0.5)  # (the last signal, if late, still meets the shield or the default handler)
+        restored = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(read_run_file(run)["run_id"]).info.status == "KILLED"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after
+    assert restored is signal.default_int_handler  # restored after
