@@ -11,8 +11,10 @@ run: install
 	$(PY) -m llama_fsdp
 
 # two pytest workers: most tests wait on processes they start (ranks, SLURM, a server), so two
-# at once fill 2 cores (measured: 22:11 with two, 23:46 with three); a module's tests stay on
-# one worker, the SLURM tests share one
+# at once fill 2 cores (measured: 22:11 with two, 23:46 with three; again on 2026-11-28 at
+# 911 tests: 30:23 with two, 28:58 with three, the CPU busy 3,467 s and idle 9 s of it, so a
+# third worker only adds contention); a module's tests stay on one worker, the SLURM tests
+# share one
 TEST_WORKERS ?= 2
 
 test: install
