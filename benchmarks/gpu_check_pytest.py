@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from benchmarks import gpu_report
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: Any, items: list) -> None:
+    """The tests run in the order the check names them (most valuable first, for a stage cut
+    short), not the suite's heaviest-scope-first order (tests/conftest.py), which follows the
+    last suite run's seconds and so changes with them."""
+    order = {arg: i for i, arg in enumerate(config.args)}
+    items.sort(key=lambda item: order.get(item.nodeid, len(order)))
 
 
 def pytest_runtest_logstart(nodeid: str, location: Any) -> None:

@@ -4,6 +4,8 @@ lost. Writes benchmarks/reliability.md.
 
     .venv/bin/python benchmarks/reliability.py --out benchmarks/reliability.md
     .venv/bin/python benchmarks/reliability.py --only-bad-inputs   # that table alone
+    .venv/bin/python benchmarks/reliability.py --only-finished-run-inputs   # evaluate, generate
+    .venv/bin/python benchmarks/reliability.py --only-training-inputs   # issue 63's training side
 
 Every scenario drives the real command (`python -m llama_fsdp`, 2 CPU ranks, the tiny model)
 in a fresh directory, with the faults of tests/faults/hooks.py, a real `mlflow server` on
@@ -24,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
+from benchmarks import reliability_finished_run as finished_run  # noqa: E402
+from benchmarks import reliability_training as training  # noqa: E402
 from llama_fsdp.config.rundir import RunDir  # noqa: E402
 from tests.faults import hooks  # noqa: E402
 from tests.faults.conftest import (  # noqa: E402
@@ -471,7 +475,7 @@ def _scenarios() -> list[tuple]:
         ("`model.num_layers=1e9 dry_run=true`", "MemoryError", layers,
          "is larger than any Llama's", None),
         ("`output_dir=` below a file of the user's", "a raw NotADirectoryError traceback",
-         below_a_file, "cannot make the run directory", None),
+         below_a_file, "is a file, not a folder", None),
     ]
 
 
@@ -615,15 +619,45 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "reliability.md")
     p.add_argument("--only-bad-inputs", action="store_true",
                    help="run the bad-input table alone and replace that section of --out")
+    p.add_argument("--only-finished-run-inputs", action="store_true",
+                   help="run evaluate's and generate's table alone (one process, about a "
+                   "minute) and replace that section of --out")
+    p.add_argument("--only-training-inputs", action="store_true",
+                   help="run issue 63's training-side table alone (a few minutes) and replace "
+                   "that section of --out")
     args = p.parse_args()
     command = "python benchmarks/reliability.py"
+    text = args.out.read_text() if args.out.exists() else ""
+    finished_cmd = command + " --only-finished-run-inputs"
+    if args.only_finished_run_inputs:
+        rows = finished_run.rows()
+        for row in rows:
+            print("finished-run input", {k: v for k, v in row.items() if k != "log"})
+        head = text.split("\n" + finished_run.HEADER)[0].rstrip("\n") + "\n"
+        args.out.write_text(head + finished_run.markdown(rows, finished_cmd))
+        print(f"wrote {args.out}")
+        return
+    if args.only_training_inputs:
+        rows = training.rows()
+        for row in rows:
+            print("training input", row)
+        assert not leftovers("reliability-"), leftovers("reliability-")
+        head, found, rest = text.partition("\n" + training.HEADER + "\n")
+        tail = ("\n" + rest.split("\n## ", 1)[1] if "\n## " in rest else "") if found else ""
+        args.out.write_text(head.rstrip("\n") + "\n" + training.markdown(
+            rows, command + " --only-training-inputs") + (("\n## " + tail.lstrip("\n"))
+                                                          if tail else ""))
+        print(f"wrote {args.out}")
+        return
     bad = bad_inputs()
     for row in bad:
         print("bad input", row)
     assert not leftovers("reliability-"), leftovers("reliability-")
     if args.only_bad_inputs:
-        head = args.out.read_text().split("\n## Bad input")[0].rstrip("\n") + "\n"
-        args.out.write_text(head + bad_input_markdown(bad, command + " --only-bad-inputs"))
+        head = text.split("\n## Bad input\n")[0].rstrip("\n") + "\n"
+        kept = text.partition("\n" + finished_run.HEADER)
+        args.out.write_text(head + bad_input_markdown(bad, command + " --only-bad-inputs")
+                            + (kept[1] + kept[2] if kept[1] else ""))
         print(f"wrote {args.out}")
         return
     rows = {"kill": killed_rank(0), "kill_restart": killed_rank(1),
@@ -636,7 +670,9 @@ def main() -> None:
     for name, row in rows.items():
         print(name, row)
     assert not leftovers("reliability-"), leftovers("reliability-")
-    args.out.write_text(markdown(rows, command) + bad_input_markdown(bad, command))
+    finished = finished_run.rows()
+    args.out.write_text(markdown(rows, command) + bad_input_markdown(bad, command)
+                        + finished_run.markdown(finished, finished_cmd))
     print(f"wrote {args.out}")
 
 

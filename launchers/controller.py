@@ -26,6 +26,7 @@ from submitit.core.utils import JobPaths
 from submitit.local.local import Controller
 
 from . import forked
+from .submitit_compat import EARLY_FLAG
 from .rank import ATTEMPT_ENV, RUN_DIR_ENV, attempt_dir, report_path
 
 
@@ -104,6 +105,21 @@ class ReportingController(Controller):
             tmp.replace(path)
 
 
+def wait_for_job() -> bool:
+    """An early controller (submitit_compat.EarlyController): import the ranks' module while
+    the launcher prepares the job, then read from stdin the environment the job runs with;
+    False when stdin ends first (no job: the launch stopped before its ranks)."""
+    forked.preload()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return False
+    os.environ.clear()
+    os.environ.update(json.loads(line)["env"])
+    return True
+
+
 if __name__ == "__main__":
-    assert len(sys.argv) == 2, "Usage: python -m llama_fsdp.launchers.controller <folder>"
-    ReportingController(Path(sys.argv[1])).run()
+    usage = "python -m llama_fsdp.launchers.controller [--early] <submitit folder>"
+    assert len(sys.argv) in (2, 3) and (len(sys.argv) == 2) != (sys.argv[1] == EARLY_FLAG), usage
+    if len(sys.argv) == 2 or wait_for_job():
+        ReportingController(Path(sys.argv[-1])).run()

@@ -50,11 +50,11 @@ def local_parameters(spec: RunSpec) -> dict[str, Any]:
     return params
 
 
-def _executor(spec: RunSpec) -> Any:
+def _executor(spec: RunSpec, early: Any = None) -> Any:
     from .submitit_compat import SessionLocalExecutor
 
     executor = SessionLocalExecutor(folder=RunDir(spec.output_dir).submitit,
-                                    max_num_timeout=spec.cluster.max_requeues)
+                                    max_num_timeout=spec.cluster.max_requeues, early=early)
     executor.update_parameters(**local_parameters(spec))
     return executor
 
@@ -65,6 +65,7 @@ class LocalLauncher(Launcher):
     tracking spool meanwhile."""
 
     ships_tracking = True
+    _early: Any = None  # the first attempt's controller, started before the job is prepared
 
     def placement(self, cfg: Any, output_dir: str) -> Placement:
         """This host: its GPUs (one rank each) or 2 CPU ranks, its RAM."""
@@ -81,6 +82,29 @@ class LocalLauncher(Launcher):
         return (f"{spec.nproc_per_node} local rank process(es) via submitit's local executor, "
                 f"each running {self.entry} (backend {spec.backend}, device {spec.device})")
 
+    def ranks_env(self, spec: RunSpec) -> dict[str, str]:
+        """What the controller and the ranks get on top of this process's environment (this
+        process's own is restored after the launch)."""
+        return {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir,
+                # on the CPU the controller imports the ranks' module once and forks them
+                PRELOAD_ENV: self.entry.split(":")[0] if spec.device == "cpu" else "",
+                ATTEMPT_ENV: "0"}
+
+    def launch(self, spec: RunSpec, *, held: Any, command: str) -> Optional[list[Any]]:
+        """As every launcher's, with the job's controller started first on the CPU: it imports
+        the ranks' modules (about 5 s of one core) while this process prepares the job."""
+        from .submitit_compat import EarlyController
+
+        if spec.device == "cpu" and self.entry:
+            self._early = EarlyController(RunDir(spec.output_dir).submitit,
+                                          {**os.environ, **self.ranks_env(spec)})
+        try:
+            return super().launch(spec, held=held, command=command)
+        finally:
+            early, self._early = self._early, None
+            if early is not None:
+                early.cancel()
+
     def start(self, spec: RunSpec, *, stream: bool = True,
               on_submitted: Optional[Callable[[str, bool], None]] = None) -> list[Any]:
         """Run the entry point on spec.nproc_per_node local ranks; return each rank's result.
@@ -88,13 +112,9 @@ class LocalLauncher(Launcher):
         A rank that dies stops every rank; with cluster.max_restarts the run then restarts from
         its newest complete checkpoint, in the same MLflow run.
         """
-        executor = _executor(spec)
+        executor = _executor(spec, early=self._early)
         restarts = spec.cluster.max_restarts
-        # the controller passes its environment to the ranks; this process's is restored after
-        env = {**worker_env(spec.output_dir, spec.device), RUN_DIR_ENV: spec.output_dir,
-               # on the CPU the controller imports the ranks' module once and forks them
-               PRELOAD_ENV: self.entry.split(":")[0] if spec.device == "cpu" else ""}
-        with scoped_environ({**env, ATTEMPT_ENV: "0"}), self.shipping(spec) as ranks_spec, \
+        with scoped_environ(self.ranks_env(spec)), self.shipping(spec) as ranks_spec, \
                 SignalGuard(saving=spec.save.every_steps > 0) as guard:
             for attempt in range(restarts + 1):
                 os.environ[ATTEMPT_ENV] = str(attempt)

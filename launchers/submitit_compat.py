@@ -17,6 +17,7 @@ The launchers need four things submitit does not offer publicly:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -67,15 +68,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     return libc.prctl(pr_set_pdeathsig, sig, 0, 0, 0) == 0
 
 
-def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
-                     cuda_devices: str = "", timeout_min: float = 5.0,
-                     signal_delay_s: int = 30, stderr_to_stdout: bool = False,
-                     setup: Sequence[str] = ()) -> subprocess.Popen:
-    """submitit.local.local.start_controller (1.5.x: the same environment; the controller is
-    submitit's, subclassed in launchers/controller.py), started in a session of its own and
-    killed when this process dies."""
-    env = dict(os.environ)
-    env.update(
+CONTROLLER_MODULE = "llama_fsdp.launchers.controller"
+EARLY_FLAG = "--early"  # the controller's argument: wait on stdin for the job it runs
+
+
+def controller_env(*, tasks_per_node: int = 1, command: str = "", cuda_devices: str = "",
+                   timeout_min: float = 5.0, signal_delay_s: int = 30,
+                   stderr_to_stdout: bool = False, setup: Sequence[str] = ()) -> dict[str, str]:
+    """The variables submitit.local.local.start_controller (1.5.x) gives its controller."""
+    return dict(
         SUBMITIT_LOCAL_NTASKS=str(tasks_per_node),
         SUBMITIT_LOCAL_COMMAND=command,
         SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * timeout_min)),
@@ -87,8 +88,87 @@ def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
         CUDA_VISIBLE_DEVICES=cuda_devices,
         SUBMITIT_LOCAL_WITH_SHELL="1" if setup else "",
     )
+
+
+LATE_KEYS = frozenset(controller_env())  # what only the job's submission decides
+# variables the launcher may set while it prepares the job that nothing the controller imports
+# reads at import (MLflow's client settings: the ranks never import MLflow under a launcher
+# that ships tracking; llama_fsdp's own, read when used)
+LATE_PREFIXES = ("MLFLOW_", "LLAMA_FSDP_")
+
+
+class EarlyController:
+    """The job's controller interpreter, started while the job is still being prepared: it
+    imports the ranks' module ($LLAMA_FSDP_PRELOAD, launchers/forked.py) meanwhile, on another
+    core, then waits on its stdin for the job (``go``). Started in a session of its own and
+    killed when this process dies, as ``start_controller``'s; the job's variables (LATE_KEYS,
+    LATE_PREFIXES) arrive with the job, and every other variable must be what it was started
+    with, else the job gets a new controller (a value read at import would be stale)."""
+
+    def __init__(self, folder: Path, env: Optional[dict[str, str]] = None):
+        self.folder, self.env = Path(folder), dict(os.environ if env is None else env)
+        self.process: Optional[subprocess.Popen] = subprocess.Popen(
+            [sys.executable, "-m", CONTROLLER_MODULE, EARLY_FLAG, str(self.folder)],
+            env=self.env, stdin=subprocess.PIPE, preexec_fn=_die_with_parent())
+
+    def go(self, folder: Path, env: dict[str, str]) -> Optional[subprocess.Popen]:
+        """The controller, told to run the job in ``folder`` (the one it was started for) with
+        ``env``; None when it cannot (used already, ended, started for another folder or with
+        other values of the environment)."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        stale = sorted(k for k in set(env) | set(self.env) if k not in LATE_KEYS
+                       and not k.startswith(LATE_PREFIXES) and env.get(k) != self.env.get(k))
+        try:
+            if stale or process.poll() is not None or Path(folder) != self.folder:
+                raise OSError(f"started with other values of {', '.join(stale)}" if stale
+                              else f"it exited {process.returncode}" if process.returncode
+                              is not None else f"started for {self.folder}, not {folder}")
+            process.stdin.write((json.dumps({"env": env}) + "\n").encode())
+            process.stdin.close()
+        except OSError as e:
+            log.debug("the early controller is not used (%s): starting another", e)
+            self._end(process)
+            return None
+        return process
+
+    def cancel(self) -> None:
+        """No job for it (the run failed to prepare, or had nothing to train)."""
+        process, self.process = self.process, None
+        if process is not None:
+            self._end(process)
+
+    @staticmethod
+    def _end(process: subprocess.Popen) -> None:
+        try:
+            process.stdin.close()  # end of its stdin: it exits without a job
+        except OSError:
+            pass
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
+                     cuda_devices: str = "", timeout_min: float = 5.0,
+                     signal_delay_s: int = 30, stderr_to_stdout: bool = False,
+                     setup: Sequence[str] = (),
+                     early: Optional[EarlyController] = None) -> subprocess.Popen:
+    """submitit.local.local.start_controller (1.5.x: the same environment; the controller is
+    submitit's, subclassed in launchers/controller.py), started in a session of its own and
+    killed when this process dies; ``early``'s, when it was started for this job."""
+    env = dict(os.environ)
+    env.update(controller_env(
+        tasks_per_node=tasks_per_node, command=command, cuda_devices=cuda_devices,
+        timeout_min=timeout_min, signal_delay_s=signal_delay_s,
+        stderr_to_stdout=stderr_to_stdout, setup=setup))
+    if early is not None and not setup and (process := early.go(folder, env)) is not None:
+        return process
     # submitit's controller (submitit.local._local), with reports for supervisors that die
-    cmd: Any = [sys.executable, "-m", "llama_fsdp.launchers.controller", str(folder)]
+    cmd: Any = [sys.executable, "-m", CONTROLLER_MODULE, str(folder)]
     if setup:
         cmd = " && ".join([*setup, shlex.join(cmd)])
     return subprocess.Popen(cmd, shell=bool(setup), env=env, preexec_fn=_die_with_parent())
@@ -96,7 +176,11 @@ def start_controller(folder: Path, command: str, *, tasks_per_node: int = 1,
 
 class SessionLocalExecutor(submitit.LocalExecutor):
     """submitit's local executor whose controller has a session of its own and dies with the
-    launcher (``start_controller``)."""
+    launcher (``start_controller``), and is the ``early`` one where that was started."""
+
+    def __init__(self, *args: Any, early: Optional[EarlyController] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.early = early
 
     def _submit_command(self, command: str) -> LocalJob:
         p = self.parameters
@@ -107,7 +191,8 @@ class SessionLocalExecutor(submitit.LocalExecutor):
             self.folder, command, tasks_per_node=ntasks,
             cuda_devices=",".join(str(k) for k in gpus), timeout_min=p.get("timeout_min", 2.0),
             signal_delay_s=p.get("signal_delay_s", 30),
-            stderr_to_stdout=p.get("stderr_to_stdout", False), setup=p.get("setup", ()))
+            stderr_to_stdout=p.get("stderr_to_stdout", False), setup=p.get("setup", ()),
+            early=self.early)
         return LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
                         tasks=list(range(ntasks)))
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from llama_fsdp.config.rundir import CACHE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
@@ -31,12 +33,60 @@ CI_ALLOWED_SKIPS = {
     "bash benchmarks/setup_peers.sh downloads": "an opt-in install (LLAMA_FSDP_DOCS_INSTALL=1)",
     "bash scripts/offline_wheels.sh downloads": "an opt-in download for a GPU session "
                                                 "(LLAMA_FSDP_DOCS_INSTALL=1)",
+    "no GPU session since the planner was fitted": "a GPU session's records come from a lent "
+                                                   "GPU (tests/unit/test_plan_gpu_record.py)",
+    "the real model runs on request": "an opt-in download and minutes of CPU "
+                                      "(LLAMA_FSDP_REAL_MODEL=1: tests/integration/"
+                                      "test_real_model.py)",
+}
+# Allowed only in the floor run (scripts/test_floor.sh exports FLOOR_ENV=1): of its torch 2.11.
+# In CI's main run the same skip would mean the install fell back to another torch
+# (scripts/install.sh says so), and it fails.
+FLOOR_ENV = "LLAMA_FSDP_FLOOR"
+FLOOR_ONLY_SKIPS = {
     "the README's numbers are of torch": "scripts/test_floor.sh's torch 2.11 (the README's "
                                          "summary is of the build make run installs, which "
                                          "CI's run checks)",
     "the table is of a torch whose varlen_attn": "scripts/test_floor.sh's torch 2.11 (the table "
                                                  "is of torch >= 2.12, which CI's run checks)",
 }
+
+
+# `python -m llama_fsdp...` forked from a warm interpreter (tests/warm.py), one set per pytest
+# process; LLAMA_FSDP_TEST_COLD=1 runs every command in a new interpreter instead. What the
+# tests start in sessions of their own ends with the pytest process (tests/reaper.py).
+_warm_dir: list[str] = []
+
+
+def pytest_sessionstart(session):
+    xdist_controller = (getattr(session.config.option, "numprocesses", None)
+                        and not hasattr(session.config, "workerinput"))
+    if xdist_controller:  # (it runs no test)
+        return
+    import tempfile
+
+    from tests import reaper, warm
+
+    _warm_dir.append(tempfile.mkdtemp(prefix="lf-warm-"))
+    reaper.start(_warm_dir[0])  # the servers and warm interpreters end with this process
+    # one data and tokenizer cache for the session's runs (a run in a fresh folder trained the
+    # project tokenizer and tokenized its data again: 2.7 s of CPU): tests of the cache itself
+    # and the documented commands (a user's default, outputs/cache) set their own
+    os.environ.setdefault(CACHE_ENV, os.path.join(_warm_dir[0], "cache"))
+    if not os.environ.get("LLAMA_FSDP_TEST_COLD"):
+        warm.setup(_warm_dir[0])
+
+
+def _end_warm() -> None:
+    import shutil
+
+    from tests import reaper, warm
+
+    for d in _warm_dir:
+        warm.teardown(d)
+        reaper.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    _warm_dir.clear()
 
 
 def compose(overrides: list[str] | None = None):
@@ -109,6 +159,48 @@ SLURM_FILES = ("test_slurm_",)
 SCOPE_ORDER = ("integration", "faults", "multirank", "unit", "gpu")
 
 
+# What scripts/test_floor.sh runs on the oldest torch and transformers llama_fsdp supports (the
+# GPU image's: torch 2.11, transformers 5.17, with the torchao it carries): the code whose
+# behaviour depends on their versions, and one run of each kind end to end, not the whole
+# suite again. Node-id prefixes (a module, or module::test), each with what it holds there;
+# they get the `floor` marker at collection.
+FLOOR_TESTS = {
+    # torch's tensors, autograd, DTensor and DCP; torchao; transformers' Llama and tokenizers
+    "tests/unit/test_nf4.py": "torchao's NF4 tensors and their quantization",
+    "tests/unit/test_loss.py": "the chunked loss against the full one",
+    "tests/unit/test_model_init.py": "transformers' Llama built on meta, then materialized",
+    "tests/unit/test_checkpoint.py": "DCP and safetensors reading and writing",
+    "tests/unit/test_data_tokenizer.py": "transformers' tokenizers (BPE, sentencepiece)",
+    "tests/unit/test_data_chat.py": "chat templates rendered by transformers",
+    "tests/unit/test_data_packing.py": "packing and position ids",
+    "tests/unit/test_data_preference.py": "preference pairs through the tokenizer",
+    "tests/unit/test_dpo.py": "DPO's loss against TRL's DPOTrainer on transformers' model",
+    "tests/unit/test_optim.py": "torchao's low-bit AdamW",
+    "tests/unit/test_imports.py": "varlen's grouped-query signature read by version",
+    "tests/unit/test_launchers.py": "process ends with torch's threads (exit_now)",
+    "tests/unit/test_memory_probe.py": "what torch allocates, measured",
+    "tests/unit/test_eval.py": "generation with transformers' cache",
+    "tests/unit/test_hostile_inputs.py": "transformers' loaders on hostile folders",
+    # FSDP2, DDP, device meshes, DCP resharding, mixed precision, AC, compile, varlen attention
+    "tests/multirank/test_fsdp.py": "fully_shard and replicate on gloo: 1 rank equals N",
+    "tests/multirank/test_checkpoint.py": "DCP save, exact and resharded resume, HF export",
+    "tests/multirank/test_adapters.py": "LoRA and QLoRA (torchao NF4) under fully_shard",
+    "tests/multirank/test_long_context.py": "the chunked loss and offloaded activations",
+    "tests/multirank/test_precision_ac.py": "MixedPrecisionPolicy, checkpoint_wrapper, compile",
+    "tests/multirank/test_log_reads.py": "async collectives read late",
+    "tests/multirank/test_rendezvous.py": "the TCP store's binding",
+    "tests/multirank/test_data_dist.py": "the sampler across ranks",
+    "tests/multirank/test_optim.py::test_uneven_shards": "torchao's low-bit state on uneven "
+                                                        "shards (the module's other runs: CI's)",
+    # one run of each kind through the command line, and torchrun's agent (torch's own)
+    "tests/integration/test_local_run.py::test_default_run": "the default command (full SFT)",
+    "tests/integration/test_docs_commands.py::test_finetune_lora": "finetune=lora",
+    "tests/integration/test_docs_commands.py::test_finetune_qlora": "finetune=qlora",
+    "tests/integration/test_docs_commands.py::test_dpo_lora": "objective=dpo",
+    "tests/integration/test_torchrun.py::test_two_torchrun_nodes": "torchrun's elastic agent",
+}
+
+
 def _scope(nodeid: str) -> str:
     """The unit of scheduling of a test: its module, or "slurm" for the SLURM modules."""
     path = nodeid.split("::", 1)[0]
@@ -169,6 +261,7 @@ def pytest_runtest_logreport(report):  # under xdist the controller sees every w
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _end_warm()
     config = session.config
     if (hasattr(config, "workerinput") or not _ran or getattr(config, "cache", None) is None
             or not _whole_suite(config) or exitstatus not in (0, 1)):
@@ -188,7 +281,8 @@ def _fail_unexpected_skip(report) -> None:
     if not report.skipped or os.environ.get(CI_ENV) != "1" or hasattr(report, "wasxfail"):
         return
     reason = _skip_reason(report)
-    if not reason.startswith(tuple(CI_ALLOWED_SKIPS)):
+    floor = FLOOR_ONLY_SKIPS if os.environ.get(FLOOR_ENV) == "1" else {}
+    if not reason.startswith((*CI_ALLOWED_SKIPS, *floor)):
         report.outcome = "failed"
         report.longrepr = (f"{CI_ENV}=1 and this test was skipped: {reason}\nCI installs "
                            "what the suite needs; a skip here hides a test that did not run. "
@@ -217,6 +311,14 @@ def pytest_collection_modifyitems(config, items):
                 and _scope(item.nodeid) != "slurm"):
             raise pytest.UsageError(f"{item.nodeid} uses the SLURM cluster: move it to a "
                                     f"tests/integration/test_slurm_*.py module")
+    matched = set()
+    for item in items:
+        if prefix := next((p for p in FLOOR_TESTS if item.nodeid.startswith(p)), None):
+            item.add_marker(pytest.mark.floor)
+            matched.add(prefix)
+    missed = sorted(set(FLOOR_TESTS) - matched)
+    if config.getoption("markexpr") == "floor" and missed:
+        raise pytest.UsageError(f"FLOOR_TESTS names tests that are not collected: {missed}")
     seconds = _scope_seconds(config)
     items.sort(key=_lpt_rank(seconds) if seconds else _scope_rank)
 

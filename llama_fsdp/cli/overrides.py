@@ -92,6 +92,39 @@ def command_args(argv: list[str], *, drop: tuple[str, ...] = (),
     return out
 
 
+def rerun_command(values: dict[str, str]) -> str:
+    """The command that runs one point of a search alone: the command as typed without ``-m``,
+    the sweeper's settings and the sweep folder, each searched key at ``values``."""
+    prog = "llama-fsdp" if Path(sys.argv[0]).name == "llama-fsdp" else "python -m llama_fsdp"
+    out = []
+    for arg in sys.argv[1:]:
+        o = parse_override(arg)
+        key = o.key_or_group if o is not None else ""
+        if arg in ("-m", "--multirun") or key in values or key == "hydra.sweep.dir" or (
+                key.startswith(("hydra.sweeper", "hydra/sweeper"))):
+            continue
+        out.append(arg)
+    out += [f"{k}={v}" for k, v in values.items()]
+    return " ".join([prog, *(shlex.quote(shown_override(a)) for a in out)])
+
+
+SEARCH_PARAMS = "hydra.sweeper.params."
+
+
+def quote_search_spaces(argv: list[str]) -> list[str]:
+    """``hydra.sweeper.params.<key>=tag(log, interval(...))`` as Hydra takes it: a search space
+    as a string value of the sweeper's params (Hydra refuses a sweep of its own config), added
+    where the params have no such key yet (``++``)."""
+    out = []
+    for arg in argv:
+        o = parse_override(arg)
+        if o is not None and o.key_or_group.startswith(SEARCH_PARAMS) and o.is_sweep_override():
+            value = arg.split("=", 1)[1].replace("\\", "\\\\").replace("'", "\\'")
+            arg = f"++{o.key_or_group}='{value}'"
+        out.append(arg)
+    return out
+
+
 def shown_override(arg: str) -> str:
     """An argument as it may be shown and stored: a tracking URI without its credentials (they
     come from the environment), any other URL's redacted."""

@@ -7,8 +7,8 @@ from typing import Any
 
 from .overrides import command_line
 from ..config import metrics as names
-from ..config.status import DIVERGED, FINISHED
-from ..harness import BUNDLED_TASK, PREFIX
+from ..config.status import DIVERGED, FINISHED, PRUNED
+from ..harness import BUNDLED_TASK, LOCAL_REAL_TASK, PREFIX, hub_reachable
 from ..run.spec import RunSpec
 from ..tracking import read_run_file, runs_page
 from ..tracking.store import ui_command
@@ -19,6 +19,15 @@ def _loads_whole(spec: RunSpec) -> bool:
     merged one (a PEFT adapter over a hub base loads too; over a random base it cannot)."""
     ft = spec.finetune
     return not ft.adapters or ft.export_merged or spec.model.path is not None
+
+
+def evaluate_task(spec: RunSpec) -> str:
+    """The lm-eval task the report suggests, one that runs where the run ran: the bundled
+    synthetic task for the synthetic data; for real data hellaswag where the hub answers, else
+    the bundled MMLU dev questions (read from lm-eval's own package)."""
+    if spec.data.name == "synthetic":
+        return BUNDLED_TASK
+    return "hellaswag" if hub_reachable() else LOCAL_REAL_TASK
 
 
 def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
@@ -52,6 +61,9 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
     if rank0.status == DIVERGED and rank0.report:  # its own fix: not "continue with" as it was
         lines += [f"diverged       {line}" if i == 0 else f"               {line}"
                   for i, line in enumerate(rank0.report.splitlines())]
+    elif rank0.status == PRUNED:  # a search's trial: the search goes on without it
+        lines.append("pruned         the search's pruner stopped this trial at an eval: the "
+                     "search goes on with its other trials")
     elif rank0.status != FINISHED and rank0.checkpoints:
         lines.append(f"continue with  {command_line(drop=('output_dir', 'resume'))} "
                      f"output_dir={spec.output_dir} resume=auto")
@@ -60,7 +72,7 @@ def report_lines(spec: RunSpec, rank0: Any) -> list[str]:
                      "continued from where it stopped. Set save.every_steps=N to make a stopped "
                      "run resumable")
     if rank0.status == FINISHED and rank0.export_dir and _loads_whole(spec):
-        task = BUNDLED_TASK if spec.data.name == "synthetic" else "hellaswag"
+        task = evaluate_task(spec)
         ask = '"Opposite hot"' if spec.data.name == "synthetic" else '"your prompt"'
         lines.append(f"evaluate it    python -m llama_fsdp.evaluate {spec.output_dir} "
                      f"--tasks {task}")

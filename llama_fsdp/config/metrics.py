@@ -26,6 +26,7 @@ EVAL_PREFIX = "eval_"
 EVAL_LOSS = "eval_loss"
 EXACT_MATCH = "exact_match"  # greedy answers to held-out prompts; per task kind after "/"
 EVAL_EXACT_MATCH = "eval_exact_match"
+EVAL_TIME = "eval_time_s"  # the eval's own seconds (plan/eval_cost.py estimates them in steps)
 
 # at step 0: what the run is
 TRAINABLE_PARAMS = "trainable_params"
@@ -81,3 +82,18 @@ DPO_SUMMARY = {SUMMARY_REWARD_ACCURACY: REWARDS_ACCURACY,
                "summary/reward_margin": REWARDS_MARGIN,
                SUMMARY_EVAL_REWARD_ACCURACY: EVAL_REWARDS_ACCURACY,
                "summary/eval_reward_margin": EVAL_REWARDS_MARGIN}
+
+
+# Metrics under these prefixes are named at run time (a harness task's, MLflow's system
+# metrics, exact match per task kind): any name under them may be asked for.
+OPEN_PREFIXES = (HARNESS_PREFIX, SYSTEM_PREFIX, EVAL_EXACT_MATCH + "/")
+
+
+def _known() -> frozenset[str]:
+    fixed = {v for k, v in globals().items() if k.isupper() and isinstance(v, str)
+             and not v.endswith(("/", "_"))}
+    return frozenset(fixed | set(DPO_LOGGED_AS.values()) | set(DPO_SUMMARY)
+                     | {EVAL_PREFIX + name for name in DPO_METRICS})
+
+
+KNOWN = _known()  # every metric name this table gives a run (the open prefixes aside)

@@ -3,8 +3,11 @@ from the model's size, the fine-tuning method and the objective.
 
 Each value comes from a recipe users trust (docs/recipes.md has the table with the file each
 value was read from): torchtune's Llama 3 / 3.1 / 3.2 / 3.3 configs, TRL's DPOConfig and
-Hugging Face's TrainingArguments, Meta's llama-cookbook. The tiny model keeps the values it was
-tuned with. A value the user gives always wins (``resolve``), and the run says where each value
+Hugging Face's TrainingArguments, Meta's llama-cookbook. Weights from ``model.path`` are
+pretrained: their recipe is named so and picked by their parameter count (``pretrained <1B lora
+sft`` for a 135M model: torchtune's smallest Llama recipe, Llama 3.2 1B's). The from-scratch
+recipe (the values the random tiny model was tuned with) is only for random weights below the
+1B size. A value the user gives always wins (``resolve``), and the run says where each value
 came from: ``lr 3.0e-04 (recipe: 8b lora sft)`` or ``lr 1.0e-04 (train.lr)``.
 
 A recipe's warm-up that would take more than half of a short run is shortened to a tenth of
@@ -27,8 +30,11 @@ KEYS = tuple(f"train.{k}" for k in TRAIN_KEYS) + tuple(f"finetune.{k}" for k in 
     + ("objective.beta",)
 
 # Sizes by parameter count, for a model whose name is not a row of the table (a config of
-# one's own): the largest size whose parameters it reaches.
+# one's own, a model folder): the largest size whose parameters it reaches.
 SIZES = (("tiny", 0), ("1b", 0.5e9), ("3b", 2e9), ("8b", 5e9), ("70b", 30e9), ("405b", 200e9))
+FROM_SCRATCH = "tiny"  # the size below 1b, for random weights: the from-scratch recipe
+SMALL_PRETRAINED = "<1B"  # the size below 1b, for pretrained weights
+PRETRAINED = "pretrained"  # the recipe name's prefix for weights from model.path
 
 # torch.optim.AdamW's defaults, which torchtune's, TRL's and the cookbook's AdamW all keep
 ADAMW = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
@@ -57,6 +63,10 @@ LORA_DPO = {"lr": 5e-4, "warmup_steps": 100, "min_lr_ratio": 0.0, "weight_decay"
 # 3B_lora.yaml r 64; llama3_1/8B_lora.yaml r 8; llama3_3/70B_lora.yaml, llama3_1/405B_qlora.yaml
 # r 16.
 LORA_RANK = {"1b": 64, "3b": 64, "8b": 8, "70b": 16, "405b": 16}
+# Pretrained models below 1B (SmolLM2 135M / 360M, Qwen2.5 0.5B): torchtune has no Llama recipe
+# smaller than Llama 3.2 1B's (llama3_2/1B_full.yaml, 1B_lora.yaml), which they take; TRL's
+# SFTConfig keeps 2e-5 for full SFT too.
+LORA_RANK[SMALL_PRETRAINED] = LORA_RANK["1b"]
 # The tiny random-init model: the values it was tuned with on CPU (any method, any objective).
 TINY = {"lr": 3e-3, "warmup_steps": 6, "min_lr_ratio": 0.1, "weight_decay": 0.0,
         "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "max_grad_norm": 1.0, "rank": 16,
@@ -65,7 +75,7 @@ TINY = {"lr": 3e-3, "warmup_steps": 6, "min_lr_ratio": 0.1, "weight_decay": 0.0,
 
 def recipe_values(size: str, method: str, pairs: bool) -> dict[str, Any]:
     """The recipe's values of ``KEYS`` (short names) for a size, method and objective."""
-    if size == "tiny":
+    if size == FROM_SCRATCH:
         return dict(TINY)
     adapters = method != "full"
     if pairs:
@@ -85,12 +95,15 @@ def approx_params(m: Any) -> int:
     return v * h * (1 if m.tie_word_embeddings else 2) + layers * per_layer + h
 
 
-def size_of(m: Any) -> tuple[str, str]:
-    """The recipe size of a model config and why: its name, or its parameter count."""
-    if m.name in dict(SIZES):
+def size_of(m: Any, *, pretrained: bool = False) -> tuple[str, str]:
+    """The recipe size of a model config and why: its name, or its parameter count. Pretrained
+    weights below 1B are ``<1B``, never the from-scratch size."""
+    if m.name in dict(SIZES) and not (pretrained and m.name == FROM_SCRATCH):
         return m.name, ""
     n = approx_params(m)
     size = [s for s, floor in SIZES if n >= floor][-1]
+    if pretrained and size == FROM_SCRATCH:
+        size = SMALL_PRETRAINED
     return size, f"by size: {n / 1e9:.2g}B parameters"
 
 
@@ -130,11 +143,13 @@ def show(v: Any) -> str:
 
 def resolve(cfg: Any, *, pairs: bool) -> tuple[Any, Recipe]:
     """The config with every unset recipe key (None) set from the recipe of its model size,
-    method and objective, and the Recipe that says where each value came from. ``pairs``: the
-    objective trains on preference pairs (config/objectives.py)."""
-    size, why = size_of(cfg.model)
+    whether its weights are pretrained (model.path), its method and objective, and the Recipe
+    that says where each value came from. ``pairs``: the objective trains on preference pairs
+    (config/objectives.py)."""
+    pretrained = bool(cfg.model.path)
+    size, why = size_of(cfg.model, pretrained=pretrained)
     method, objective = cfg.finetune.method, cfg.objective.name
-    name = f"{size} {method} {objective}"
+    name = f"{PRETRAINED + ' ' if pretrained else ''}{size} {method} {objective}"
     label = f"recipe: {name}" + (f", {why}" if why else "")
     table = recipe_values(size, method, pairs)
     keys = [f"train.{k}" for k in TRAIN_KEYS]

@@ -38,6 +38,8 @@ RUNS = f"{OUTPUTS}/runs"  # run directories: <date>/<time>, or torchrun-<run id>
 SWEEPS = f"{OUTPUTS}/sweeps"  # sweep directories: <date>/<time>, one folder per point
 MLFLOW_DB = f"{OUTPUTS}/mlflow.db"  # the default MLflow store (tracking.uri)
 CACHE = f"{OUTPUTS}/cache"  # tokenizers, tokenized data, compiled optimizer steps (cache_dir)
+# cache_dir's default where set (one cache for runs launched from several folders), else CACHE
+CACHE_ENV = "LLAMA_FSDP_CACHE_DIR"
 OUTPUT_ROOTS = {"runs": RUNS, "sweeps": SWEEPS, "mlflow": MLFLOW_DB, "cache": CACHE}
 
 CONFIG_FILE = "config.yaml"
@@ -241,6 +243,24 @@ def claim_problem(output_dir: str | Path) -> "str | None":
             f"{shown}): a run writes config.yaml, run_status.json, checkpoints/ and export/ "
             "there and would overwrite what is yours. Give an empty or new directory, or the "
             "directory of an earlier run to continue it")
+
+
+def unwritable(key: str, path: str | Path, fix: str) -> "str | None":
+    """Why a folder cannot be made (or written) at ``path``, checked before any work: its
+    deepest existing part is a file, on a read-only mount, or not the user's to write. None when
+    it can be. ``fix`` ends the message (what to give instead)."""
+    import os
+
+    where = Footprint.deepest_existing(Path(path).expanduser())
+    if not where.is_dir():
+        why = f"{where} is a file, not a folder"
+    elif os.access(where, os.W_OK | os.X_OK):
+        return None
+    elif os.statvfs(where).f_flag & os.ST_RDONLY:
+        why = f"{where} is on a read-only mount"
+    else:
+        why = f"{where} is not writable by this user"
+    return f"{key}={path} cannot be made: {why}. Pick a writable folder: {fix}"
 
 
 class Footprint:

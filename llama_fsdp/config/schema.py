@@ -6,6 +6,7 @@ compose time with the key's name.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -297,6 +298,9 @@ class HarnessConfig:
     tasks: list[str] = field(default_factory=list)
     # A folder of task YAMLs of your own (searched besides lm-eval's and ours).
     include_path: Optional[str] = None
+    # Consent to run the Python that include_path's YAMLs name with !function (lm-eval imports
+    # the folder's .py files): without it such a folder is refused before launch, naming them.
+    trust_task_code: bool = False
     # Documents per task (below 1: a fraction); null: all.
     limit: Optional[float] = None
     # Few-shot examples per prompt; null: each task's own default.
@@ -312,13 +316,40 @@ class HarnessConfig:
 
 @dataclass
 class EvalConfig:
+    """The in-run eval (objective/sft.py, dpo.py): held-out loss always; exact match of greedy
+    answers only where answers are short. The plan states what it costs in training steps
+    (plan/eval_cost.py)."""
+
+    # null task_prompts: this many on the synthetic task (answers of a few tokens), none on
+    # other data (free-form answers rarely match word for word) (class attributes)
+    TASK_PROMPTS = 64
+    # the longest answer (tokens, with its EOS) exact match decodes for: longer references are
+    # left out, and a null max_new_tokens is at most this (class attribute)
+    SHORT_ANSWER_TOKENS = 32
+
     every_steps: int = 20
-    max_batches: int = 4
-    # Task metric (DataModule.evaluate_task): greedy answers to this many held-out prompts,
-    # scored by exact match; 0 disables. Every rank runs the same number of forward calls.
-    task_prompts: int = 64
-    # Greedy steps per prompt; null: the longest reference answer in tokens (with its EOS).
+    # Held-out loss over at most this many micro-batches a rank; null: every held-out row while
+    # that keeps one eval within a training step, else the rows that do (plan/eval_cost.py).
+    max_batches: Optional[int] = None
+    # Greedy answers to this many held-out prompts whose answers are short, scored by exact
+    # match; 0 disables; null: TASK_PROMPTS on data=synthetic, else 0. Decoding stops when every
+    # prompt on every rank has ended (one all-reduce a token).
+    task_prompts: Optional[int] = None
+    # Greedy steps per prompt (and the longest answer scored); null: the longest short
+    # reference answer (with its EOS), at most SHORT_ANSWER_TOKENS.
     max_new_tokens: Optional[int] = None
+
+    def resolved(self, data_name: str) -> "EvalConfig":
+        """task_prompts as the run uses it (null: by the data)."""
+        if self.task_prompts is not None:
+            return self
+        prompts = self.TASK_PROMPTS if data_name == "synthetic" else 0
+        return dataclasses.replace(self, task_prompts=prompts)
+
+    @property
+    def answer_tokens(self) -> int:
+        """The longest answer exact match scores (its decoding bound)."""
+        return self.max_new_tokens or self.SHORT_ANSWER_TOKENS
     harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
@@ -463,7 +494,9 @@ class TrackingConfig:
     system_metrics: bool = False
     system_metrics_interval_s: float = 10.0
     # A sweep's best point, whose numbers its parent row shows: the finished point with the
-    # lowest (best_mode=min) or highest (max) value of this end-of-run metric.
+    # lowest (best_mode=min) or highest (max) value of this end-of-run metric. At the default,
+    # a sweep whose points have no eval loss picks the fastest point (only systems keys swept)
+    # or the lowest final loss (tracking/sweep.py: Best.for_points).
     best_metric: str = SUMMARY_EVAL_LOSS
     best_mode: str = "min"
 
@@ -488,17 +521,21 @@ class Config:
     force: bool = False
     # Where this run writes (checkpoints, logs, resolved config); Hydra's run dir by default.
     output_dir: str = "${hydra:runtime.output_dir}"
-    # Shared across runs: trained tokenizers, tokenized datasets. null: <launch dir>/outputs/cache
-    # (rundir.CACHE).
+    # Shared across runs: trained tokenizers, tokenized datasets. null: $LLAMA_FSDP_CACHE_DIR
+    # where set, else <launch dir>/outputs/cache (rundir.CACHE_ENV, rundir.CACHE).
     cache_dir: Optional[str] = None
 
 
 def register_configs() -> None:
     """Register the root schema. Every group is a typed field of it, so the group options
     (YAML, values only) and command-line overrides are checked against their dataclass when
-    merged: a misspelled key or a wrong type fails at compose time with the key's name. The
+    merged: a misspelled key or a wrong type fails at compose time with the key's name; and
+    ``hydra/sweeper=optuna`` (config/search.py). The
     ``outputs`` resolver names the roots of the outputs/ tree (rundir.OUTPUT_ROOTS)."""
+    from .search import register_search
+
     ConfigStore.instance().store(name="base_config", node=Config)
+    register_search(ConfigStore.instance())  # hydra/sweeper=optuna
     if not OmegaConf.has_resolver("outputs"):  # conf/config.yaml: ${outputs:runs}, rundir.py's
         OmegaConf.register_new_resolver("outputs", lambda root: OUTPUT_ROOTS[root])
 

@@ -16,6 +16,7 @@ USER_STOPPED = "stopped by the user"
 PREEMPTED = "preempted"
 FAILED = "FAILED"
 DIVERGED = "diverged"  # the loss ran away (train/divergence.py): the run stopped with a report
+PRUNED = "pruned"  # a search's pruner stopped the trial at an eval step (train/pruning.py)
 
 # MLflow's run statuses
 MLFLOW_RUNNING = "RUNNING"
@@ -25,7 +26,7 @@ MLFLOW_FAILED = "FAILED"
 MLFLOW_KILLED = "KILLED"
 
 STATUSES = {FINISHED: MLFLOW_FINISHED, USER_STOPPED: MLFLOW_KILLED, PREEMPTED: MLFLOW_KILLED,
-            FAILED: MLFLOW_FAILED, DIVERGED: MLFLOW_FAILED}
+            FAILED: MLFLOW_FAILED, DIVERGED: MLFLOW_FAILED, PRUNED: MLFLOW_KILLED}
 # the command's exit code for a run that diverged (2: refused before launch, 1: failed)
 EXIT_DIVERGED = 3
 
@@ -37,8 +38,9 @@ STARTING = "starting"
 REQUEUED = "requeued"  # its job was requeued (a preemption, an admin's requeue): SCHEDULED again
 STATUS_WORDS = {MLFLOW_RUNNING: "running", MLFLOW_SCHEDULED: QUEUED, MLFLOW_FINISHED: "finished",
                 MLFLOW_FAILED: "failed", MLFLOW_KILLED: "stopped"}
-# a run's own word for the status column where MLflow's status says less (diverged: FAILED)
-OWN_WORDS = {DIVERGED: DIVERGED}
+# a run's own word for the status column where MLflow's status says less (diverged: FAILED;
+# pruned: KILLED)
+OWN_WORDS = {DIVERGED: DIVERGED, PRUNED: PRUNED}
 
 
 def mlflow_status(status: str) -> str:

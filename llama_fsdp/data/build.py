@@ -19,6 +19,22 @@ from .tokenizer import token_id_bound, vocab_problem
 log = logging.getLogger("llama_fsdp.data")
 
 
+def short_answer_stats(store: TokenStore) -> dict[str, float]:
+    """What exact match would decode on the held-out records (EvalConfig.SHORT_ANSWER_TOKENS):
+    how many have an intact answer that short, the longest such answer and the longest prompt
+    (the plan's eval cost reads them: plan/eval_cost.py)."""
+    from ..config.schema import EvalConfig
+
+    lengths = store.lengths
+    answer = lengths - store.prompt_len
+    short = (store.prompt_len > 0) & ~store.truncated.astype(bool) \
+        & (answer <= EvalConfig.SHORT_ANSWER_TOKENS)
+    return {"eval_short_answers": float(short.sum()),
+            "eval_short_answer_tokens_max": float(answer[short].max()) if short.any() else 0.0,
+            "eval_prompt_tokens_max": float(store.prompt_len[short].max()) if short.any()
+            else 0.0}
+
+
 def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int, dp_world: int,
                seed: int, cache_dir: Path, vocab_size: int, model_path: Optional[str] = None,
                announce: Optional[bool] = None, preference: bool = False) -> DataModule:
@@ -66,6 +82,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, micro_batch: int, dp_rank: int,
         "train_target_tokens": float(train.store.mask.sum()),
         "eval_records": float(len(ev.store)),
         "eval_rows": float(len(ev)),
+        **({} if preference else short_answer_stats(ev.store)),
         "records_truncated": float(tr_meta["truncated"] + ev_meta["truncated"]),
         "records_dropped": float(tr_meta["dropped"] + ev_meta["dropped"]),
         "records_without_targets": float(tr_meta["no_target"] + ev_meta["no_target"]),

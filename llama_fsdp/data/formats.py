@@ -378,6 +378,43 @@ def _hints(cfg: DataConfig, features: dict[str, Any]) -> str:
 ROW_COLUMNS = ("input_ids", "loss_mask", "prompt_len", "truncated", "full_len", "targets",
                "chars", "keep", "task")
 
+def char_bound(tok: PreTrainedTokenizerBase, seq_len: int) -> int:
+    """Characters of a text field that can matter to its first ``seq_len`` tokens: no piece of
+    the vocabulary spells more than its longest (a byte-level piece: one character a byte), so
+    seq_len tokens span at most seq_len times that; twice over, so that a cut text still has
+    more than seq_len tokens (the same overlong verdict) and the pre-tokenizer's split at the
+    cut lies far past the tokens kept."""
+    longest = max((len(p) for p in tok.get_vocab()), default=1)
+    return 2 * (seq_len + 1) * max(longest, 1) + 1024
+
+
+def cut_conversation(tok: PreTrainedTokenizerBase, messages: list[dict],
+                     char_cap: Optional[int]) -> tuple[list[dict], Optional[int]]:
+    """``messages`` with their contents cut to ``char_cap`` characters in all (each message
+    keeps what is left of the budget, then its role with an empty content), and the whole
+    conversation's rendered length; ``(messages, None)`` when nothing is cut. A 20 MB message
+    was rendered and tokenized whole (minutes, GBs) to keep seq_len tokens.
+
+    The template renders the contents (with headers, and may trim or drop some), so the cut is
+    checked where it matters: the cut conversation must render the same as the whole for the
+    first ``char_cap - 1024`` characters (twice what seq_len tokens can span, char_bound), else
+    it is tokenized whole. Within that the ids, the loss mask and the last answer's start are
+    the whole conversation's; the rendering still has more than seq_len tokens (the same
+    truncate / drop / error verdict)."""
+    if not char_cap or sum(len(m["content"]) for m in messages) <= char_cap:
+        return messages, None
+    left, out = char_cap, []
+    for m in messages:
+        content = m["content"][:left]
+        left -= len(content)
+        out.append({**m, "content": content})
+    whole = _render(tok, messages, generation_prompt=False)
+    agree = max(char_cap - 1024, 1)
+    if len(whole) < agree or whole[:agree] != _render(tok, out, generation_prompt=False)[:agree]:
+        return messages, None  # a template that does not render the contents as given
+    return out, len(whole)
+
+
 @dataclass(frozen=True)
 class Encoder:
     """Turns a batch of records into token rows (picklable, for ``datasets.map(num_proc=...)``).
@@ -393,6 +430,13 @@ class Encoder:
     cfg: DataConfig
     seq_len: int
     where: Any
+    # a text field is cut to this many characters before it is tokenized: a 50 MB line took
+    # minutes and GBs to keep seq_len tokens. None: char_bound's (the ids kept are the same)
+    char_cap: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.char_cap is None:
+            object.__setattr__(self, "char_cap", char_bound(self.tokenizer, self.seq_len))
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in ROW_COLUMNS}
@@ -428,6 +472,7 @@ class Encoder:
 
     def encode(self, rec: dict[str, Any]) -> Encoded:
         c, tok = self.cfg, self.tokenizer
+        cut = (lambda t: t[:self.char_cap]) if self.char_cap else (lambda t: t)  # noqa: E731
         match self.fmt:
             case "instruction":
                 instruction, output = _text(rec, c.instruction_column), _text(rec, c.output_column)
@@ -439,12 +484,17 @@ class Encoder:
                 inp = str(inp)
                 prompt = (c.prompt_template.format(instruction=instruction, input=inp) if inp
                           else c.prompt_template_no_input.format(instruction=instruction))
-                return encode_prompt_response(tok, prompt, output, train_on_prompt=c.train_on_prompt)
+                enc = encode_prompt_response(tok, cut(prompt), cut(output),
+                                             train_on_prompt=c.train_on_prompt)
+                return enc._replace(chars=len(prompt) + len(output))
             case "chat":
-                return encode_chat(tok, _messages(rec, c.messages_column),
-                                   train_on_prompt=c.train_on_prompt)
+                messages = _messages(rec, c.messages_column)
+                cut_messages, whole = cut_conversation(tok, messages, self.char_cap)
+                enc = encode_chat(tok, cut_messages, train_on_prompt=c.train_on_prompt)
+                return enc if whole is None else enc._replace(chars=whole)
             case "text":
-                return encode_text(tok, _text(rec, c.text_column))
+                text = _text(rec, c.text_column)
+                return encode_text(tok, cut(text))._replace(chars=len(text))
         raise ValueError(f"unknown format {self.fmt!r}")
 
 

@@ -28,6 +28,7 @@ log = logging.getLogger("llama_fsdp.harness")
 
 TASKS_DIR = Path(__file__).parent / "tasks"  # the bundled task(s), always on the search path
 BUNDLED_TASK = "llama_fsdp_synthetic"
+LOCAL_REAL_TASK = "llama_fsdp_mmlu_dev"  # real questions, offline (tasks/mmlu_dev.py)
 EXTRA_HINT = "pip install 'llama_fsdp[eval]' (or pip install lm-eval)"
 from ..config.metrics import HARNESS_PREFIX as PREFIX  # harness/<task>/<metric>[_stderr]
 RESULTS_FILE = "results.json"
@@ -36,6 +37,7 @@ HUB = ("huggingface.co", 443)
 # lm-eval's dataset builders that read local files (dataset_kwargs.data_files) rather than a
 # dataset on the hub
 LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pandas"})
+MAX_BOOTSTRAP_ITERS = 100_000  # lm-eval's default: a stderr needs no more
 
 
 def lm_eval_installed() -> bool:
@@ -51,10 +53,31 @@ def search_path(include_path: Optional[str]) -> list[str]:
     return [str(TASKS_DIR)] + ([str(Path(include_path).expanduser())] if include_path else [])
 
 
+def sandbox_templates() -> None:
+    """lm-eval renders a task YAML's templates (doc_to_text, doc_to_target, ...) with a plain
+    Jinja environment, where ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs Python:
+    a task folder without a single ``!function`` could run code. Its environment is replaced
+    by Jinja's sandbox with the same settings and filters (a template reaching Python's
+    internals raises SecurityError; every template lm-eval ships renders as before)."""
+    from jinja2.sandbox import SandboxedEnvironment
+    import lm_eval.utils as lm_utils
+
+    if isinstance(lm_utils.env, SandboxedEnvironment):
+        return
+    old = lm_utils.env
+    env = SandboxedEnvironment(loader=old.loader, undefined=old.undefined,
+                               keep_trailing_newline=old.keep_trailing_newline)
+    env.filters.update(old.filters)
+    lm_utils.env = env
+
+
 def task_manager(include_path: Optional[str], names: list[str] = ()) -> Any:
     """lm-eval's TaskManager over our tasks and ``include_path``; lm-eval's own (some 15,000
-    names, 5 to 15 s to index) only when a name is not found in those folders."""
+    names, 5 to 15 s to index) only when a name is not found in those folders. Templates render
+    in Jinja's sandbox (sandbox_templates)."""
     from lm_eval.tasks import TaskManager
+
+    sandbox_templates()
 
     paths = search_path(include_path)
     if names:
@@ -64,9 +87,8 @@ def task_manager(include_path: Optional[str], names: list[str] = ()) -> Any:
     return TaskManager(include_path=paths)
 
 
-def _dataset_paths(tm: Any, name: str, seen: set[str]) -> list[tuple[str, Optional[str]]]:
-    """(task, dataset_path) of the leaf tasks under ``name`` (a task, group or tag); None for a
-    task that builds its documents itself (custom_dataset) or reads local files."""
+def _leaf_entries(tm: Any, name: str, seen: set[str]) -> list[tuple[str, Any]]:
+    """(task, lm-eval's index entry) of the leaf tasks under ``name`` (a task, group or tag)."""
     if name in seen:
         return []
     seen.add(name)
@@ -76,25 +98,61 @@ def _dataset_paths(tm: Any, name: str, seen: set[str]) -> list[tuple[str, Option
     kind = getattr(entry.kind, "name", str(entry.kind)).upper()
     if kind == "TAG":
         return [p for t, e in tm.task_index.items() if name in (e.tags or ())
-                for p in _dataset_paths(tm, t, seen)]
-    cfg = dict(entry.cfg or {})
+                for p in _leaf_entries(tm, t, seen)]
     if kind == "GROUP":
-        subs = cfg.get("task") or []
+        subs = dict(entry.cfg or {}).get("task") or []
         return [p for s in (subs if isinstance(subs, list) else [subs])
-                for p in _dataset_paths(tm, s if isinstance(s, str) else s.get("task", ""), seen)]
-    if cfg.get("custom_dataset"):
-        return [(name, None)]
-    path = cfg.get("dataset_path")
-    if path is None and entry.yaml_path is not None:  # an include holds it
-        try:
-            from lm_eval.utils import load_yaml_config
+                for p in _leaf_entries(tm, s if isinstance(s, str) else s.get("task", ""), seen)]
+    return [(name, entry)]
 
-            path = load_yaml_config(str(entry.yaml_path), mode="simple").get("dataset_path")
-        except Exception:  # an unreadable include: lm-eval says so when it loads the task
-            path = None
-    if path is None or path in LOCAL_BUILDERS or Path(str(path)).expanduser().exists():
-        return [(name, None)]
-    return [(name, str(path))]
+
+def _task_config(entry: Any) -> dict[str, Any]:
+    """A leaf task's YAML, its includes merged, read without running any of its code."""
+    cfg = dict(entry.cfg or {})
+    if entry.yaml_path is not None:
+        from .task_files import read_task_yaml
+
+        try:
+            cfg = {**read_task_yaml(Path(entry.yaml_path)), **cfg}
+        except Exception:  # an unreadable YAML: lm-eval says so when it loads the task
+            pass
+    return cfg
+
+
+def _dataset_paths(tm: Any, name: str, seen: set[str]) -> list[tuple[str, Optional[str]]]:
+    """(task, dataset_path) of the leaf tasks under ``name``; None for a task that builds its
+    documents itself (custom_dataset) or reads local files."""
+    out: list[tuple[str, Optional[str]]] = []
+    for task, entry in _leaf_entries(tm, name, seen):
+        cfg = _task_config(entry)
+        path = cfg.get("dataset_path")
+        if (cfg.get("custom_dataset") or path is None or path in LOCAL_BUILDERS
+                or Path(str(path)).expanduser().exists()):
+            out.append((task, None))
+        else:
+            out.append((task, str(path)))
+    return out
+
+
+def _missing_files(tm: Any, names: list[str]) -> list[str]:
+    """One line per requested task whose local data files are not there, or whose templates
+    reach Python's internals (refused by the sandbox they render in: sandbox_templates)."""
+    from .task_files import missing_data_files, unsafe_templates
+
+    out = []
+    for n in names:
+        for task, entry in _leaf_entries(tm, n, set()):
+            if unsafe := unsafe_templates(_task_config(entry)):
+                out.append(f"eval.harness.tasks: {task}'s templates reach Python's internals "
+                           f"({'; '.join(unsafe)}, in {entry.yaml_path or 'its config'}): "
+                           "lm-eval's templates are rendered in Jinja's sandbox, which refuses "
+                           "them; a task's prompt needs only its document's fields")
+            if missing := missing_data_files(_task_config(entry)):
+                out.append(f"eval.harness.tasks: {task} reads {', '.join(missing)}, which "
+                           f"does not exist (dataset_kwargs.data_files in "
+                           f"{entry.yaml_path or 'its config'}): write the file there, or fix "
+                           "the path (a relative one is read from the folder the run starts in)")
+    return out
 
 
 def hub_reachable(timeout_s: float = 2.0) -> bool:
@@ -120,9 +178,13 @@ def _cached(dataset: str) -> bool:
     return any((r / n).exists() for r in roots for n in names)
 
 
-def harness_problems(h: Any) -> list[str]:
+def harness_problems(h: Any, *, include_key: str = "eval.harness.include_path",
+                     consent: str = "eval.harness.trust_task_code=true") -> list[str]:
     """``eval.harness`` refused before launch: lm-eval missing, an unknown task (with the
-    closest names), a task whose data is on the hub when the hub is out of reach."""
+    closest names), a task whose data is on the hub when the hub is out of reach, a local data
+    file that is not there, a task folder's Python without consent (``h.trust_task_code``;
+    ``include_key`` and ``consent`` name the folder and the consent as the caller's user gives
+    them: evaluate's --include-path and --trust-task-code)."""
     problems = []
     bounds = (("eval.harness.num_fewshot", h.num_fewshot, 0), ("eval.harness.batch_size",
               h.batch_size, 1), ("eval.harness.every_steps", h.every_steps, 0),
@@ -131,15 +193,24 @@ def harness_problems(h: Any) -> list[str]:
     for key, value, low in bounds:
         if value is not None and value < low:
             problems.append(f"{key}={value} must be >= {low}")
-    if h.limit is not None and not h.limit > 0:
-        problems.append(f"eval.harness.limit={h.limit} must be > 0: documents per task (a "
-                        "fraction of them below 1), or null for every document")
+    if h.bootstrap_iters is not None and h.bootstrap_iters > MAX_BOOTSTRAP_ITERS:
+        problems.append(f"eval.harness.bootstrap_iters={h.bootstrap_iters} is above "
+                        f"{MAX_BOOTSTRAP_ITERS} (lm-eval's default): resamples for a stderr, "
+                        "each a pass over the scores; more only takes longer (0: no stderr)")
+    if h.limit is not None and not (h.limit > 0 and math.isfinite(h.limit)):
+        problems.append(f"eval.harness.limit={h.limit} must be > 0 and finite: documents per "
+                        "task (a fraction of them below 1), or null for every document")
     if not h.tasks:
         return problems
     if h.include_path and not Path(h.include_path).expanduser().is_dir():
         problems.append(f"eval.harness.include_path={h.include_path} is not a folder (a folder "
                         "of lm-eval task YAMLs)")
         return problems
+    from .task_files import task_code_problem
+
+    if code := task_code_problem(h.include_path, trusted=h.trust_task_code, key=include_key,
+                                 consent=consent):
+        return problems + [code]
     if not lm_eval_installed():
         return problems + [f"eval.harness.tasks={list(h.tasks)} needs lm-evaluation-harness, "
                            f"which is not installed: {EXTRA_HINT}"]
@@ -153,6 +224,7 @@ def harness_problems(h: Any) -> list[str]:
                             + (f"; the closest: {', '.join(close)}" if close else "")
                             + "; your own tasks: eval.harness.include_path=<folder of task "
                               "YAMLs>")
+    problems += _missing_files(tm, [n for n in names if n in known])
     hub = [(t, p) for n in names if n in known
            for t, p in _dataset_paths(tm, n, set()) if p is not None and not _cached(p)]
     if hub and not hub_reachable():
@@ -275,15 +347,25 @@ def unused(path: Path) -> Path:
     return cand
 
 
-def write_results(results: dict[str, Any], where: Path) -> Path:
-    """lm-eval's results JSON (the samples left out), as ``lm_eval --output_path`` writes it."""
+def write_results(results: dict[str, Any], where: Path, *, exclusive: bool = False) -> Path:
+    """lm-eval's results JSON (the samples left out), as ``lm_eval --output_path`` writes it;
+    ``exclusive``: into a new file only (a file that appeared meanwhile keeps its bytes, and the
+    results take the next free name beside it). Returns where it went."""
     from lm_eval.utils import handle_non_serializable
 
     where.parent.mkdir(parents=True, exist_ok=True)
     keep = {k: v for k, v in results.items() if k != "samples"}
-    where.write_text(json.dumps(keep, indent=2, default=handle_non_serializable,
-                                ensure_ascii=False))
-    return where
+    text = json.dumps(keep, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    if not exclusive:
+        where.write_text(text)
+        return where
+    while True:
+        try:
+            with open(where, "x", encoding="utf-8") as f:
+                f.write(text)
+            return where
+        except FileExistsError:
+            where = unused(where)
 
 
 def describe(results: dict[str, Any]) -> str:

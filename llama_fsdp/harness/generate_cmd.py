@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .checks import finite_problem, run_command
 from .models import ModelNotFound, resolve
 
 log = logging.getLogger("llama_fsdp.generate")
@@ -27,13 +29,26 @@ END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>")
 
 
 def run_data_config(run_dir: Optional[Path]) -> dict[str, Any]:
-    """The run's data node (its format and templates), from its config.yaml."""
+    """The run's data node (its format and templates), from its config.yaml; ModelNotFound
+    naming the file when it is not a run's config (not YAML, not a mapping)."""
     if run_dir is None:
         return {}
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    node = OmegaConf.load(run_dir / "config.yaml")
-    return OmegaConf.to_container(node.get("data") or {}, resolve=False) or {}
+    f = run_dir / "config.yaml"
+    try:
+        node = OmegaConf.load(f)
+        data = node.get("data") if isinstance(node, DictConfig) else None
+        if not isinstance(node, DictConfig) or not isinstance(data, (DictConfig, type(None))):
+            raise ValueError("a YAML " + ("mapping whose data is not one" if isinstance(
+                node, DictConfig) else f"{type(node).__name__}, not a mapping"))
+        out = OmegaConf.to_container(data or {}, resolve=False) or {}
+    except (OmegaConfBaseException, ValueError, OSError, RecursionError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ModelNotFound(f"{f} is not a run's config ({first}): give --format, or the "
+                            "model folder itself (export/) instead of the run") from None
+    return out
 
 
 def pick_format(data: dict[str, Any], tok: Any, asked: Optional[str]) -> str:
@@ -97,6 +112,10 @@ def answer(model: Any, tok: Any, ids: list[int], *, max_new_tokens: int, sample:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return run_command(_main, argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llama_fsdp.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="a run directory, one of its checkpoints, its "
@@ -111,11 +130,58 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step")
     p.add_argument("--device", default=None, help="cpu, cuda (default: cuda if any)")
-    args = p.parse_args(argv)
+    return p
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """The options and the prompts, before any weights are read."""
+    out = [p for p in (finite_problem("--temperature", args.temperature, low=0, low_open=True),
+                       finite_problem("--top-p", args.top_p, low=0, low_open=True)) if p]
+    if math.isfinite(args.top_p) and args.top_p > 1:
+        out.append(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.max_new_tokens < 1:
+        out.append(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    for n, text in enumerate(args.prompt, 1):
+        if (bad := not_utf8(text)) is not None:
+            out.append(f"prompt {n} is not UTF-8 text ({bad}): give it as UTF-8")
+    if not args.prompt and sys.stdin is None:
+        out.append("no prompt, and standard input is closed: give the prompt as an argument, "
+                   "or one per line on standard input")
+    return out
+
+
+def not_utf8(text: str) -> Optional[str]:
+    """Where a command-line string holds bytes that were not UTF-8 (Python keeps them as lone
+    surrogates), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"character {e.start + 1}"
+    return None
+
+
+def fit(ids: list[int], max_new_tokens: int, context: Optional[int], what: str) -> \
+        tuple[Optional[int], Optional[str]]:
+    """The new tokens the model's context leaves after the prompt (with a warning when fewer
+    than asked), or an error when the prompt fills it."""
+    if context is None or len(ids) + max_new_tokens <= context:
+        return max_new_tokens, None
+    if len(ids) >= context:
+        return None, (f"{what} is {len(ids):,} tokens, more than the model's context of "
+                      f"{context:,} (max_position_embeddings in config.json): shorten it")
+    left = context - len(ids)
+    log.warning("%s is %d tokens of the model's %d: the answer stops at %d new tokens", what,
+                len(ids), context, left)
+    return left, None
+
+
+def _main(argv: Optional[list[str]]) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
-    if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature <= 0:
-        log.error("--max-new-tokens must be >= 1, --top-p in (0, 1], --temperature > 0")
+    if problems := option_problems(args):
+        for line in problems:
+            log.error("%s", line)
         return 2
     import torch
 
@@ -125,33 +191,64 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with resolve(args.model, step=args.step) as found:
             log.info("model: %s", found.what)
-            model, tok = load_model(found.hf_dir, device=device)
             data = run_data_config(found.run_dir)
+            model, tok = load_model(found.hf_dir, device=device)
     except ModelNotFound as e:
         log.error("%s", e)
         return 2
+    context = getattr(model.config, "max_position_embeddings", None)
     fmt = pick_format(data, tok, args.format)
     log.info("prompt format: %s", fmt)
-    opts = dict(max_new_tokens=args.max_new_tokens, sample=args.sample,
-                temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    opts = dict(sample=args.sample, temperature=args.temperature, top_p=args.top_p,
+                seed=args.seed)
     if args.prompt:
-        for text in args.prompt:
-            out, _ = answer(model, tok, prompt_ids(text, [], fmt=fmt, tok=tok, data=data), **opts)
+        prompts = [prompt_ids(text, [], fmt=fmt, tok=tok, data=data) for text in args.prompt]
+        fits = [fit(ids, args.max_new_tokens, context, f"prompt {n}")
+                for n, ids in enumerate(prompts, 1)]
+        if errors := [e for _, e in fits if e]:  # every prompt checked before any answer
+            for line in errors:
+                log.error("%s", line)
+            return 2
+        for ids, (new, _) in zip(prompts, fits):
+            out, _ = answer(model, tok, ids, max_new_tokens=new, **opts)
             print(out, flush=True)
         return 0
+    return _chat(model, tok, fmt=fmt, data=data, context=context,
+                 max_new_tokens=args.max_new_tokens, opts=opts)
+
+
+def _chat(model: Any, tok: Any, *, fmt: str, data: dict[str, Any], context: Optional[int],
+          max_new_tokens: int, opts: dict[str, Any]) -> int:
+    """One prompt a line of standard input (a chat: each turn with the ones before under the
+    chat format). A line that is not UTF-8, or too long for the context, is named and skipped;
+    the exit code says so (2)."""
     history: list[dict[str, str]] = []  # a chat: the turns so far (chat format)
     interactive = sys.stdin.isatty()
+    skipped, n = 0, 0
     while True:
         if interactive:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        text = line.strip()
+        raw = sys.stdin.buffer.readline()
+        if not raw:
+            return 2 if skipped else 0
+        n += 1
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            log.error("standard input, line %d: not UTF-8 text (byte %d): skipped", n,
+                      e.start + 1)
+            skipped += 1
+            continue
         if not text:
             continue
-        out, _ = answer(model, tok, prompt_ids(text, history, fmt=fmt, tok=tok, data=data),
-                        **opts)
+        ids = prompt_ids(text, history, fmt=fmt, tok=tok, data=data)
+        new, error = fit(ids, max_new_tokens, context, f"standard input, line {n}"
+                         + (" with the chat before it" if history else ""))
+        if error:
+            log.error("%s: skipped", error)
+            skipped += 1
+            continue
+        out, _ = answer(model, tok, ids, max_new_tokens=new, **opts)
         print(out, flush=True)
         if fmt == "chat":
             history += [{"role": "user", "content": text}, {"role": "assistant", "content": out}]

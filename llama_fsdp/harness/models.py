@@ -65,8 +65,44 @@ def resolve(path: Path, *, step: Optional[int] = None) -> Iterator[Found]:
         raise ModelNotFound(f"{path} does not exist: give a run directory (outputs/runs/<day>/"
                             "<time>), one of its checkpoints, or a Hugging Face model folder")
     run = run_of(path)
-    with tempfile.TemporaryDirectory(prefix="llama_fsdp-model-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llama_fsdp-model-") as tmp, _temp_in(Path(tmp)):
         yield _resolve(path, run, step, Path(tmp))
+
+
+@contextlib.contextmanager
+def _temp_in(folder: Path) -> Iterator[None]:
+    """Python's temporary files and folders (convert's scratch copy, lm-eval's and datasets')
+    inside ``folder`` for the block: one folder to remove however the command ends, even when a
+    signal stops a library's own cleanup halfway (harness/checks.py)."""
+    inner = folder / "tmp"
+    inner.mkdir()
+    before = tempfile.tempdir
+    tempfile.tempdir = str(inner)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+def model_folder_problem(hf_dir: Path) -> Optional[str]:
+    """Why an HF folder someone else wrote is not loaded: its config.json or
+    tokenizer_config.json names classes of its own (auto_map: never run), or config.json is not
+    a JSON object (damaged, or nested past any config: named before transformers' parser)."""
+    from ..config.hf_dir import read_config_json, remote_code_problem
+
+    if (problem := remote_code_problem(hf_dir, "model")) is not None:
+        return problem
+    try:
+        read_config_json(hf_dir)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _hf(path: Path, run: Optional[Path], what: str, step: Optional[int]) -> Found:
+    if (problem := model_folder_problem(path)) is not None:
+        raise ModelNotFound(problem)
+    return Found(path, run, what, step)
 
 
 def _resolve(path: Path, run: Optional[Path], step: Optional[int], tmp: Path) -> Found:
@@ -81,7 +117,7 @@ def _resolve(path: Path, run: Optional[Path], step: Optional[int], tmp: Path) ->
                                 f"{', '.join(have) or 'none'})")
         return _convert(ckpt, run, tmp)
     if _is_hf(path):
-        return Found(path, run, f"{path}", None)
+        return _hf(path, run, f"{path}", None)
     if _is_adapter(path):
         return _merge(path, run, tmp)
     if (path / ".metadata").is_file():  # a DCP checkpoint
@@ -90,9 +126,9 @@ def _resolve(path: Path, run: Optional[Path], step: Optional[int], tmp: Path) ->
         rd = RunDir(run)
         at = read_run_status(run).get("step")
         if _is_hf(rd.export_merged):
-            return Found(rd.export_merged, run, "the run's merged export (export_merged/)", at)
+            return _hf(rd.export_merged, run, "the run's merged export (export_merged/)", at)
         if _is_hf(rd.export):
-            return Found(rd.export, run, "the run's export (export/)", at)
+            return _hf(rd.export, run, "the run's export (export/)", at)
         if _is_adapter(rd.export):
             return _merge(rd.export, run, tmp, at)
         ckpts = sorted(p for p in rd.checkpoints.glob("step_*")
@@ -125,18 +161,19 @@ def _merge(adapter: Path, run: Optional[Path], tmp: Path, step: Optional[int] = 
     directory with the adapter's tokenizer."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    cfg, scale = adapter_config(adapter)
     base = cfg.get("base_model_name_or_path")
     if not base:
         raise ModelNotFound(
             f"{adapter} is a LoRA adapter trained beside a random base (the run had no "
             "model.path), which no file holds: its run's export_merged/ has the model "
             "(finetune.export_merged=true)")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
-                                                 trust_remote_code=False)
-    scale = float(cfg["lora_alpha"]) / float(cfg["r"])
+    if not (adapter / "adapter_model.safetensors").is_file():
+        raise ModelNotFound(f"{adapter} has {ADAPTER_CONFIG} but no adapter_model.safetensors: "
+                            "export the adapter again")
+    model = _base_model(adapter, str(base))
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     params = dict(model.named_parameters())
     merged = 0
@@ -145,7 +182,10 @@ def _merge(adapter: Path, run: Optional[Path], tmp: Path, step: Optional[int] = 
             continue
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
         target = name.replace(".lora_A.weight", ".weight")
-        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        b = weights.get(key.replace(".lora_A.", ".lora_B."))
+        if target not in params or b is None:
+            raise ModelNotFound(f"{adapter}: {key} adapts {target}, which the base {base} does "
+                                "not have (or has no lora_B beside it): not this base's adapter")
         with torch.no_grad():
             params[target].add_(scale * (b.float() @ a.float()))
         merged += 1
@@ -155,3 +195,54 @@ def _merge(adapter: Path, run: Optional[Path], tmp: Path, step: Optional[int] = 
     AutoTokenizer.from_pretrained(str(tok_src), trust_remote_code=False).save_pretrained(str(out))
     log.info("merged %d LoRA adapters of %s onto %s", merged, adapter, base)
     return Found(out, run, f"{adapter} merged onto {base}", step)
+
+
+def adapter_config(adapter: Path) -> tuple[dict[str, Any], float]:
+    """adapter_config.json, and the adapters' scale (lora_alpha / r): ModelNotFound naming the
+    file when it is not a JSON object (damaged, nested past any config) or r and lora_alpha are
+    not positive numbers."""
+    import math
+
+    f = adapter / ADAPTER_CONFIG
+    try:
+        cfg = json.loads(f.read_text())
+    except RecursionError:
+        raise ModelNotFound(f"{f} nests JSON deeper than any config does: a damaged or hostile "
+                            "file; export the adapter again") from None
+    except (ValueError, OSError) as e:
+        raise ModelNotFound(f"{f} is not a readable JSON file ({e}): export the adapter "
+                            "again") from None
+    if not isinstance(cfg, dict):
+        raise ModelNotFound(f"{f} holds a JSON {type(cfg).__name__}, not an adapter's config")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ModelNotFound(f"{f}: r is {r!r}, not a rank >= 1: the file is damaged; export the "
+                            "adapter again")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) \
+            or not math.isfinite(alpha) or alpha <= 0:
+        raise ModelNotFound(f"{f}: lora_alpha is {alpha!r}, not a positive number: the file is "
+                            "damaged; export the adapter again")
+    return cfg, float(alpha) / float(r)
+
+
+def _base_model(adapter: Path, base: str) -> Any:
+    """The adapter's base model: a folder (checked as any model folder), or a hub name in the
+    cache; ModelNotFound saying what adapter_config.json names when it is neither."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    local = Path(base).expanduser()
+    named = f"{adapter / ADAPTER_CONFIG} names the base model {base} (base_model_name_or_path)"
+    if local.is_absolute() or base.startswith((".", "~")) or local.exists():
+        if not local.is_dir():
+            raise ModelNotFound(f"{named}, which does not exist here: put the base model there, "
+                                "or set base_model_name_or_path to its folder")
+        if (problem := model_folder_problem(local)) is not None:
+            raise ModelNotFound(problem)
+    try:
+        return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                    trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ModelNotFound(f"{named}, which cannot be loaded ({first}): download it, or set "
+                            "base_model_name_or_path to its folder") from None

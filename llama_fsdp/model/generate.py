@@ -21,10 +21,23 @@ def cache_kwarg() -> str:
         else "past_key_values"
 
 
+def all_ended(done: torch.Tensor) -> bool:
+    """Whether every prompt on every rank has ended: one all-reduce (of this rank's unfinished
+    count), so that the ranks stop decoding at the same token and stay in lockstep."""
+    import torch.distributed as dist
+
+    left = (~done).sum().to(torch.int64).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(left)
+    return int(left.item()) == 0
+
+
 def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
-                    device: torch.device, steps: int) -> list[str]:
-    """Left-padded batched greedy decoding with a KV cache, for exactly ``steps`` forward calls
-    (one over the prompts, then one per new token), so ranks stay in lockstep under FSDP."""
+                    device: torch.device, steps: int, until_all_done: bool = False) -> list[str]:
+    """Left-padded batched greedy decoding with a KV cache: one forward over the prompts, then
+    one per new token, for ``steps`` tokens at most. With ``until_all_done`` (collective) it
+    stops when every prompt on every rank has ended (``all_ended``), so ranks stay in lockstep
+    under FSDP; without, it runs all ``steps``."""
     from transformers import DynamicCache
 
     longest = max(len(p) for p in prompts)
@@ -45,6 +58,8 @@ def greedy_generate(model: nn.Module, prompts: list[np.ndarray], tok: Any, *,
         nxt = logits.argmax(-1).masked_fill(done, tok.pad_token_id)
         done |= nxt == tok.eos_token_id
         new.append(nxt)
+        if until_all_done and all_ended(done):
+            break
         ids, pos = nxt[:, None], pos[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], 1)
     out = []

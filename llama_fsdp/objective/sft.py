@@ -70,10 +70,11 @@ def eval_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     return s / max(c, 1.0)
 
 
-def task_prompts(store: Any, tok: Any,
-                 max_prompts: Optional[int]) -> list[tuple[np.ndarray, str, str, int]]:
+def task_prompts(store: Any, tok: Any, max_prompts: Optional[int],
+                 max_answer_tokens: Optional[int] = None
+                 ) -> list[tuple[np.ndarray, str, str, int]]:
     """(prompt ids, reference answer, task kind, answer tokens) of held-out records with an
-    intact answer, in split order."""
+    intact answer of at most ``max_answer_tokens`` tokens (with its EOS), in split order."""
     out = []
     for i in range(len(store)):
         if max_prompts is not None and len(out) >= max_prompts:
@@ -82,6 +83,8 @@ def task_prompts(store: Any, tok: Any,
         if p <= 0 or store.truncated[i]:
             continue
         x, _ = store.record(i)
+        if max_answer_tokens is not None and len(x) - p > max_answer_tokens:
+            continue
         answer = tok.decode(x[p:].tolist(), skip_special_tokens=True).strip()
         out.append((x[:p], answer, store.task(i) or "all", len(x) - p))
     return out
@@ -91,13 +94,17 @@ def task_prompts(store: Any, tok: Any,
 def exact_match(model: nn.Module, data: Any, *, device: torch.device,
                 max_prompts: Optional[int] = 64, max_new_tokens: Optional[int] = None,
                 batch_size: Optional[int] = None) -> dict[str, float]:
-    """Greedy answers to held-out prompts scored by exact match, overall and per task kind.
+    """Greedy answers to held-out prompts with short answers, scored by exact match, overall and
+    per task kind.
 
-    ``data`` is the rank's DataModule (its eval split, tokenizer, rank and world). {} when the
-    eval split has no prompt/answer records (plain text).
+    ``data`` is the rank's DataModule (its eval split, tokenizer, rank and world). Only answers
+    of at most ``max_new_tokens`` tokens (EvalConfig.SHORT_ANSWER_TOKENS when None) are scored,
+    and decoding stops when every prompt on every rank has ended. {} when the eval split has no
+    such prompt/answer record (plain text, long answers).
     """
     tok = data.tokenizer
-    prompts = task_prompts(data.eval.store, tok, max_prompts)
+    bound = max_new_tokens or EvalConfig.SHORT_ANSWER_TOKENS
+    prompts = task_prompts(data.eval.store, tok, max_prompts, bound)
     if not prompts:
         return {}
     steps = max_new_tokens or max(p[3] for p in prompts)  # the longest answer, with its EOS
@@ -113,7 +120,8 @@ def exact_match(model: nn.Module, data: Any, *, device: torch.device,
             chunk = mine[i:i + batch_size]
             # ranks past the end answer a stand-in prompt, uncounted, to keep forward calls equal
             batch = [prompts[j if j < len(prompts) else 0][0] for j in chunk]
-            answers = greedy_generate(model, batch, tok, device=device, steps=steps)
+            answers = greedy_generate(model, batch, tok, device=device, steps=steps,
+                                      until_all_done=True)
             for j, ans in zip(chunk, answers):
                 if j < len(prompts):
                     k = kinds.index(prompts[j][2])

@@ -75,8 +75,9 @@ def with_method(spec: RunSpec, method: str) -> RunSpec:
     rank and alpha where a full fine-tuning spec has none)."""
     ft = dataclasses.replace(spec.finetune, method=method)
     if method != "full":
-        table = recipes.recipe_values(recipes.size_of(spec.model)[0], method,
-                                      OBJECTIVES[spec.objective.name].pairs)
+        table = recipes.recipe_values(
+            recipes.size_of(spec.model, pretrained=bool(spec.model.path))[0], method,
+            OBJECTIVES[spec.objective.name].pairs)
         ft = dataclasses.replace(ft, rank=ft.rank if ft.rank is not None else table["rank"],
                                  alpha=ft.alpha if ft.alpha is not None else table["alpha"])
     # (an adapter run exports its PEFT adapter: export_hf, on by default for small full

@@ -150,6 +150,11 @@ def prepare(spec: RunSpec, *, command: str) -> PreparedRun:
     spec = resolve_model(spec)
     data = prepare_data(spec)
     spec = replan_for_records(spec, data.stats)
+    if spec.eval.every_steps:
+        from ..plan.eval_cost import fit_eval
+
+        spec, cost, left_out = fit_eval(spec, data.stats)
+        log.info("plan with the data: %s%s", cost.line(spec.eval.every_steps), left_out)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     take_the_run_dir(spec)
     RunDir(spec.output_dir).config.write_text(spec.config_yaml)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import typing
 from pathlib import Path
@@ -36,6 +37,7 @@ from ..config.hf_dir import (
     shape_diff,
 )
 from ..config.kernels import KERNELS, SIXTEEN_BIT, VARLEN
+from ..config.model_folder import architecture_problems
 from ..config.nf4 import shard_problems
 from ..config.objectives import DPO, OBJECTIVES
 from ..config.optimizers import OPTIMIZERS
@@ -64,6 +66,8 @@ from ..config.schema import (
 from ..config.strategies import AUTO, MeshSpec
 from ..tracking.store import sqlite_store_problem
 from .callbacks import resolve
+
+log = logging.getLogger(__name__)
 
 
 # --- numbers and lines ------------------------------------------------------------------------
@@ -183,6 +187,10 @@ def data_option_problems(d: DataConfig) -> list[str]:
     return out
 
 
+MIN_LR = 1e-12  # below it no step moves an fp32 weight: refused
+HIGH_LR = 10.0  # above it a run diverges within steps: said (the guard's tests use such rates)
+
+
 def train_option_problems(t: TrainConfig) -> list[str]:
     """Its numbers as finite values in their ranges, and the callbacks' form (the integer
     counts and the warmup: ``check_positive``; importing the callbacks: ``callback_problems``)."""
@@ -197,6 +205,14 @@ def train_option_problems(t: TrainConfig) -> list[str]:
               out_of_range("train.divergence.min_rise", t.divergence.min_rise, low=0),
               out_of_range("train.divergence.window", t.divergence.window, low=1, high=1000)]
     out = [c for c in checks if c]
+    if t.lr is not None and 0 < t.lr < MIN_LR:
+        out.append(f"train.lr={t.lr:g} is below {MIN_LR:g}: steps that small are rounded away "
+                   "in every weight (fp32 keeps 7 significant digits), so nothing would train; "
+                   "leave train.lr out for the recipe's (docs/recipes.md)")
+    elif t.lr is not None and math.isfinite(t.lr) and t.lr > HIGH_LR:
+        log.warning("train.lr=%g is above %g, far above any recipe's (1e-5 to 3e-3, "
+                    "docs/recipes.md): the loss will likely run away and the divergence guard "
+                    "stop the run", t.lr, HIGH_LR)
     if t.divergence.action not in DivergenceConfig.ACTIONS:
         out.append(f"train.divergence.action={t.divergence.action!r} is not one of "
                    f"{', '.join(DivergenceConfig.ACTIONS)}")
@@ -208,10 +224,13 @@ def train_option_problems(t: TrainConfig) -> list[str]:
     return out
 
 
-def eval_option_problems(e: EvalConfig) -> list[str]:
+def eval_option_problems(e: EvalConfig, *, seq_len: int) -> list[str]:
+    """The in-run eval's options; an answer longer than a training row is never decoded (the
+    model never learned to end one)."""
     checks = [out_of_range("eval.max_batches", e.max_batches, low=1),
               out_of_range("eval.task_prompts", e.task_prompts, low=0),
-              out_of_range("eval.max_new_tokens", e.max_new_tokens, low=1)]
+              out_of_range("eval.max_new_tokens", e.max_new_tokens, low=1,
+                           high=max(seq_len, 1))]
     return [c for c in checks if c]
 
 
@@ -339,7 +358,24 @@ def tracking_option_problems(t: TrackingConfig) -> list[str]:
     if not t.best_metric.strip():
         out.append("tracking.best_metric is empty: name the end-of-run metric that picks a "
                    "sweep's best point (e.g. summary/eval_loss, summary/tokens_per_sec)")
+    elif problem := best_metric_problem(t.best_metric):
+        out.append(problem)
     return out
+
+
+def best_metric_problem(name: str) -> Optional[str]:
+    """A best metric no run logs would leave every sweep's best point "none yet"."""
+    from ..config import metrics
+    from ..tracking.view import SHOWN
+
+    known = metrics.KNOWN | {s.name for s in SHOWN}
+    if name in known or name.startswith(metrics.OPEN_PREFIXES):
+        return None
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return (f"tracking.best_metric={name!r} is no metric a run logs, so no sweep point would "
+            "have it" + (f"; the closest: {', '.join(close)}" if close else "")
+            + " (e.g. summary/eval_loss, summary/final_loss, summary/tokens_per_sec, "
+            "harness/<task>/<metric>)")
 
 
 def tracking_store_problems(uri: str, enabled: bool) -> list[str]:
@@ -671,8 +707,8 @@ def model_path_problems(m: ModelConfig) -> list[str]:
         except Exception as e:  # noqa: BLE001 - any hub failure is a config problem to report
             return [f"model.path={m.path}: not a local directory, and the hub lookup of its "
                     f"config.json failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
-    if hf.get("model_type", "llama") != "llama":
-        return [f"model.path={m.path} is a {hf.get('model_type')!r} model; only Llama loads here"]
+    if found := architecture_problems(hf, m.path):
+        return found
     diff = shape_diff(m, hf)
     if not diff:
         return []
@@ -891,7 +927,8 @@ def config_problems(cfg: Config) -> list[str]:
     problems += checkpoint_problems(cfg)
     problems += (data_option_problems(cfg.data) + tokenizer_problems(cfg.data)
                  + model_number_problems(cfg.model)
-                 + train_option_problems(cfg.train) + eval_option_problems(cfg.eval)
+                 + train_option_problems(cfg.train)
+                 + eval_option_problems(cfg.eval, seq_len=cfg.train.seq_len)
                  + cluster_option_problems(cfg.cluster) + tracking_option_problems(cfg.tracking)
                  + objective_option_problems(cfg.objective))
     if OBJECTIVES.get(cfg.objective.name) is not None and OBJECTIVES[cfg.objective.name].pairs:

@@ -48,6 +48,13 @@ def _slurm_job_live(job_id: str) -> Optional[str]:
     return state[0] if out.returncode == 0 and state else None
 
 
+def detached_job(output_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """The SLURM job a run submitted without waiting lives in (its record keeps the id), and
+    its state while SLURM still queues or runs it (None: over, or no such job)."""
+    job = _read(RunDir(output_dir).owner).get("slurm_job")
+    return (str(job), _slurm_job_live(str(job))) if job else (None, None)
+
+
 def _describe(rec: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.get("since", 0)))
     return f"pid {rec.get('pid')} on {rec.get('host')} since {since} ({rec.get('command', '?')})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,11 @@ from ..config.objectives import DEFAULT as DEFAULT_OBJECTIVE
 from ..config.objectives import OBJECTIVES
 from ..config.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from ..config.placement import Placement
+from ..config.model_folder import adopt_folder_shape
 from ..config.recipes import Recipe
+from ..config.search import SearchTrial
 from ..config.precision import PRECISION_POLICIES, PrecisionPolicy, resolve_precision
-from ..config.rundir import CACHE
+from ..config.rundir import CACHE, CACHE_ENV
 from ..config.schema import (
     CheckpointingConfig,
     ClusterConfig,
@@ -109,6 +112,8 @@ class RunSpec:
     placement: Optional[Placement] = None
     # the optimizer's values in use and where each came from (config/recipes.py)
     recipe: Optional[Recipe] = None
+    # a trial of a search with a pruner: where it reports its eval metric (config/search.py)
+    trial: Optional[SearchTrial] = None
 
     @property
     def dp_size(self) -> int:
@@ -126,7 +131,9 @@ class RunSpec:
     def overview(self) -> dict[str, Any]:
         """The values a user checks before launching (printed before the plan)."""
         return {
-            "model": self.model.name,
+            "model": self.model.name + (
+                f" ({recipes.approx_params(self.model) / 1e6:.3g}M parameters, "
+                f"{self.model.path})" if self.model.path else ""),
             "strategy": self.strategy,
             "precision": self.precision.name,
             "attention": self.model.attn_implementation,
@@ -189,8 +196,17 @@ SHORT_KEYS = {"batch_size": "b", "sharding": "shard", "strategy": "shard", "fine
 def point_name(values: dict[str, str]) -> str:
     """A sweep point's run name: its values of the swept keys, with short keys
     ("b=2 shard=full")."""
-    return " ".join(f"{SHORT_KEYS.get(key.split('.')[-1], key.split('.')[-1])}={value}"
-                    for key, value in values.items())
+    return " ".join(f"{SHORT_KEYS.get(key.split('.')[-1], key.split('.')[-1])}="
+                    f"{_one_line(value)}" for key, value in values.items())
+
+
+def _one_line(value: str) -> str:
+    """A swept value as one line of a run name: control characters (a line break, a tab)
+    written as their escapes (MLflow's table and a sweep's summary show names in one line)."""
+    import unicodedata
+
+    return "".join(repr(c)[1:-1] if unicodedata.category(c).startswith("C") else c
+                   for c in str(value))
 
 
 def _run_name(cfg: Config, strategy: str, precision: str, world: int, nproc: int,
@@ -261,9 +277,11 @@ def resolve_exports(obj: Config) -> Config:
 def build_spec(cfg: DictConfig | Config, *, placement: Placer,
                output_dir: Optional[str] = None, launch_dir: Optional[Path] = None,
                sweep_id: Optional[str] = None, sweep_dir: Optional[str] = None,
-               sweep_point: Optional[dict[str, str]] = None) -> RunSpec:
+               sweep_point: Optional[dict[str, str]] = None,
+               trial: Optional[SearchTrial] = None) -> RunSpec:
     """Validate a composed config and resolve every derived value; raise ConfigError.
     ``placement``: the launcher's answers for the config (``Launcher.placement``)."""
+    cfg = adopt_folder_shape(cfg)  # model.path alone: the folder's shape, name and size
     obj = typed_config(cfg)
     try:  # the credentials travel in the environment (cli.plan_run), never in the spec
         obj = dataclasses.replace(obj, tracking=dataclasses.replace(
@@ -277,6 +295,7 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
     known = OBJECTIVES.get(obj.objective.name)
     obj, recipe = recipes.resolve(obj, pairs=bool(known and known.pairs))
     obj = resolve_exports(obj)
+    obj = dataclasses.replace(obj, eval=obj.eval.resolved(obj.data.name))
     out = Path(output_dir or obj.output_dir).expanduser()
     out = out if out.is_absolute() else (base / out)
     # (resume=auto looks in the run directory this launch writes to: under torchrun the
@@ -318,13 +337,14 @@ def build_spec(cfg: DictConfig | Config, *, placement: Placer,
         gpu=gpu_key(obj.cluster, place), nodes=place.nodes, nproc_per_node=nproc,
         world_size=world, mesh=mesh, policy=policy, global_batch=global_batch,
         tokens_per_step=global_batch * obj.train.seq_len, output_dir=str(out.resolve()),
-        cache_dir=str((base / Path(obj.cache_dir or CACHE).expanduser()).resolve()),
+        cache_dir=str((base / Path(obj.cache_dir or os.environ.get(CACHE_ENV) or CACHE)
+                       .expanduser()).resolve()),
         tracking_uri=tracking_uri,
         run_name=obj.tracking.run_name or (point_name(sweep_point or {}) or _run_name(
             obj, strategy, precision.name, world, nproc, device))[:checks.MAX_RUN_NAME],
         git_commit=_git_commit(), config_yaml=config_yaml, sweep_id=sweep_id, sweep_dir=sweep_dir,
         sweep_point=dict(sweep_point or {}), objective=obj.objective, placement=place,
-        recipe=recipe,
+        recipe=recipe, trial=trial,
     )
 
 

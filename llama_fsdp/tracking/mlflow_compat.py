@@ -71,3 +71,38 @@ def delete_points_after(client: Any, run_id: str, step: int, *, keep_prefix: str
                 latest.value, latest.step = newest.value, newest.step
                 latest.timestamp, latest.is_nan = newest.timestamp, newest.is_nan
     return deleted
+
+
+# --- a server reached without the user's credentials -------------------------------------------
+# MlflowClient's REST store reads MLFLOW_TRACKING_TOKEN, the user and password (environment, then
+# ~/.mlflow/credentials) for every call, whatever server its URI names. A store a run folder
+# names, not the user (harness/store.py), is reached through a RestStore whose host credentials
+# are the URI alone, and a run's artifact only where that same server keeps it.
+ARTIFACTS_API = "/api/2.0/mlflow-artifacts/artifacts"  # MLflow's proxied artifact service
+
+
+def anonymous_store(uri: str) -> Any:
+    """MLflow's REST store at ``uri`` that sends no credentials."""
+    from mlflow.store.tracking.rest_store import RestStore
+    from mlflow.utils.rest_utils import MlflowHostCreds
+
+    return RestStore(lambda: MlflowHostCreds(uri))
+
+
+def put_text_anonymously(uri: str, artifact_uri: str, path: str, text: str) -> bool:
+    """``text`` as the artifact ``path`` of a run whose artifacts the server at ``uri`` serves
+    itself (``mlflow-artifacts:/...``), sending no credentials; False (nothing sent) when the
+    run's artifacts live anywhere else (a bucket, another host)."""
+    import posixpath
+    from urllib.parse import urlsplit
+
+    from mlflow.utils.rest_utils import MlflowHostCreds, augmented_raise_for_status, http_request
+
+    parts = urlsplit(artifact_uri)
+    if parts.scheme != "mlflow-artifacts" or parts.netloc:
+        return False
+    creds = MlflowHostCreds(uri.rstrip("/") + ARTIFACTS_API)
+    resp = http_request(creds, posixpath.join("/", parts.path.lstrip("/"), path), "PUT",
+                        data=text.encode(), extra_headers={"Content-Type": "application/json"})
+    augmented_raise_for_status(resp)
+    return True

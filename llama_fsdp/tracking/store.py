@@ -37,30 +37,49 @@ class NotAStore(ValueError):
 MLFLOW_TABLES = frozenset({"alembic_version", "experiments", "runs", "metrics", "params"})
 
 
-def sqlite_store_problem(db: Path) -> Optional[str]:
+def _tables(db: Path, mode: str) -> set[str]:
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{db}?mode={mode}", uri=True)
+    try:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        conn.close()
+
+
+def sqlite_store_problem(db: Path, key: str = "tracking.uri",
+                         fix: Optional[str] = None) -> Optional[str]:
     """Why the SQLite file ``db`` must not be opened as an MLflow store (MLflow would add its
     tables to it, and put an mlartifacts/ folder beside it), or None: it does not exist yet, is
-    empty, or is an MLflow store. Read-only: the file is left as it is, byte for byte."""
+    empty, or is an MLflow store. Read-only: the file is left as it is, byte for byte (but for
+    the rollback of a killed writer's transaction, which SQLite makes before any read). ``key``:
+    what names the file, ``fix`` what to do instead, said in the message."""
     import sqlite3
 
     if not db.exists() or (db.is_file() and db.stat().st_size == 0):
         return None
     if not db.is_file():
-        return f"tracking.uri names {db}, which is not a file"
+        return f"{key} names {db}, which is not a file"
     try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-            tables = {r[0] for r in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type='table'")}
-        conn.close()
+        tables = _tables(db, "ro")
+    except sqlite3.OperationalError as e:
+        if "readonly" not in str(e):
+            return f"{key} names {db}, which is not a SQLite database ({e})"
+        try:  # a hot journal: a writer was killed mid-transaction (a rank's SIGKILL), and
+            # reading needs its rollback first, as the next MLflow client would do (never a
+            # file created: mode=rw)
+            tables = _tables(db, "rw")
+        except sqlite3.DatabaseError as e:
+            return f"{key} names {db}, which is not a SQLite database ({e})"
     except sqlite3.DatabaseError as e:
-        return f"tracking.uri names {db}, which is not a SQLite database ({e})"
+        return f"{key} names {db}, which is not a SQLite database ({e})"
     if MLFLOW_TABLES <= tables:
         return None
     shown = ", ".join(sorted(tables)[:6]) + (" ..." if len(tables) > 6 else "")
-    return (f"tracking.uri names {db}, a SQLite database that is not an MLflow store (its "
+    return (f"{key} names {db}, a SQLite database that is not an MLflow store (its "
             f"tables: {shown or 'none'}): MLflow would add its own tables to it. It is left as "
-            "it is; point tracking.uri at a new file (sqlite:///outputs/mlflow.db) or at an "
-            "MLflow store")
+            "it is; " + (fix or "point tracking.uri at a new file (sqlite:///outputs/mlflow.db) "
+                         "or at an MLflow store"))
 
 
 def _store_lock(db: Path) -> str:

@@ -5,8 +5,10 @@ expandable row. The parent is made when the sweep starts (Hydra callback), holds
 parameters, the command and the number of points, and gets the summary: a table of the swept
 values against throughput, memory and loss, a plot, and in its own row the numbers of its best
 point: the finished point with the lowest eval loss, or whatever ``tracking.best_metric`` and
-``tracking.best_mode`` name (the parent's tag ``best by`` says which). The summary is final once every point has ended; until then
-it says how many have ("running 1/3"), and no point still queued or running counts as failed. A
+``tracking.best_mode`` name; without eval, the fastest point of a sweep over systems keys, else
+the lowest final loss (the parent's tag ``best by`` says which). The summary is final once every
+point has ended; until then it says how many have ("running 1/3"), and no point still queued or
+running counts as failed. A
 local sweep summarizes when its last point ends; a SLURM sweep (which returns at submission)
 when the last of its jobs ends, or on demand:
 
@@ -42,8 +44,8 @@ from . import (
     read_run_file,
     write_run_file,
 )
-from .view import (DIVERGED_AT_TAG, HARNESS, POINT_TAG, STATUS_TAG, command_note, status_text,
-                   sweep_view, view_tag)
+from .view import (DIVERGED_AT_TAG, HARNESS, POINT_TAG, PRUNED_AT_TAG, STATUS_TAG, command_note,
+                   status_text, sweep_view, view_tag)
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +207,8 @@ def _status_cell(r: Any) -> str:
         return "QUEUED OR RUNNING"
     if DIVERGED_AT_TAG in r.data.tags:
         return f"DIVERGED (step {r.data.tags[DIVERGED_AT_TAG]})"
+    if PRUNED_AT_TAG in r.data.tags:  # a search's trial stopped early: not failed
+        return f"PRUNED (step {r.data.tags[PRUNED_AT_TAG]})"
     return r.info.status
 
 
@@ -286,25 +290,43 @@ class Progress:
                 else status_text(mlflow_status(FINISHED)))
 
 
-def progress(statuses: list[str], refused: int, points: Optional[int]) -> Progress:
+def progress(statuses: list[str], refused: int, points: Optional[int],
+             pruned: int = 0) -> Progress:
     """A sweep's progress from its point runs' MLflow statuses, its points refused before
-    launch, and how many points it has (None: not known, the runs are all)."""
+    launch, and how many points it has (None: not known, the runs are all); ``pruned``: the
+    ended runs a search's pruner stopped (KILLED, not failed)."""
     ended = [s for s in statuses if s in ENDED]
     active = len(statuses) - len(ended)
     made = len(statuses) + refused
-    return Progress(ended=len(ended) + refused,
-                    failed=sum(s != mlflow_status(FINISHED) for s in ended) + refused, active=active,
+    failed = sum(s != mlflow_status(FINISHED) for s in ended) - pruned + refused
+    return Progress(ended=len(ended) + refused, failed=failed, active=active,
                     waiting=max(0, points - made) if points is not None else 0)
+
+
+# Config keys (and groups) that change how fast a run trains and what it holds in memory, not what
+# it is compared for: a sweep over these alone, with no eval loss, is run for speed (its best
+# point is the fastest).
+SYSTEMS_KEYS = ("train.batch_size", "train.compile", "sharding", "precision", "checkpointing",
+                "cluster")
+
+
+def systems_only(swept: Any) -> bool:
+    """Whether every swept key is a systems key (or inside a systems config group)."""
+    swept = list(swept)
+    return bool(swept) and all(any(k == s or k.startswith(s + ".") for s in SYSTEMS_KEYS)
+                               for k in swept)
 
 
 @dataclasses.dataclass(frozen=True)
 class Best:
     """What picks a sweep's best point: the lowest (``mode`` "min") or highest ("max") value of
     an end-of-run ``metric`` (tracking.best_metric, tracking.best_mode), among the points that
-    finished: a point that failed, stopped, or has not ended yet is never the best."""
+    finished: a point that failed, stopped, or has not ended yet is never the best. ``rule``:
+    why this metric, when neither the sweep nor the default chose it (``for_points``)."""
 
     metric: str = TrackingConfig.best_metric
     mode: str = TrackingConfig.best_mode
+    rule: str = dataclasses.field(default="", compare=False)
 
     def __str__(self) -> str:
         return f"{'lowest' if self.mode == 'min' else 'highest'} {self.metric}"
@@ -326,6 +348,20 @@ class Best:
     def tags(self) -> dict[str, str]:
         return {BEST_METRIC_TAG: self.metric, BEST_MODE_TAG: self.mode}
 
+    def for_points(self, runs: list[Any], swept: Any = ()) -> "Best":
+        """The rule that picks the best of these points. The default (the eval loss) where a
+        finished point has one; else (no eval: eval.every_steps=0) the highest tokens/s where
+        only systems keys were swept (``swept``: SYSTEMS_KEYS), else the lowest final loss. A
+        metric the sweep named (tracking.best_metric) is kept whatever the points have."""
+        if (self.metric, self.mode) != (Best.metric, Best.mode):
+            return self
+        if self.choose(runs) is not None:
+            return self
+        if systems_only(swept):
+            return Best(names.SUMMARY_TOKENS_PER_SEC, "max",
+                        rule="no eval loss, only systems keys swept")
+        return Best(names.SUMMARY_FINAL_LOSS, "min", rule="no eval loss")
+
     def value(self, run: Any) -> Optional[float]:
         v = names.canonical(run.data.metrics).get(self.metric)  # (DPO's eval loss too)
         return v if v is not None and math.isfinite(v) else None
@@ -339,11 +375,13 @@ class Best:
                    default=None)
 
     def line(self, runs: list[Any]) -> str:
-        """The summary's word on it: the best point and its value, or why there is none."""
+        """The summary's word on it: the best point, its value and the rule that chose it, or
+        why there is none."""
         best = self.choose(runs)
         if best is None:
             return f"best point: none yet (no finished point has {self.metric})"
-        return f"best point: {best.info.run_name} ({self}: {self.value(best):.4g})"
+        rule = f"; {self.rule}" if self.rule else ""
+        return f"best point: {best.info.run_name} ({self}: {self.value(best):.4g}{rule})"
 
 
 def best_run(runs: list[Any], best: Best = Best()) -> Optional[Any]:
@@ -366,12 +404,14 @@ def _summary_lock(sweep_dir: Optional[str]) -> Iterator[None]:
 
 def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
               parent_id: Optional[str] = None, sweep_dir: Optional[str] = None,
-              refused: Optional[list[tuple[dict[str, str], int]]] = None) -> Optional[str]:
+              refused: Optional[list[tuple[dict[str, str], int]]] = None,
+              keep_refused: bool = False) -> Optional[str]:
     """Print-ready table of a sweep's points; logged with a plot to the parent run, whose row
     gets its best point's numbers. Once every point has ended the parent ends FINISHED (its
     tag failed_points counts the points that did not finish); before, it stays RUNNING and
     says how many have. ``refused``: the points refused before launch (values, exit code),
-    recorded on the parent (None: those it recorded)."""
+    recorded on the parent (None: those it recorded; ``keep_refused``: those it recorded and
+    these, for a search, whose refused trials are not run again)."""
     from . import open_client
 
     client = open_client(tracking_uri)
@@ -381,18 +421,24 @@ def summarize(sweep_id: str, *, tracking_uri: str, experiment: str,
         return None
     with _summary_lock(sweep_dir):
         parent = client.get_run(parent_id)
+        recorded = [tuple(p) for p in json.loads(parent.data.tags.get(REFUSED_TAG, "[]"))]
         if refused is None:
-            refused = [tuple(p) for p in json.loads(parent.data.tags.get(REFUSED_TAG, "[]"))]
-        elif refused:
-            client.set_tag(parent_id, REFUSED_TAG, json.dumps(refused))
+            refused = recorded
+        else:
+            if keep_refused:
+                refused = recorded + [p for p in map(tuple, refused) if p not in recorded]
+            if refused:
+                client.set_tag(parent_id, REFUSED_TAG, json.dumps(refused))
         runs = _latest_per_point(_children(client, parent_id))
         if not runs and not refused:
             log.warning("sweep %s has no points yet", sweep_id)
             return None
         points = parent.data.tags.get(POINTS_TAG)
         state = progress([r.info.status for r in runs], len(refused),
-                         int(points) if points else None)
-        best = Best.of(parent.data.tags)
+                         int(points) if points else None,
+                         pruned=sum(r.info.status in ENDED and PRUNED_AT_TAG in r.data.tags
+                                    for r in runs))
+        best = Best.of(parent.data.tags).for_points(runs, list(parent.data.params))
         keys, rows = summary_rows(runs, list(parent.data.params), refused, best.metric)
         table = format_table(keys, rows, best.metric) + "\n" + best.line(runs)
         if not state.complete:
@@ -419,7 +465,8 @@ def _log_summary(client: Any, parent: Any, sweep_id: str, table: str, keys: list
         client.log_artifacts(parent_id, tmp)
     now = int(time.time() * 1000)
     metrics = [Metric("points", float(state.total), now, 0)]
-    tags = [RunTag(STATUS_TAG, state.status()), RunTag(BEST_BY_TAG, str(by))]
+    tags = [RunTag(STATUS_TAG, state.status()),
+            RunTag(BEST_BY_TAG, f"{by} ({by.rule})" if by.rule else str(by))]
     if best is not None:
         metrics += [Metric("best/" + by.metric.removeprefix(names.SUMMARY_PREFIX),
                            by.value(best), now, 0),  # type: ignore[arg-type]

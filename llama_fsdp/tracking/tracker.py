@@ -41,7 +41,10 @@ class SystemSampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        sample, halted = 0, False
+        """Samples are held until the run logs its first measured metric (or ends): MLflow's
+        compare page plots a run's first metric by default, and a sampler that starts before
+        the first step would make that ``system/cpu_utilization_percentage``, not the loss."""
+        sample, halted, held = 0, False, []
         while not halted:  # every interval, and once more at the end (a run shorter than one
             halted = self._halt.wait(self.interval_s)  # interval still has its sample)
             metrics: dict[str, float] = {}
@@ -51,9 +54,12 @@ class SystemSampler(threading.Thread):
                     metrics.update(m.aggregate_metrics())
                 finally:
                     m.clear_metrics()
-            self.tracker.log_metrics({SYSTEM_PREFIX + k: v for k, v in metrics.items()},
-                                     step=sample)
+            held.append(({SYSTEM_PREFIX + k: v for k, v in metrics.items()}, sample))
             sample += 1
+            if halted or self.tracker.measured.is_set():
+                for values, step in held:
+                    self.tracker.log_metrics(values, step=step)
+                held.clear()
 
     def stop(self) -> None:
         self._halt.set()
@@ -91,6 +97,7 @@ class Tracker:
         self._start_metrics: dict[str, float] = {}
         self._start_lock = threading.Lock()  # the system sampler logs from its own thread
         self._held_through = 0  # steps 1..this are in the run's history already (not logged)
+        self.measured = threading.Event()  # a metric other than system/* has been logged
         self.shipper = Shipper(self.spool, uri) if ship else None
         if self.shipper is not None:
             self.shipper.start()
@@ -110,6 +117,8 @@ class Tracker:
         if metrics:
             self.spool.append(ev.Metrics({self.logged_as.get(k, k): float(v)
                                           for k, v in metrics.items()}, int(step)))
+        if any(not k.startswith(SYSTEM_PREFIX) for k in metrics):
+            self.measured.set()  # after the append: the sampler's held samples go after it
         self._log_start_metrics()
 
     def history(self) -> RunHistory:

@@ -48,6 +48,7 @@ RUNS_QUERY = runs_query()
 STATUS_TAG = "status"  # the run's state as words: the table shows MLflow's only as an icon
 BEST_POINT_TAG = "best point"  # on a sweep's parent: the point whose numbers its row shows
 DIVERGED_AT_TAG = "diverged at step"  # a run the divergence guard stopped (train/divergence.py)
+PRUNED_AT_TAG = "pruned at step"  # a search's trial its pruner stopped (train/pruning.py)
 BEST_BY_TAG = "best by"  # on a sweep's parent: what chose it ("lowest summary/eval_loss")
 
 

@@ -11,7 +11,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..config.schema import DivergenceConfig
 
@@ -70,6 +70,17 @@ class DivergenceGuard:
             self.warned = True
             log.warning("%s (train.divergence.action=warn: training on)",
                         Diverged(step, shown, self.best, why, lr))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history a resumed run judges its steps by (saved with each checkpoint)."""
+        return {"best": self.best, "recent": [list(r) for r in self.recent], "high": self.high,
+                "warned": self.warned}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """A checkpoint's history; the thresholds stay this run's (train.divergence)."""
+        self.best, self.high, self.warned = float(sd["best"]), bool(sd["high"]), bool(sd["warned"])
+        self.recent.clear()
+        self.recent.extend((int(s), float(v)) for s, v in sd["recent"])
 
     def above(self, value: float) -> bool:
         c = self.cfg

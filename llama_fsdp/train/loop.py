@@ -150,6 +150,9 @@ class LoopContext:
     on_step_end: list[Callable[["TrainState"], None]] = field(default_factory=list)
     # Eval loss and task metrics at a step (collective); None: no evaluation.
     evaluate: Optional[Callable[[int], dict[str, float]]] = None
+    # Called on every rank after each eval with its step and the metrics (a search's pruning,
+    # train/pruning.py: may raise to stop every rank there).
+    on_eval: Optional[Callable[[int, dict[str, float]], None]] = None
     # This rank's pending stop request (0 none, else a code the handler understands); agreed
     # across ranks at log steps (read one step later on CUDA) and handed to on_stop, which
     # saves and raises.
@@ -345,7 +348,11 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _run_eval(ctx: LoopContext, step: int, last: dict[str, float]) -> None:
+    t0 = time.perf_counter()
     metrics = ctx.evaluate(step)  # type: ignore[misc]
+    metrics[m.EVAL_TIME] = time.perf_counter() - t0
     ctx.tracker.log_metrics(metrics, step=step)
     ctx.console.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     last.update(metrics)
+    if ctx.on_eval is not None:
+        ctx.on_eval(step, metrics)

@@ -56,6 +56,7 @@ from ..checkpoint.layout import resume_candidates
 from ..config.schema import TrainConfig
 from ..data import DataModule, build_data
 from . import harness_step
+from . import resume as resume_config
 from .. import harness
 from .distributed import DistEnv, process_group
 from ..config.hf_dir import hub_name
@@ -70,6 +71,7 @@ from ..model.llama import (
 )
 from ..config import recipes
 from .divergence import DIVERGED_FILE, Diverged, DivergenceGuard
+from .pruning import Pruned, pruning_hook
 from .divergence import report as divergence_report
 from .optimizer import build_optimizer, compile_cache_dir, use_compile_cache
 from ..model.parallelize import build_mesh, local_numel, parallelize, torch_dtype
@@ -82,6 +84,7 @@ from ..config.status import (
     MLFLOW_RUNNING,
     OWN_WORDS,
     PREEMPTED,
+    PRUNED,
     RunResult,
     mlflow_status,
 )
@@ -89,7 +92,8 @@ from ..config.rundir import RunDir, write_run_status
 from ..run.spec import RunSpec
 from .stopping import StopSignals, stop_handler
 from ..tracking import Console, NullConsole, NullTracker, open_tracker
-from ..tracking.view import DIVERGED_AT_TAG, STATUS_TAG, model_name, shown_metrics, status_text
+from ..tracking.view import (DIVERGED_AT_TAG, PRUNED_AT_TAG, STATUS_TAG, model_name,
+                             shown_metrics, status_text)
 from ..objective import build_objective
 from .loop import LoopContext, StopRequested, build_scheduler, run_loop, steady_median
 from ..checkpoint.state import TrainState
@@ -196,15 +200,18 @@ class RankRun:
         state = TrainState()
         tokenizer = data.tokenizer
         hf_cfg = ckpt_io.hf_config(spec.model, dtype=spec.policy.param_dtype, tokenizer=tokenizer)
+        guard = DivergenceGuard(spec.train.divergence)
+        app = ckpt_io.AppState(model, optimizer, scheduler, state, data, guard=guard,
+                               hparams=resume_config.record(spec.train))
         checkpointer = ckpt_io.Checkpointer(
-            spec.save, output_dir=spec.output_dir, device=device,
-            app=ckpt_io.AppState(model, optimizer, scheduler, state, data), hf_config=hf_cfg,
+            spec.save, output_dir=spec.output_dir, device=device, app=app, hf_config=hf_cfg,
             tokenizer=tokenizer, tracker=tracker, optim=spec.optim,
             finetune=spec.finetune)
         run = cls(spec, env, device, model, optimizer, scheduler, data, make_plan(spec), tracker,
-                  console, checkpointer, state, objective=objective,
-                  guard=DivergenceGuard(spec.train.divergence))
+                  console, checkpointer, state, objective=objective, guard=guard)
         run.resumed_from = checkpointer.resume(resume)
+        if run.resumed_from is not None:  # the config's lr, schedule, guard: not the checkpoint's
+            resume_config.take_config(app, spec.train, rank=env.rank)
         run.console.set_initial(state.step)
         run.record_start()
         return run
@@ -263,8 +270,12 @@ class RankRun:
                          hang.arm],
             saves_at=self.checkpointer.saves_at,
             evaluate=lambda step: objective.evaluate(self.model, self.data, spec.eval),
+            on_eval=pruning_hook(spec.trial, rank=self.env.rank, device=self.device,
+                                 last_step=min(spec.train.max_steps,
+                                               spec.train.stop_after or spec.train.max_steps)),
             stop_request=stops.request,
-            on_stop=stop_handler(self.checkpointer.save_now,
+            on_stop=stop_handler(lambda state: self.unless_suspect(self.checkpointer.save_now,
+                                                                   state),
                                  save_on_user_stop=spec.save.every_steps > 0,
                                  why=lambda: stops.why),
             after_first_step=lambda: set_train_timeout(spec))
@@ -284,7 +295,7 @@ class RankRun:
                               self.loop_context(stops, hang))
             final = result.last
             summary = self.summary(result.logged, final)
-            self.checkpointer.finish(self.state)
+            self.unless_suspect(self.checkpointer.finish, self.state)
             if done_before:
                 log.info("this run had already finished at step %d: nothing to train",
                          self.state.step)
@@ -294,7 +305,16 @@ class RankRun:
             status = FINISHED
         except StopRequested as e:
             status = e.reason
+        except Pruned as e:  # a search's trial behind the others: it ends here, not failed
+            self.checkpointer.publish_pending()
+            status = PRUNED
+            if self.env.rank == 0:
+                log.info("this trial stops: %s", e)
+            self.tracker.set_tags({PRUNED_AT_TAG: str(e.step)})
         except Diverged as e:
+            # every rank stops at this step: a save in flight (async) is published first, and
+            # the report names it
+            self.checkpointer.publish_pending()
             status, report = DIVERGED, self.divergence_report(e)
             if self.env.rank == 0:  # the report and the traceback in the run directory; the
                 # command prints the report when the run ends
@@ -320,6 +340,19 @@ class RankRun:
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             checkpoints=[str(p) for _, p in ckpt_io.list_checkpoints(self.spec.output_dir)],
             export_dir=str(export_dir) if export_dir else None, report=report)
+
+    def unless_suspect(self, save: Any, state: TrainState) -> None:
+        """``save`` (the final or a stop's checkpoint) unless the guard suspects this step's
+        loss: never saved, so the newest checkpoint stays one the guard passed."""
+        if not self.guard.suspect:
+            save(state)
+            return
+        self.checkpointer.publish_pending()
+        if self.env.rank == 0:
+            last = ckpt_io.latest_checkpoint(self.spec.output_dir)
+            log.warning("step %d is not saved: its loss %.4g is above the divergence guard's "
+                        "line (train.divergence); the newest checkpoint is %s", state.step,
+                        self.guard.recent[-1][1], last.name if last else "none")
 
     def divergence_report(self, err: Diverged) -> str:
         """The learning rate in use against the recipe's, and the last good checkpoint."""

@@ -14,21 +14,28 @@ from typing import Optional
 import pytest
 
 from llama_fsdp.launchers.environment import free_port
+from tests import reaper
+from tests.warm import python as warm_python
 
 FAST = ["cluster.device=cpu", "eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
 
 
-def start_cli(cwd: Path, *overrides: str, env: Optional[dict] = None) -> subprocess.Popen:
-    """`python -m llama_fsdp ...` in its own session (signals in a test reach it alone)."""
-    return subprocess.Popen([sys.executable, "-m", "llama_fsdp", *FAST, *overrides], cwd=cwd,
+def start_cli(cwd: Path, *overrides: str, env: Optional[dict] = None,
+              warm: bool = False) -> subprocess.Popen:
+    """`python -m llama_fsdp ...` in its own session (signals in a test reach it alone): a new
+    interpreter, or with ``warm`` one forked from a warm one (tests/warm.py) where the fault is
+    in the run's state (a checkpoint, a cache, the tracking store), not in how its processes
+    start, end or are signalled."""
+    python = warm_python() if warm else sys.executable
+    return subprocess.Popen([python, "-m", "llama_fsdp", *FAST, *overrides], cwd=cwd,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run_cli(cwd: Path, *overrides: str, env: Optional[dict] = None,
-            timeout: float = 600) -> tuple[int, str, float]:
+            timeout: float = 600, warm: bool = False) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    p = start_cli(cwd, *overrides, env=env)
+    p = start_cli(cwd, *overrides, env=env, warm=warm)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # fail the test, and leave no run behind
@@ -144,6 +151,7 @@ class MlflowServer:
              "--port", str(self.port), "--workers", "1", *args],
             cwd=self.root, stdout=subprocess.DEVNULL, stderr=(self.root / "server.log").open("a"),
             start_new_session=True, env={**os.environ, **env})
+        reaper.register(self.proc.pid)  # (its session ends with this process, however it ends)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

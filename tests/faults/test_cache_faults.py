@@ -2,6 +2,7 @@
 is named and rebuilt, and a tokenization killed midway leaves nothing that looks complete."""
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import time
@@ -9,11 +10,24 @@ import time
 import psutil
 import pytest
 
-from tests.faults.conftest import no_leftovers, run_cli, start_cli
+from llama_fsdp.config.rundir import CACHE_ENV
+from tests.faults.conftest import no_leftovers
+from tests.faults import conftest as faults
+
+# a fault in the run's state, not in how its processes start or end: the command forked warm
+run_cli = functools.partial(faults.run_cli, warm=True)
+start_cli = functools.partial(faults.start_cli, warm=True)
 
 pytestmark = [pytest.mark.slow]
 
 SHORT = ["train.max_steps=2", "tracking.enabled=false"]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch):
+    """Each test damages a cache of its own: the launch folder's outputs/cache (the suite's
+    shared one, $LLAMA_FSDP_CACHE_DIR, is not theirs to damage)."""
+    monkeypatch.delenv(CACHE_ENV, raising=False)
 
 
 def _truncate(path, keep: float = 0.5) -> int:

@@ -2,6 +2,7 @@
 is used; nothing trains on from garbage. Plus bad data, refused before any rank starts."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -11,11 +12,18 @@ from mlflow.tracking import MlflowClient
 from llama_fsdp.checkpoint.layout import latest_checkpoint, list_checkpoints
 from llama_fsdp.tracking import read_run_file
 from tests.faults import hooks
-from tests.faults.conftest import logged_steps, run_cli, run_dir
+from tests.faults.conftest import logged_losses, logged_steps, run_dir
+from tests.faults import conftest as faults
+
+# a fault in the run's state, not in how its processes start or end: the command forked warm
+run_cli = functools.partial(faults.run_cli, warm=True)
 
 pytestmark = [pytest.mark.slow]
 
 STEPS = ["train.max_steps=6", "save.every_steps=2", "save.keep_last=3"]
+# the finished run: an 8-step schedule stopped after step 6 (stop_after keeps the schedule of
+# max_steps), so that a run resumed from its step 4 to step 8 trains steps 5 and 6 as it did
+FINISHED = ["train.max_steps=8", *STEPS[1:], "train.stop_after=6"]
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
@@ -25,7 +33,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert "checkpoint step 4 could not be written to" in log
     assert "No space left on device" in log
     assert "the previous checkpoint step_000002 is intact and resume=auto continues from it" in log
-    assert "Free space on" in log
+    assert "The disk looks full: free space on" in log
     run = run_dir(tmp_path)
     # the partial step-4 files are gone, step 2 is whole, and resume=auto would take it
     assert [p.name for _, p in list_checkpoints(run)] == ["step_000002"]
@@ -37,10 +45,10 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 
 @pytest.fixture(scope="session")
 def finished_run_once(tmp_path_factory):
-    """A 6-step run with checkpoints at steps 2, 4 and 6 (its directory and MLflow store); the
-    tests take copies."""
+    """A run finished after 6 steps of 8 (FINISHED), with checkpoints at steps 2, 4 and 6 (its
+    directory and MLflow store); the tests take copies."""
     cwd = tmp_path_factory.mktemp("finished")
-    code, log, _ = run_cli(cwd, *STEPS)
+    code, log, _ = run_cli(cwd, *FINISHED)
     assert code == 0, log[-3000:]
     return cwd
 
@@ -64,6 +72,7 @@ def _truncate_a_data_file(ckpt) -> None:
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(finished_run):
     cwd, run = finished_run
     _truncate_a_data_file(run / "checkpoints" / "step_000006")
+    straight = dict(logged_losses(run))  # steps 1-6, uninterrupted
     before = logged_steps(run)
     code, log, _ = run_cli(cwd, *STEPS[1:], "train.max_steps=8", f"output_dir={run}")
     assert code == 0, log[-3000:]
@@ -71,7 +80,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(finished_run):
     assert f"checkpoint {newest} cannot be used ({newest}/__" in log  # the short file named
     assert "bytes, " in log and "were written); trying the one before" in log
     assert "resumed from" in log and "step_000004 at step 4" in log
-    assert logged_steps(run)[len(before):] == [5, 6, 7, 8]  # the curve goes on from step 4
+    resumed = logged_losses(run)[len(before):]
+    assert [s for s, _ in resumed] == [5, 6, 7, 8]  # the curve goes on from step 4
+    # from step 4's weights, optimizer, schedule and data position: steps 5 and 6 are the
+    # uninterrupted run's, bit for bit on the CPU (from anything else, the losses differ)
+    assert resumed[:2] == [(5, straight[5]), (6, straight[6])], (resumed, straight)
     client = MlflowClient(tracking_uri=f"sqlite:///{cwd}/outputs/mlflow.db")
     tags = client.get_run(read_run_file(run)["run_id"]).data.tags
     assert tags["resume_step"] == "4"
@@ -152,16 +165,16 @@ def test_retire_moves_an_earlier_runs_checkpoints_aside_and_the_new_run_prunes_o
 
 def test_a_finished_run_relaunched_with_another_config_is_refused_not_skipped(finished_run):
     cwd, run = finished_run
-    code, log, _ = run_cli(cwd, *STEPS, "train.lr=0.001", f"output_dir={run}")
+    code, log, _ = run_cli(cwd, *FINISHED, "train.lr=0.001", f"output_dir={run}")
     assert code == 2, log[-3000:]
     # the run left train.lr to its recipe (3e-3 for the tiny model): the change names its value
     assert ("finished at step 6 with another config (train.lr: 3.0e-03 (recipe) -> 1.0e-03)"
             in log)
     assert "nothing to train" not in log
-    code, log, _ = run_cli(cwd, *STEPS, f"output_dir={run}")  # the same config: nothing to do
+    code, log, _ = run_cli(cwd, *FINISHED, f"output_dir={run}")  # the same config: nothing to do
     assert code == 0 and "nothing to train" in log, log[-3000:]
     # the recipe's value given by name is the same run, not another config
-    code, log, _ = run_cli(cwd, *STEPS, "train.lr=0.003", f"output_dir={run}")
+    code, log, _ = run_cli(cwd, *FINISHED, "train.lr=0.003", f"output_dir={run}")
     assert code == 0 and "nothing to train" in log, log[-3000:]
 
 

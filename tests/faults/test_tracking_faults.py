@@ -2,6 +2,7 @@
 launch, and eight jobs writing one sqlite store at once."""
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import subprocess
 import sys
@@ -12,7 +13,12 @@ from mlflow.tracking import MlflowClient
 from llama_fsdp.launchers.environment import free_port
 from llama_fsdp.tracking import read_run_file
 from tests.faults import hooks
-from tests.faults.conftest import logged_steps, run_cli, run_dir, start_cli, wait_for_step
+from tests.faults.conftest import logged_steps, run_dir, wait_for_step
+from tests.faults import conftest as faults
+
+# a fault in the run's state, not in how its processes start or end: the command forked warm
+run_cli = functools.partial(faults.run_cli, warm=True)
+start_cli = functools.partial(faults.start_cli, warm=True)
 
 
 def _replay(run) -> subprocess.CompletedProcess:
@@ -155,3 +161,29 @@ def test_delivering_from_a_wrong_directory_is_refused_and_creates_nothing(tmp_pa
     assert e.value.code == 2
     assert "is not a run directory" in capsys.readouterr().err
     assert not wrong.exists() and not (tmp_path / "tracking").exists()
+
+
+def test_system_samples_taken_before_the_first_step_are_logged_after_its_loss(tmp_path):
+    """A first step slower than the sampling interval (a loaded CI machine, a model loading)
+    made system/cpu_utilization_percentage the run's first metric, and MLflow's compare page
+    plotted it by default instead of the loss. The sampler holds its samples until the run
+    has logged a measured metric; none of them is lost."""
+    import time
+
+    from llama_fsdp.prepare.tracking import start_run
+    from llama_fsdp.tracking.tracker import Tracker
+    from tests.conftest import make_spec
+
+    out, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path}/mlflow.db"
+    start_run(make_spec([f"tracking.uri={uri}"], output_dir=out), command="job")
+    tracker = Tracker(out, uri, system_metrics_s=0.2)
+    time.sleep(1.0)  # five samples' worth before the first step
+    for step in range(1, 4):
+        tracker.log_metrics({"loss": 1.0 / step}, step=step)
+    tracker.finish("FINISHED")
+    client = MlflowClient(uri)
+    run_id = read_run_file(out)["run_id"]
+    cpu = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    loss = client.get_metric_history(run_id, "loss")
+    assert len(cpu) >= 5, cpu  # the samples before the first step are kept ...
+    assert min(m.timestamp for m in loss) <= min(m.timestamp for m in cpu), (loss, cpu)

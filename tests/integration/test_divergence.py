@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from tests import warm
 
 pytestmark = [pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def sweep(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("diverge")
     uri = f"sqlite:///{cwd}/mlflow.db"
     r = subprocess.run(
-        [sys.executable, "-m", "llama_fsdp", "-m", "train.lr=0.003,3.0,1e20",
+        [warm.python(), "-m", "llama_fsdp", "-m", "train.lr=0.003,3.0,1e20",
          "train.max_steps=8", "save.every_steps=1", "eval.every_steps=0",
          "eval.task_prompts=0", "cluster.device=cpu", f"tracking.uri={uri}",
          # no eval here (no eval loss): the best point by the final training loss

@@ -11,6 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests import docs_commands as docs
+from tests import warm
 
 pytestmark = [pytest.mark.slow]
 
@@ -91,6 +92,77 @@ def test_lm_eval_on_the_export_scores_what_the_run_did(harness_run):
                                                 abs=5e-5)
 
 
+# A task of the test's own (not the project's YAML): its documents a JSON file read by
+# datasets' json builder, its prompt and target fields named otherwise, exact match ignoring
+# case; held-out records of the synthetic task (another stream than the bundled task's), so
+# that the trained model gets some right
+OWN_TASK = "task_written_by_the_test"
+OWN_YAML = """\
+task: task_written_by_the_test
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}} ="
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: " "
+generation_kwargs:
+  until: ["\\n"]
+  do_sample: false
+  max_gen_toks: 16
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    regexes_to_ignore: ["^\\\\s+", "\\\\s+$"]
+metadata:
+  version: 2.0
+"""
+OWN_DOCS = 40
+
+
+def test_a_task_written_here_scores_in_the_run_as_lm_eval_s_hf_model_does(harness_run,
+                                                                          tmp_path):
+    """The run's scorer (what eval.harness runs on rank 0: llama_fsdp.harness.evaluate) on a
+    task YAML this test writes, against lm-eval's own "hf" model (what `lm_eval --model hf`
+    builds) on the same export, task and folder: a task that is not the project's scores
+    alike, so what the two agree on is not the project's YAML."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from llama_fsdp import harness
+    from llama_fsdp.config.schema import HarnessConfig
+    from llama_fsdp.data.synthetic import synthetic_records
+
+    _, _, run_dir, _ = harness_run
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = tasks / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"question": f"{r['instruction']} {r['input']}",
+                                        "answer": r["output"]}) + "\n"
+                            for r in synthetic_records(OWN_DOCS, seed=1, split="harness")))
+    (tasks / "own.yaml").write_text(OWN_YAML.format(docs=docs))
+    ours = harness.evaluate(run_dir / "export", HarnessConfig(tasks=[OWN_TASK],
+                                                              include_path=str(tasks)),
+                            device="cpu")
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={run_dir / 'export'},add_bos_token=True",
+        tasks=[OWN_TASK], task_manager=TaskManager(include_path=str(tasks),
+                                                   include_defaults=False),
+        device="cpu", batch_size=8)
+    assert ours["n-samples"][OWN_TASK]["effective"] == OWN_DOCS
+    assert theirs["n-samples"][OWN_TASK]["effective"] == OWN_DOCS
+    got, want = ours["results"][OWN_TASK], theirs["results"][OWN_TASK]
+    assert got["exact_match,none"] == want["exact_match,none"], (got, want)
+    assert got["exact_match_stderr,none"] == pytest.approx(want["exact_match_stderr,none"])
+    assert 0 < got["exact_match,none"] < 1, got  # it answers some, not all: the score can move
+    found = harness.metrics(ours)  # what the run logs to MLflow
+    assert found[f"harness/{OWN_TASK}/exact_match"] == got["exact_match,none"]
+
+
 def test_evaluate_a_checkpoint_scores_as_the_run_did(harness_run):
     """Checkpoint step 30 through convert scores what the run's own export at step 30 did."""
     cwd, _, run_dir, run_id = harness_run
@@ -152,27 +224,38 @@ def test_generate_answers_what_lm_eval_scored(harness_run):
                   seed=0)[0] == answers[1]
 
 
+def _summary_rows(output: str) -> tuple[list[str], list[list[str]]]:
+    """The sweep summary's header and rows: every line between the rule under the header and
+    the best point's line."""
+    lines = output.split(" summary:\n", 1)[1].splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("best point: "))
+    assert set(lines[1].split()) == {"-" * len(w) for w in lines[1].split()}, lines[1]
+    return lines[0].split(), [line.split() for line in lines[2:end]]
+
+
 def test_a_sweep_has_a_harness_column_per_point(tmp_path):
     r = run_doc("harness_sweep", tmp_path)
     assert r.returncode == 0, str(r)
-    table = r.output.split(" summary:\n", 1)[1].splitlines()
-    header = table[0].split()
-    col = header.index(f"harness/{MC}/acc")
-    rows = [row.split() for row in table[2:5]]
-    assert sorted(row[header.index("finetune.method")] for row in rows) == ["full", "lora", "qlora"]
-    values = [float(row[col]) for row in rows]
-    assert all(0 <= v <= 1 for v in values), table
-    # the best point: the highest harness score (the benchmark, not the eval loss)
-    best = re.search(r"best point: (.+?) \(highest harness score: ([\d.]+)\)", r.output)
-    assert best and float(best.group(2)) == pytest.approx(max(values), abs=1e-3), r.output[-2000:]
+    header, rows = _summary_rows(r.output)
+    method, col = header.index("finetune.method"), header.index(f"harness/{MC}/acc")
+    scores = {row[method]: float(row[col]) for row in rows}
+    assert len(rows) == 3 and sorted(scores) == ["full", "lora", "qlora"], rows
+    assert all(0 <= v <= 1 for v in scores.values()), rows
     c = client(tmp_path)
     ids = re.findall(r"^\s+mlflow run\s+(\w+)", r.output, re.M)
-    runs = [c.get_run(i) for i in ids]
-    assert len(runs) == 3
-    for run in runs:
-        assert f"harness/{MC}/acc" in run.data.metrics, run.data.params["finetune.method"]
-        if run.data.params["finetune.method"] != "full":  # the merged model was what scored
+    runs = {run.data.params["finetune.method"]: run for run in map(c.get_run, ids)}
+    assert sorted(runs) == ["full", "lora", "qlora"]
+    for name, run in runs.items():  # each row is its point's run
+        assert float(f"{run.data.metrics[f'harness/{MC}/acc']:.4g}") == scores[name], name
+        if name != "full":  # the merged model was what scored
             assert (Path(run.data.tags["output_dir"]) / "export_merged" / "config.json").is_file()
+    # the best point: the row with the highest harness score (the benchmark, not the eval
+    # loss); of equals, the first by name
+    top = max(scores.values())
+    want = min(runs[name].info.run_name for name, v in scores.items() if v == top)
+    best = re.search(r"best point: (.+?) \(highest harness score: ([\d.]+)\)", r.output)
+    assert best and best.group(1) == want, (r.output[-2000:], scores)
+    assert float(best.group(2)) == pytest.approx(top, abs=1e-3)
 
 
 def test_hub_tasks_without_the_hub_are_refused(tmp_path):
@@ -200,7 +283,7 @@ def test_generate_merges_a_lora_adapter_on_the_fly(harness_run, tmp_path):
     from llama_fsdp.harness.models import resolve
 
     _, _, base_run, _ = harness_run
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu",
                         "finetune=lora", f"model.path={base_run / 'export'}",
                         "finetune.export_merged=true", "train.max_steps=4",
                         "train.warmup_steps=0", "eval.every_steps=0", "eval.task_prompts=0",

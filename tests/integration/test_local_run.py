@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests import docs_commands as docs
+from tests import warm
 
 pytestmark = [pytest.mark.slow]
 
@@ -20,7 +21,7 @@ STEP_METRICS = {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per
 def _run(cwd: Path, *overrides: str, env_extra: dict | None = None, timeout: int = 600):
     """The real command in a fresh directory, on the CPU (as CI has it)."""
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", *overrides],
+    return subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu", *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CI_ENV
+from tests import warm
 from tests.faults.conftest import FAST, MlflowServer
 
 pytestmark = [pytest.mark.slow]
@@ -36,8 +37,9 @@ def _hits(root: Path, text: str, secrets: tuple[str, ...] = SECRETS) -> list[str
     return found + [s for s in secrets if s in text]
 
 
-def _cli(cwd: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+def _cli(cwd: Path, *args: str, env: dict, python: str = sys.executable
+         ) -> subprocess.CompletedProcess:
+    return subprocess.run([python, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **env})
 
 
@@ -103,13 +105,19 @@ def test_a_run_with_a_password_in_its_uri_writes_no_secret_anywhere(tmp_path, se
 
 def test_a_sweep_with_a_password_in_its_uri_writes_none(tmp_path, server):
     """Before: Hydra's multirun.yaml (the sweep's composed config and overrides) and the
-    sweep's parent run held the password."""
+    sweep's parent run held the password. A real sweep (one 2-step point) (a dry-run sweep
+    records nothing and leaves no folder: tests/unit/test_bad_input.py), forked warm: what is
+    checked is what it writes, not how it starts."""
     uri = server.uri.replace("http://", f"http://admin:{PASSWORD}@")
-    out = _cli(tmp_path, "-m", "llama_fsdp", "-m", *FAST, "dry_run=true",
-               "train.batch_size=1,2", f"tracking.uri={uri}", env={})
+    out = _cli(tmp_path, "-m", "llama_fsdp", "-m", *FAST, "train.max_steps=2",
+               "train.batch_size=2", f"tracking.uri={uri}", env={}, python=warm.python())
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert list(tmp_path.glob("outputs/sweeps/*/*/multirun.yaml"))  # Hydra wrote it
-    assert any(r.data.tags.get("llama_fsdp.kind") == "sweep" for r in _runs(server))  # its parent
+    runs = _runs(server)  # (the module's server also holds the other test's run)
+    (parent,) = [r for r in runs if r.data.tags.get("llama_fsdp.kind") == "sweep"]
+    points = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert [r.info.status for r in points] == ["FINISHED"], [(r.info.run_name, r.info.status)
+                                                           for r in runs]
     assert _hits(tmp_path, out.stdout + out.stderr) == []
     assert _hits(server.root, "") == []
     _credentials_were_tested()

@@ -108,18 +108,20 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     one with the lowest eval loss (before: the most tokens per second, whatever its loss), and
     the sweep says it submits its points (before: Hydra's "Launching 4 jobs locally")."""
     evaluated = [o for o in FAST if not o.startswith("eval.every_steps")]
-    out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4", "sharding=full,no_shard",
+    # two points are "every point at once" as well as four (the grid of two keys and its
+    # table: tests/integration/test_docs_commands.py::test_sweep, run locally)
+    out = _cli(tmp_path, slurm_cluster, "-m", "train.batch_size=2,4",
                "cluster.nproc_per_node=1", "train.max_steps=2", *evaluated, "eval.every_steps=2",
                "eval.max_batches=1")
     assert out.returncode == 0, out.stderr[-4000:]
     log = out.stdout + out.stderr
-    assert log.count("submitted SLURM job") == 4
+    assert log.count("submitted SLURM job") == 2
     assert "jobs locally" not in log
-    assert "submitting 4 sweep points as SLURM jobs, all at once" in log
+    assert "submitting 2 sweep points as SLURM jobs, all at once" in log
     # the summary at submission says the points are not done, and how to see it later
-    assert re.search(r"\n[0-3] of 4 points ended; the summary is final when the last ends", log)
+    assert re.search(r"\n[01] of 2 points ended; the summary is final when the last ends", log)
     assert "python -m llama_fsdp.sweep" in log
-    runs = _wait_all_finished(tmp_path, 4, timeout=480)
+    runs = _wait_all_finished(tmp_path, 2, timeout=480)
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len({r.data.tags["sweep_id"] for r in runs}) == 1
     sweep_id = runs[0].data.tags["sweep_id"]
@@ -134,15 +136,13 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert len(parents) == 1
     parent = _wait_parent_finished(client, parents[0].info.run_id, timeout=60)
     assert parent.data.tags["status"] == "finished" and parent.data.tags["failed_points"] == "0"
-    # (full and no_shard compute the same losses: of equals, the first by name)
+    # (of equals, the first by name)
     best = min(runs, key=lambda r: (r.data.metrics["summary/eval_loss"], r.info.run_name))
     assert parent.data.tags["best point"] == best.info.run_name
     assert parent.data.tags["best by"] == "lowest summary/eval_loss"
     assert parent.data.metrics["best/eval_loss"] == best.data.metrics["summary/eval_loss"]
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
-    assert sorted(r.info.run_name for r in runs) == [
-        "b=2 shard=full", "b=2 shard=no_shard",
-        "b=4 shard=full", "b=4 shard=no_shard"]
+    assert sorted(r.info.run_name for r in runs) == ["b=2", "b=4"]
     # on demand too, the same summary
     summary = subprocess.run([sys.executable, "-m", "llama_fsdp.tracking.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
@@ -152,6 +152,43 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
             in summary.stdout + summary.stderr)
     parent = client.get_run(parents[0].info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_points"] == "0"
+
+
+def test_a_search_runs_its_n_jobs_trials_as_slurm_jobs_at_once(tmp_path, slurm_cluster):
+    """A search on SLURM as typed (before: refused, "drop cluster.wait=false", which is
+    cluster=slurm's default): trial 0, the run as configured, is one job waited for; then
+    hydra.sweeper.n_jobs=2 trials are submitted together and waited for together (each one's
+    run began before the other's ended), and each is told the value its run ended with."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out = _cli(tmp_path, slurm_cluster, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+               "hydra.sweeper.n_jobs=2", "hydra/sweeper/sampler=bruteforce",
+               "hydra.sweeper.params.train.lr=choice(0.003, 0.001)", "cluster.nproc_per_node=1",
+               "train.max_steps=2", "train.warmup_steps=1", "eval.every_steps=2",
+               "eval.max_batches=1", "eval.task_prompts=0")
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert log.count("submitted SLURM job") == 3, log[-4000:]
+    assert re.search(r"trials 1, 2: SLURM jobs \d+, \d+ run at once; waiting for them", log), \
+        log[-4000:]
+    table = log[log.index("search sweep-"):]
+    assert len(re.findall(r"^[012]\s+0\.00[13]\s+[\d.]+\s+finished$", table, re.M)) == 3, table
+    _, runs = _runs(tmp_path)
+    points = [r for r in runs if r.data.tags.get("llama_fsdp.kind") != "sweep"]
+    assert sorted(r.info.status for r in points) == ["FINISHED"] * 3
+    batch = [r for r in points if r.info.run_name != "as configured"]
+    starts = sorted(r.info.start_time for r in batch)
+    ends = sorted(r.info.end_time for r in batch)
+    assert len(batch) == 2 and starts[-1] < ends[0], (starts, ends)
+    (journal,) = tmp_path.rglob("optuna_study.jsonl")
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+    told = sorted((t.params["train.lr"], t.value) for t in study.trials
+                  if t.state.name == "COMPLETE")
+    assert told == sorted((r.data.params["train.lr"], r.data.metrics["summary/eval_loss"])
+                          for r in points), told
 
 
 def _wait_parent_finished(client, run_id: str, timeout: float):
@@ -171,7 +208,12 @@ def _wait_parent_finished(client, run_id: str, timeout: float):
 PREEMPT_STEP_SLEEP_S = 0.5
 
 
-def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster):
+def test_the_usr2_warning_checkpoints_requeues_the_job_and_it_finishes(tmp_path, slurm_cluster):
+    """SIGUSR2, the warning submitit asks SLURM to send before the time limit
+    (--signal=USR2@delay; sent here with scancel): the ranks save at their next log step, rank
+    0 requeues the job, and the requeued job resumes from that checkpoint and finishes, each
+    step once in MLflow. (A real preemption, SIGTERM and the partition's GraceTime:
+    test_slurm_requeue.py.)"""
     from tests.faults import hooks
 
     # the only checkpoint a run of 30 steps saving every 100 steps can have is the one the
@@ -193,7 +235,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster
             break
         time.sleep(1)
     assert run is not None, "the job never got going\n" + slurm_cluster.logs()
-    # what SLURM sends before preempting or at the time limit (submitit: --signal=USR2@delay)
+    # what SLURM sends before the time limit (submitit: --signal=USR2@delay)
     subprocess.run(["scancel", "--signal=USR2", job_id], env={**os.environ, **slurm_cluster.env},
                    check=True, timeout=30)
     runs = _wait_all_finished(tmp_path, 1, timeout=480)
@@ -205,8 +247,8 @@ def test_preempted_job_checkpoints_requeues_and_finishes(tmp_path, slurm_cluster
         time.sleep(2)
     assert run.info.status == "FINISHED", slurm_cluster.logs()
     history = client.get_metric_history(run.info.run_id, "loss")
-    steps_logged = sorted({m.step for m in history})
-    assert steps_logged == list(range(1, steps + 1))  # the same final step count, no gap
+    steps_logged = sorted(m.step for m in history)
+    assert steps_logged == list(range(1, steps + 1)), steps_logged  # each step once, no gap
     resume_step = int(run.data.tags["resume_step"])
     assert 7 <= resume_step < steps  # the checkpoint the signal made, mid-run
     assert run.data.tags["restarts"] == "1"  # the requeued job (SLURM_RESTART_COUNT=1)

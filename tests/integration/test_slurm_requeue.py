@@ -96,6 +96,19 @@ def _every_step_once(client: MlflowClient, run_id: str, steps: int) -> list:
     return history
 
 
+def _slurm_record(job: str, env: dict[str, str]) -> tuple[str, list[str]]:
+    """SLURM's own word on a job: its Restarts count (scontrol, which keeps an ended job for
+    MinJobAge) and the states of its every attempt, oldest first (sacct --duplicates: a
+    requeued attempt's record stays, as REQUEUED)."""
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
+                           text=True, check=True, timeout=30).stdout
+    restarts = re.search(r"\bRestarts=(\d+)", shown)
+    states = subprocess.run(["sacct", "-j", job, "--duplicates", "-X", "-n", "-P", "-o", "State"],
+                            env=env, capture_output=True, text=True, check=True,
+                            timeout=30).stdout.split()
+    return (restarts.group(1) if restarts else shown), states
+
+
 # the requeue test's runs: steps, a checkpoint every SAVE_EVERY, and a stall after STALL_AT in
 # the first attempt (every rank sleeps there), where `scontrol requeue` finds them: steps
 # SAVE_EVERY+1..STALL_AT are logged and never checkpointed, and the requeued job trains them
@@ -162,6 +175,14 @@ def test_requeued_jobs_run_again_and_log_every_step_once(tmp_path, slurm_cluster
         assert [(m.step, m.value) for m in client.get_metric_history(run_id, "restart")] == [
             (SAVE_EVERY, 1.0)]
         assert run.data.tags["status"] == "finished"
+        # and SLURM says so too: one restart, an attempt requeued, then the one that completed
+        # (SLURM's record of the job's end can follow the run's by a few seconds: RUNNING, or
+        # COMPLETING, while the job step's processes are reaped)
+        deadline = time.monotonic() + 60
+        while (record := _slurm_record(job, env))[1][-1:] in (["RUNNING"], ["COMPLETING"]):
+            assert time.monotonic() < deadline, (job, record)
+            time.sleep(1)
+        assert record == ("1", ["REQUEUED", "COMPLETED"]), job
     print(f"two requeued jobs, both finished: {time.monotonic() - t0:.0f}s")
 
 

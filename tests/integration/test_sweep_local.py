@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.faults import hooks
 from tests.faults.conftest import MlflowServer
+from tests import warm
 
 pytestmark = [pytest.mark.slow]
 
@@ -39,7 +39,7 @@ WIDTH, HEIGHT = 1600, 1000
 
 
 def _cli(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llama_fsdp", *args], cwd=cwd,
+    return subprocess.run([warm.python(), "-m", "llama_fsdp", *args], cwd=cwd,
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=900)
 
@@ -177,7 +177,7 @@ def test_the_exported_point_is_its_trained_start(sweep, tmp_path):
     (point,) = [k for k in kids if k.info.run_name == "ft=full"]
     assert point.info.status == "FINISHED"
     run_dir, export = Path(point.data.tags["output_dir"]), tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp.checkpoint.convert",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp.checkpoint.convert",
                         str(layout.step_dir(run_dir, 3)), str(export)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -15,11 +15,11 @@ rows), all from the HF directories this module writes (model.path): the tiny sha
   projections cannot be NF4 over 4 shards, which the spec refuses, tested here too) and
   ``qlora_4_mha`` (full sharding, 4 shards).
 
-Every rank reports what it computed itself: its base before training, and again after the test
-reloads the HF base over it; its gradient norm at each step; its part of every adapter after
-training; its probe logits; the 16-bit
-staging buffers alive at once while its base loaded. Every run exports its PEFT adapter;
-``qlora_2`` also the merged model.
+Every rank reports what it computed itself: which of its frozen weights after build are not its
+rows of the HF safetensors file, and its base after training; its gradient norm at each step;
+its part of every adapter after training; its probe logits; the 16-bit staging buffers alive
+at once while its base loaded. Every run exports its PEFT adapter; ``qlora_2`` also the merged
+model.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 6
 BASE = ["eval.every_steps=0", "train.warmup_steps=1", f"train.max_steps={STEPS}",
-        "precision=fp32", "finetune.rank=8", "finetune.alpha=16"]
+        "precision=fp32", "finetune.rank=8", "finetune.alpha=16",
+        "train.lr=3e-3"]  # (folders of random weights: the from-scratch rate, not a pretrained one)
 MHA = ["model.num_kv_heads=8"]  # k / v of 256 rows: 64 a shard over 4, whole NF4 groups
 PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
 # 1 rank against 2 or 4: the same sums in another order (reduce-scatters, smaller GEMMs)
@@ -68,28 +69,43 @@ def _base(model) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def _nf4_equals_whole_tensor_quantized(model, hf_dir: str) -> bool:
-    """Each rank's NF4 shard is the shard of to_nf4(whole HF weight): the per-shard
-    quantization with the shared scaler mean is exact."""
+def _hf_weights(hf_dir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
-
-    from llama_fsdp.model import nf4
-    from llama_fsdp.model.lora import local_rows, lora_modules
 
     full = {}
     for f in Path(hf_dir).glob("*.safetensors"):
         full.update(load_file(str(f)))
-    for name, m in lora_modules(model):
-        p = m.weight
+    return full
+
+
+def _not_the_hf_rows(model, spec, rank: int) -> tuple[list[str], int]:
+    """The frozen weights whose part on this rank is not its rows of the HF safetensors file,
+    and how many weights are NF4. Rank r holds torch.chunk(weight, n)[r % n] of a shard group of
+    n ranks (FSDP2 splits dim 0 as torch.chunk does; in hybrid, ranks r and r + n hold the same
+    rows); an NF4 weight, those rows of to_nf4 of the whole HF weight (the per-shard
+    quantization with the shared scaler mean is exact). Every HF weight must be there."""
+    from llama_fsdp.model import nf4
+    from llama_fsdp.model.lora import is_adapter
+
+    hf, shards = _hf_weights(spec.model.path), spec.mesh.shard
+    wrong, seen, quantized = [], set(), 0
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            continue
+        key = name.replace("._checkpoint_wrapped_module", "")
+        seen.add(key)
         local = p.to_local() if hasattr(p, "to_local") else p
-        start, rows = local_rows(p)
-        ref = nf4.nf4_module().to_nf4(full[f"{name}.weight"].to(p.dtype).contiguous(),
-                                      local.block_size, local.scaler_block_size)
-        shard = torch.chunk(ref, p.shape[0] // rows)[start // rows]
-        if not all(torch.equal(a, b) for a, b in zip(nf4.inner_tensors(local),
-                                                     nf4.inner_tensors(shard))):
-            return False
-    return True
+        whole = hf[key].to(p.dtype).contiguous()
+        if nf4.is_nf4(local):
+            quantized += 1
+            whole = nf4.nf4_module().to_nf4(whole, local.block_size, local.scaler_block_size)
+            mine = nf4.inner_tensors(torch.chunk(whole, shards)[rank % shards])
+            same = all(torch.equal(a, b) for a, b in zip(nf4.inner_tensors(local), mine))
+        else:
+            same = torch.equal(local.detach(), torch.chunk(whole, shards)[rank % shards])
+        if not same:
+            wrong.append(key)
+    return wrong + [f"{k} (not in the model)" for k in sorted(set(hf) - seen)], quantized
 
 
 @contextlib.contextmanager
@@ -129,7 +145,6 @@ def _same(a: dict, b: dict) -> bool:
 def _session(rank, world, specs, load_only=()):
     """Build, check, train and probe every run in turn (one process group per call); a run in
     ``load_only`` is only built (its base loaded), for its staging."""
-    from llama_fsdp.checkpoint.peft import load_hf_base
     from llama_fsdp.train.worker import DistEnv, RankRun, build_model
 
     env, cpu = DistEnv(rank, rank, world, world), torch.device("cpu")
@@ -137,17 +152,14 @@ def _session(rank, world, specs, load_only=()):
     for name, spec in specs.items():
         if name in load_only:
             with _live_staging() as staged:
-                build_model(spec, cpu)
-            out[name] = {"staging": staged[0]}
+                model = build_model(spec, cpu)
+            not_hf, quantized = _not_the_hf_rows(model, spec, rank)
+            out[name] = {"staging": staged[0], "not_hf_rows": not_hf, "nf4_weights": quantized}
             continue
         with _live_staging() as staged:
             run = RankRun.build(spec, env, cpu)
-        before = _base(run.model)  # what build (and resume) left, before this test touches it
-        # the base loaded again from the HF files over it: build must have loaded exactly that
-        load_hf_base(run.model, spec.model.path, spec.finetune, device=cpu)
-        built_from_hf = _same(before, _base(run.model))
-        nf4_exact = (spec.finetune.nf4
-                     and _nf4_equals_whole_tensor_quantized(run.model, spec.model.path))
+        before = _base(run.model)  # what build (and resume) left
+        not_hf, quantized = _not_the_hf_rows(run.model, spec, rank)
         trained = {id(p) for p in run.model.parameters() if p.requires_grad}
         optimized = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
         with recorded_grad_norms() as norms:
@@ -156,7 +168,7 @@ def _session(rank, world, specs, load_only=()):
         parts = trained_parts(run.model)  # likewise
         out[name] = {
             "result": result, "parts": parts, "logits": _logits(run.model), "grad_norms": norms,
-            "nf4_exact": nf4_exact, "staging": staged[0], "built_from_hf": built_from_hf,
+            "nf4_weights": quantized, "staging": staged[0], "not_hf_rows": not_hf,
             "base_unchanged": unchanged,
             "optimizer_holds_adapters_only": optimized == trained and all(
                 "lora_" in n for n, p in run.model.named_parameters() if id(p) in trained)}
@@ -294,11 +306,12 @@ def test_qlora_at_four_shards_of_the_tiny_shape_is_refused_with_the_fix(hf_dir):
 
 
 def test_the_frozen_base_is_the_hf_one_and_bit_identical_after_training(runs):
-    """On every rank of every run: the base build left (resumed runs included: a checkpoint
-    holds no base) is what loading the HF files again gives, and training left it unchanged."""
+    """On every rank of every run (LoRA and QLoRA, on 1, 2 and 4 ranks, hybrid, resumed: a
+    checkpoint holds no base): the base build left is this rank's rows of the HF safetensors
+    file, and training left it unchanged."""
     seen = 0
     for where, name, r in _trained(runs):
-        assert r["built_from_hf"], (where, name)
+        assert r["not_hf_rows"] == [], (where, name)
         assert r["base_unchanged"], (where, name)
         assert r["optimizer_holds_adapters_only"], (where, name)
         seen += 1
@@ -306,10 +319,18 @@ def test_the_frozen_base_is_the_hf_one_and_bit_identical_after_training(runs):
 
 
 def test_nf4_shards_equal_the_whole_tensor_quantized(runs):
+    """Every target projection of every QLoRA run is NF4 (and its rows those of the whole HF
+    weight quantized, above), on every rank; the bf16 base too (loaded only)."""
     qlora = [(w, n, r) for w, n, r in _trained(runs) if n.startswith("qlora")]
     assert len(qlora) == 2 * 3 + 3 + 4 * 2
+    qlora += [(f"2 ranks, rank {rank}", "qlora_bf16", r["qlora_bf16"])
+              for rank, r in enumerate(runs["ranks"]["2"])]
     for where, name, r in qlora:
-        assert r["nf4_exact"], (where, name)
+        spec = runs["specs"][name]
+        want = len(spec.finetune.target_modules) * spec.model.num_layers
+        assert r["nf4_weights"] == want and r["not_hf_rows"] == [], (where, name, r["not_hf_rows"])
+    for where, name, r in _trained(runs):
+        assert name.startswith("qlora") or r["nf4_weights"] == 0, (where, name)
 
 
 def test_loading_stages_one_layers_rows_as_the_plan_says(runs):

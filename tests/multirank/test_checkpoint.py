@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from llama_fsdp.config.rundir import OPTIM_META
 from tests.conftest import REPO, launch_prepared, make_spec
 from tests.faults import hooks
 from tests.distributed import run_ranks
+from tests import warm
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -240,7 +240,7 @@ def test_export_and_convert_load_in_transformers_with_the_trained_logits(runs, t
     # the converter, as a real CLI, on a's last (gathered) checkpoint: the same files
     out = tmp_path / "converted"
     step6 = runs["root"] / "a" / "checkpoints" / "step_000006"
-    subprocess.run([sys.executable, "-m", "llama_fsdp.checkpoint.convert", str(step6), str(out)],
+    subprocess.run([warm.python(), "-m", "llama_fsdp.checkpoint.convert", str(step6), str(out)],
                    cwd=REPO, check=True, capture_output=True)
     assert sorted(p.name for p in out.iterdir()) == names
     for name in names:

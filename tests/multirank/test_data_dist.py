@@ -50,7 +50,30 @@ def _on_rank(rank, world, cache):
         reference[rank * 4:(rank + 1) * 4]
     # 7 prompts, micro-batch 2: rank 1 answers an uncounted stand-in to keep calls equal
     out["metric"] = exact_match(model, dm, device=cpu, max_prompts=7, max_new_tokens=4)
+    # decoding until every prompt on every rank has ended: rank 0's ends at its 3rd forward,
+    # rank 1's at its 6th; both run 6 (the all-reduce a token keeps FSDP's ranks in lockstep)
+    ends = _EndsAfter(3 if rank == 0 else 6, dm.tokenizer.eos_token_id, 512)
+    greedy_generate(ends, [p[0] for p in prompts[:2]], dm.tokenizer, device=cpu, steps=20,
+                    until_all_done=True)
+    out["forwards"] = ends.calls
     return out
+
+
+class _EndsAfter:
+    """A stand-in model whose every prompt ends (EOS) at its ``n``-th forward call."""
+
+    def __init__(self, n: int, eos: int, vocab: int):
+        self.n, self.eos, self.vocab, self.calls = n, eos, vocab, 0
+
+    def __call__(self, input_ids, **_):
+        import types
+
+        import torch
+
+        self.calls += 1
+        logits = torch.zeros(input_ids.shape[0], 1, self.vocab)
+        logits[:, 0, self.eos if self.calls >= self.n else 7] = 1.0
+        return types.SimpleNamespace(logits=logits)
 
 
 def test_data_on_two_gloo_ranks(tmp_path):
@@ -65,3 +88,4 @@ def test_data_on_two_gloo_ranks(tmp_path):
     assert r0["sharded_ok"] and r1["sharded_ok"]
     assert r0["metric"] == r1["metric"]  # all-reduced
     assert r0["metric"]["exact_match"] == pytest.approx(r0["expected"])
+    assert r0["forwards"] == r1["forwards"] == 6

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS = 4
 BASE = ["objective=dpo", "objective.beta=0.5", "eval.every_steps=0", "train.warmup_steps=1",
         f"train.max_steps={STEPS}", "precision=fp32", "data.num_records=240",
-        "data.eval_records=24", "train.seq_len=64", "finetune.rank=8", "finetune.alpha=16"]
+        "data.eval_records=24", "train.seq_len=64", "finetune.rank=8", "finetune.alpha=16",
+        "train.lr=3e-3"]  # (folders of random weights: the from-scratch rate, not a pretrained one)
 PROBE = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
 RTOL = 1e-4  # another world size or micro-batching: the same sums in another order
 # A trained weight, likewise, to what AdamW's step makes of it: the step divides by the
@@ -96,10 +97,25 @@ def _session(rank, world, specs):
         out[name] = {"parts": trained_parts(run.model) if name in PARTS else None,
                      "result": result, "logits": _logits(run.model), "grad_norms": norms,
                      "metrics": getattr(run.tracker, "metrics", None),
-                     "optimizer_holds_what_trains": optimized == trained}
+                     "optimizer_holds_what_trains": optimized == trained,
+                     "cache_files": _cache_files(spec)}
         if ref_model is not None:
             out[name]["reference"] = _reference(ref_model, before, optimized)
     return out
+
+
+def _cache_files(spec) -> dict[str, tuple[int, int]]:
+    """Every file and folder of the reference log-prob cache after this run: its inode and
+    mtime (ns). An entry written again (computed again) has new ones: the cache writes a
+    fresh folder and renames it over the old."""
+    from llama_fsdp.config.schema import ObjectiveConfig
+    from llama_fsdp.objective.dpo_reference import REFERENCE_DIR
+
+    if spec.objective.reference != ObjectiveConfig.CACHED:
+        return {}
+    root = Path(spec.cache_dir) / REFERENCE_DIR
+    return {str(p.relative_to(root)): (p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
 
 
 def _reference(ref_model, before, optimized) -> dict:
@@ -168,7 +184,8 @@ def runs(tmp_path_factory, hf_dir):
     # held-out pairs at the end
     two["lora_learns"] = make_spec(
         ["objective=dpo", "finetune=lora", "tracking.enabled=false", "train.max_steps=20",
-         "eval.every_steps=20", "eval.task_prompts=0", f"model.path={hf_dir}"],
+         "eval.every_steps=20", "eval.task_prompts=0", f"model.path={hf_dir}",
+         "train.lr=3e-3", "finetune.rank=16", "finetune.alpha=32"],  # (as the default command)
         output_dir=root / "lora_learns")
     prepare(two["lora"], command="pytest")  # its MLflow run, as the driver makes it
     out = run_ranks(_session, 2, two)
@@ -315,6 +332,13 @@ def test_cached_reference_log_probs_are_computed_once_and_train_alike(runs):
     entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     # lora and full start from the same HF weights: one entry serves both
     assert len(entries) == 1, entries
+    # computed once: lora_cached wrote the entry; the runs after it (in order, on every rank)
+    # read it and wrote nothing: each file the same inode and mtime as lora_cached left it
+    for rank, r in enumerate(runs["ranks"]):
+        first = r["lora_cached"]["cache_files"]
+        assert f"{entries[0].name}/train.npy" in first, (rank, sorted(first))
+        for again in ("lora_cached_again", "full_cached"):
+            assert r[again]["cache_files"] == first, (rank, again, r[again]["cache_files"], first)
     train = np.load(entries[0] / "train.npy")
     assert train.dtype.name == "float32" and (train < 0).all() and len(train) == 2 * 240
     for cached, live in (("lora_cached", "lora"), ("lora_cached_again", "lora"),

@@ -13,6 +13,7 @@ import pytest
 
 from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
+from tests import warm
 
 
 @pytest.mark.parametrize("override,message", [
@@ -34,6 +35,11 @@ from tests.conftest import make_spec
     ("finetune=lora finetune.alpha=inf", "finetune.alpha=inf must be a finite number > 0"),
     ("tracking.best_mode=lowest", "tracking.best_mode='lowest': valid: min, max"),
     ("tracking.best_metric=", "tracking.best_metric is empty: name the end-of-run metric"),
+    # (issue 63: accepted, then every sweep's best point was "none yet")
+    ("tracking.best_metric=summary/eval_los", "tracking.best_metric='summary/eval_los' is no "
+     "metric a run logs, so no sweep point would have it; the closest: summary/eval_loss"),
+    # (issue 63: 1e-30 trained nothing without a word)
+    ("train.lr=1e-30", "train.lr=1e-30 is below 1e-12: steps that small are rounded away"),
 ])
 def test_numbers_are_finite_and_in_range_at_compose(override, message, tmp_path):
     """Before: NaN and infinity passed every check and trained silently; beta1=1.5,
@@ -94,7 +100,7 @@ def test_a_bad_callback_is_named_before_any_rank_starts(tmp_path):
     for callbacks, message in (("[mycb:nope]", "module 'mycb' has no 'nope'"),
                                ("[no_such_module:f]", "'no_such_module:f' cannot be imported"),
                                ("[mycb:NOT_A_FACTORY]", "is a int, not a factory")):
-        out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+        out = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu",
                               "tracking.enabled=false", f"train.callbacks={callbacks}",
                               f"output_dir={tmp_path}/run"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=300)
@@ -131,7 +137,7 @@ def test_names_that_become_paths_stay_in_their_folder(tmp_path):
     assert artifact_location(f"sqlite:///{db}", "llama_fsdp").endswith("/mlartifacts/llama_fsdp")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "../../../escaped"}
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=torchrun",
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster=torchrun",
                           "cluster.device=cpu", "dry_run=true"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
@@ -162,7 +168,7 @@ def test_every_number_that_reaches_an_allocation_a_loop_or_a_timer_is_bounded(ov
 
 def test_a_billion_layers_is_refused_before_anything_is_planned(tmp_path):
     """Before: model.num_layers=1e9 raised MemoryError, even under dry_run."""
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", "dry_run=true",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu", "dry_run=true",
                         "model.num_layers=1000000000"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -185,18 +191,22 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, where):
     """Before: an output_dir below a file, or on /proc, ended in a raw OSError traceback."""
     (tmp_path / "a_file").write_text("x")
     out = {"file": tmp_path / "a_file" / "run", "proc": Path("/proc/llama_fsdp_test_run")}[where]
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu",
                         f"output_dir={out}", "tracking.enabled=false"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert f"cannot make the run directory {out}" in r.stderr
-    assert "choose an output_dir where you may write" in r.stderr
+    if where == "file":  # (issue 63: said before the plan, by the CLI's Hydra callback)
+        assert f"output_dir={out} cannot be made: {tmp_path / 'a_file'} is a file, not a " \
+            "folder. Pick a writable folder: output_dir=<a folder you may write>" in r.stderr
+    else:  # root may write below /proc's folder: said when the run directory is made
+        assert f"cannot make the run directory {out}" in r.stderr
+        assert "choose an output_dir where you may write" in r.stderr
     assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr
 
 
 def test_convert_to_a_path_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "out").write_text("a file of the user's")
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp.convert", str(tmp_path),
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp.convert", str(tmp_path),
                         str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is a file, not a directory" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -217,3 +227,72 @@ def test_a_launch_from_a_read_only_folder_is_one_line(tmp_path):
     assert f"{ro} is not writable: llama_fsdp keeps each launch's folder under outputs/runs" \
         in r.stderr
     assert "Traceback" not in r.stderr and "OSError" not in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare to mount a read-only folder")
+@pytest.mark.parametrize("args,key", [
+    (["hydra.run.dir={ro}/run"], "hydra.run.dir"),
+    (["output_dir={ro}/run"], "output_dir"),
+    (["-m", "hydra.sweep.dir={ro}/sweep", "train.lr=1e-3,2e-3"], "hydra.sweep.dir"),
+])
+def test_a_run_folder_on_a_read_only_mount_is_one_line_before_any_work(tmp_path, args, key):
+    """Before (issue 63 item 12): hydra.run.dir on a read-only mount ended in Hydra's OSError
+    traceback (Hydra makes it before our code runs); output_dir was refused only after the plan
+    and the job's controller had started. A real read-only bind mount (as root, chmod stops no
+    write), in a mount namespace of its own; the launch folder is writable."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    argv = " ".join(a.format(ro=ro) for a in args)
+    script = (f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && "
+              f"{sys.executable} -m llama_fsdp {argv} cluster.device=cpu train.max_steps=2")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert f"{key}={ro}/{'sweep' if 'sweep' in key else 'run'} cannot be made: {ro} is on a " \
+        f"read-only mount. Pick a writable folder: {key}=<a folder you may write>" in out, out
+    assert "Traceback" not in out and "OSError" not in out
+    assert "plan:" not in out  # before the plan, the data, the ranks and the MLflow run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]  # no outputs/, no mlflow.db
+
+
+def test_a_dry_run_sweep_leaves_no_mlflow_run_and_no_sweep_folder(tmp_path):
+    """Before (issue 63): `-m ... dry_run=true` left a RUNNING MLflow parent run and the sweep's
+    folder (multirun.yaml, its tracking spool)."""
+    db = tmp_path / "mlflow.db"
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "-m", "train.lr=1e-3",
+                        "cluster.device=cpu", "dry_run=true", f"tracking.uri=sqlite:///{db}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists(), sorted(map(str, tmp_path.rglob("*")))
+    if db.exists():  # (no run at all; a store MLflow made is the user's to keep)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+        assert [r.info.status for e in client.search_experiments()
+                for r in client.search_runs([e.experiment_id])] == []
+    assert "dry_run=true: the sweep's points were planned; nothing launched" in \
+        r.stdout + r.stderr
+
+
+def test_every_metric_a_run_logs_can_pick_the_best_point(tmp_path, caplog):
+    """The names the sweeps, docs and tests use pass; a huge lr is said, not refused (the
+    guard's own tests train at 3.0 and 1e20)."""
+    for name in ("summary/eval_loss", "summary/final_loss", "summary/tokens_per_sec",
+                 "harness score", "harness/arc_easy/acc", "summary/eval_reward_accuracy",
+                 "eval_rewards/margin", "summary/eval_dpo_loss"):
+        make_spec([f"tracking.best_metric={name}"], output_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="llama_fsdp.run.checks"):
+        make_spec(["train.lr=1e20"], output_dir=tmp_path)
+    assert "train.lr=1e+20 is above 10, far above any recipe's" in caplog.text
+
+
+def test_a_swept_value_with_a_line_break_keeps_the_run_name_on_one_line():
+    """Before (issue 63): the run name held the line break, which broke MLflow's table and the
+    sweep's summary."""
+    from llama_fsdp.run.spec import point_name
+
+    assert point_name({"data.prompt_template": "Q: {instruction}\nA:\t", "train.lr": "3e-4"}) \
+        == "prompt_template=Q: {instruction}\\nA:\\t lr=3e-4"

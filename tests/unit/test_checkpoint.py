@@ -42,25 +42,25 @@ def _model_cfg(name: str):
 
 # --- model.path at spec time ---------------------------------------------------------------------
 
-def test_model_path_with_another_shape_names_fields_and_the_preset(tmp_path):
+def test_a_named_shape_that_disagrees_with_the_folder_names_fields_and_the_preset(tmp_path):
     hf = _hf_dir(tmp_path / "llama-3.2-1b", llama_config(_model_cfg("1b")))
     with pytest.raises(ConfigError) as e:
-        make_spec([f"model.path={hf}"])  # model=tiny
+        make_spec(["model=3b", f"model.path={hf}", "cluster.device=cpu"])
     msg = str(e.value)
-    assert "model=tiny does not match model.path" in msg
-    assert "hidden_size: model.hidden_size=256 but config.json has 2048" in msg
-    assert "num_layers: model.num_layers=4 but config.json has 16" in msg
+    assert "model=3b does not match model.path" in msg
+    assert "hidden_size: model.hidden_size=3072 but config.json has 2048" in msg
+    assert "num_layers: model.num_layers=28 but config.json has 16" in msg
     assert "use model=1b" in msg and "model=1b model." not in msg  # the preset matches exactly
     make_spec(["model=1b", f"model.path={hf}", "cluster.device=cpu"])  # and then it builds
 
 
 def test_model_path_numeric_difference_suggests_overrides(tmp_path):
-    cfg = llama_config(_model_cfg("tiny"))
+    cfg = llama_config(_model_cfg("1b"))
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     hf = _hf_dir(tmp_path / "hf", cfg)
     with pytest.raises(ConfigError, match=r"rope_theta: model.rope_theta=500000.0 but config.json "
-                                          r"has 10000.0\): use model=tiny model.rope_theta=10000.0"):
-        make_spec([f"model.path={hf}"])
+                                          r"has 10000.0.*use model=1b model.rope_theta=10000.0"):
+        make_spec(["model=1b", f"model.path={hf}", "cluster.device=cpu"])
 
 
 def test_model_path_matching_shape_builds(tmp_path):
@@ -359,3 +359,21 @@ def test_a_damaged_metadata_is_left_to_resumes_fallback_not_called_hostile(tmp_p
     assert check_file(meta) is None
     with pytest.raises(DamagedCheckpoint, match="is not a readable pickle"):
         load_metadata(meta)
+
+
+def test_a_full_disk_is_named_as_one_with_the_paths_own_case(tmp_path):
+    """Before (issue 63): the hint went through str.capitalize(), which lower-cases the rest
+    (/Data/Run -> /data/run), and torch's 'unexpected pos' (a short write of a full disk) got
+    the 'check that it is writable' hint."""
+    import errno
+
+    from llama_fsdp.checkpoint.dcp import save_hint
+
+    root = tmp_path / "Data" / "MyRun" / "checkpoints"
+    short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1856 vs "
+                         "1746")
+    for err in (short, OSError(errno.ENOSPC, "No space left on device")):
+        assert save_hint(root, err) == (f"The disk looks full: free space on {root} (df -h "
+                                        f"{root}) or point output_dir elsewhere")
+    assert save_hint(root, PermissionError(errno.EACCES, "Permission denied")) == \
+        f"Check that {root} is writable"

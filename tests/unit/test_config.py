@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -11,6 +10,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from llama_fsdp.run.spec import ConfigError
 from tests.conftest import CONF, REPO, compose, make_spec
+from tests import warm
 
 GROUPS = ["model", "sharding", "precision", "checkpointing", "cluster", "data"]
 
@@ -167,7 +167,7 @@ def test_precision_policies(precision, dtypes):
 
 def test_cli_reports_a_bad_value_and_exits_nonzero(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "llama_fsdp", "train.batch_size=0", f"hydra.run.dir={tmp_path}"],
+        [warm.python(), "-m", "llama_fsdp", "train.batch_size=0", f"hydra.run.dir={tmp_path}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "train.batch_size=0 must be >= 1" in out.stderr + out.stdout
@@ -175,7 +175,7 @@ def test_cli_reports_a_bad_value_and_exits_nonzero(tmp_path):
 
 
 def test_cli_unknown_option_lists_valid_ones(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "sharding=foo"],
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", "sharding=foo"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "Available options in 'sharding'" in out.stderr and "hybrid_grad_op" in out.stderr
@@ -204,7 +204,7 @@ def test_a_users_config_dir_adds_presets(tmp_path):
     (tmp_path / "experiment" / "mine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /sharding: grad_op\n  - _self_\n"
         "train:\n  batch_size: 3\n")
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "--config-dir", str(tmp_path),
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", "--config-dir", str(tmp_path),
                           "experiment=mine", "cluster.device=cpu", "dry_run=true"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     log = out.stdout + out.stderr
@@ -219,7 +219,7 @@ def test_a_misspelled_dotted_override_names_the_key_and_the_closest_one():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "train.batchsize=2",
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", "train.batchsize=2",
                           "sharding.shard_size=2", "model=8b", "hydra.run.dir=/tmp/never"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
@@ -234,7 +234,7 @@ def test_hybrid_with_one_shard_group_says_it_is_full_sharding(tmp_path):
     import sys
 
     def dry(*overrides):
-        out = subprocess.run([sys.executable, "-m", "llama_fsdp", "dry_run=true",
+        out = subprocess.run([warm.python(), "-m", "llama_fsdp", "dry_run=true",
                               "cluster.device=cpu", f"hydra.run.dir={tmp_path}/run", *overrides],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -271,3 +271,16 @@ def test_torchrun_layout_comes_from_the_environment_and_is_checked():
     problems.clear()
     torchrun_layout(c, problems, {"RANK": "0"})
     assert problems and "WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set here" in problems[0]
+
+
+def test_the_cache_is_the_environment_s_where_it_names_one(tmp_path, monkeypatch):
+    """cache_dir unset: $LLAMA_FSDP_CACHE_DIR where set (one cache for runs launched from
+    several folders), else <launch dir>/outputs/cache; cache_dir given wins."""
+    from llama_fsdp.config.rundir import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "shared"))
+    assert make_spec([], output_dir=tmp_path / "a").cache_dir == str(tmp_path / "shared")
+    assert make_spec([f"cache_dir={tmp_path}/mine"],
+                     output_dir=tmp_path / "b").cache_dir == str(tmp_path / "mine")
+    monkeypatch.delenv(CACHE_ENV)
+    assert make_spec([], output_dir=tmp_path / "c").cache_dir == str(REPO / "outputs" / "cache")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from llama_fsdp.data.packing import IGNORE_INDEX
 from llama_fsdp.prepare.errors import PrepareError
 from llama_fsdp.prepare.data import check_data
 from tests.conftest import REPO
+from tests import warm
 
 PAIRS = [{"prompt": f"Opposite word {i} =", "chosen": f"cold {i}", "rejected": f"wet {i}"}
          for i in range(12)]
@@ -179,14 +179,26 @@ LONG_PROMPT = {"prompt": " ".join(f"w{i}" for i in range(40)) + " end =", "chose
 
 
 def test_a_prompt_without_room_is_cut_to_its_end_under_truncate(tmp_path, cache):
-    """data.overlong=truncate keeps the prompt's end (TRL's max_prompt_length truncation):
-    the pair trains, in one row, on its whole answers."""
-    dm = _build(cache, _jsonl(tmp_path / "lp.jsonl", [*PAIRS[:7], LONG_PROMPT]), seq_len=64,
-                overlong="truncate", eval_fraction=0, eval_records=0)
+    """data.overlong=truncate keeps the prompt's last seq_len / 4 tokens (TRL's
+    max_prompt_length truncation, the prompt half of each sequence's half of the row): the
+    pair trains, in one row, on its whole answers."""
+    seq_len = 64
+    keep = seq_len // 4  # 16 of the prompt's 115 tokens
+    dm = _build(cache, _jsonl(tmp_path / "lp.jsonl", [*PAIRS[:7], LONG_PROMPT]),
+                seq_len=seq_len, overlong="truncate", eval_fraction=0, eval_records=0)
     store = dm.train.store
     assert dm.stats["train_pairs"] == 8 and store.truncated[14] and store.truncated[15]
-    assert store.lengths[14] + store.lengths[15] <= 64
+    assert store.lengths[14] + store.lengths[15] <= seq_len
+    # the whole prompt, tokenized where it fits (nothing cut)
+    whole = _build(cache, _jsonl(tmp_path / "fits.jsonl", [*PAIRS[:7], LONG_PROMPT]),
+                   seq_len=256, eval_fraction=0, eval_records=0).train.store
+    assert not whole.truncated[14]
+    prompt = whole.record(14)[0][:int(whole.prompt_len[14])].tolist()
+    assert len(prompt) > keep
     ids, _ = store.record(14)
+    for i in (14, 15):  # both sequences keep the same last `keep` tokens of the prompt
+        assert int(store.prompt_len[i]) == keep, (i, int(store.prompt_len[i]))
+        assert store.record(i)[0][:keep].tolist() == prompt[-keep:], i
     text = dm.tokenizer.decode(ids.tolist())
     assert text.endswith("end = a</s>") and "w0 " not in text and "w39" in text
     assert _answer(dm, 14).strip() == "a</s>" and _answer(dm, 15).strip() == "b</s>"
@@ -217,7 +229,7 @@ def test_the_command_line_refuses_a_bad_pairs_file_before_any_rank_starts(tmp_pa
     f = _jsonl(tmp_path / "same.jsonl", [*PAIRS[:3], {"prompt": "p", "chosen": "x",
                                                       "rejected": "x"}])
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "objective=dpo", "data=jsonl",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "objective=dpo", "data=jsonl",
                         f"data.path={f}", f"output_dir={out}", "cluster.device=cpu",
                         "tracking.enabled=false", f"cache_dir={tmp_path}/cache"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -131,3 +131,23 @@ def test_small_corpus_is_filled_with_reserved_tokens(tmp_path):
     assert len(tk) == 1024
     assert tk.convert_ids_to_tokens(1023).startswith("<|reserved_special_token_")
     assert tk.decode(tk("cat dog é", add_special_tokens=False)["input_ids"]) == "cat dog é"
+
+
+def test_a_huge_single_line_record_is_cut_before_it_is_tokenized(tok):
+    """Before (issue 63): a 50 MB one-line record was tokenized whole (3 minutes, 9.9 GB) to keep
+    its first seq_len tokens. Now the tokenizer sees only the characters that can matter: the
+    row is the same, the record still counts as truncated with all its characters, and the
+    tokens counted are the cut text's."""
+    from llama_fsdp.config.schema import DataConfig
+    from llama_fsdp.data.formats import Encoder
+
+    seq_len = 64
+    line = " ".join(f"opposite{i % 89} of hot" for i in range(200_000))  # 4.6 MB, one line
+    enc = Encoder(tok, "text", DataConfig(), seq_len, where=lambda i: f"record {i}")
+    row = enc({"text": [line]}, [0])
+    head = [tok.bos_token_id] + tok(line[:20_000], add_special_tokens=False)["input_ids"]
+    assert row["input_ids"][0] == head[:seq_len]
+    assert row["truncated"][0] and row["keep"][0] and row["chars"][0] == len(line)
+    # the cut: 2 x (seq_len + 1) x the longest piece's characters (+1024); whole: ~1.2M tokens
+    longest = max(len(p) for p in tok.get_vocab())
+    assert seq_len < row["full_len"][0] <= 2 * (seq_len + 1) * longest + 1024

@@ -102,3 +102,38 @@ def test_bad_thresholds_are_refused_before_launch_naming_the_key():
         "train.divergence.min_rise=nan must be a finite number >= 0",
         "train.divergence.window=0 must be in [1, 1000]",
         "train.divergence.action='maybe' is not one of stop, warn, off"]
+
+
+def test_a_resumed_guard_judges_by_the_checkpoints_history_with_the_configs_thresholds():
+    """A checkpoint carries the guard's history (JSON, through DCP): the resumed run's first
+    step is judged against the lowest median so far, with the thresholds the config sets now."""
+    import json
+
+    g = DivergenceGuard(DivergenceConfig())
+    _feed(g, [6.4, 4.0, 2.0])
+    back = DivergenceGuard(DivergenceConfig(ratio=3.0, window=5))
+    back.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert back.best == 4.0 and list(back.recent) == [(1, 6.4), (2, 4.0), (3, 2.0)]
+    assert back.recent.maxlen == 6 and back.cfg.ratio == 3.0
+    back.observe(4, 9.0)  # 2.25x the lowest median (4.0): under the new ratio of 3
+    assert not back.suspect
+    back.observe(5, 13.0)  # 3.25x: above the line, not saved (a fresh history: best 9.0)
+    assert back.suspect
+    fresh = DivergenceGuard(DivergenceConfig())
+    assert json.loads(json.dumps(fresh.state_dict()))["best"] == math.inf
+
+
+def test_a_resume_says_each_changed_hyperparameter_in_one_line():
+    from llama_fsdp.train.resume import changes, record
+    from llama_fsdp.config.schema import TrainConfig
+
+    t = TrainConfig(lr=3.0, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, beta1=0.9,
+                    beta2=0.95, eps=1e-8, max_grad_norm=1.0)
+    now = record(TrainConfig(**{**t.__dict__, "lr": 3e-4, "max_steps": 100,
+                                "divergence": DivergenceConfig(ratio=2.0)}))
+    assert changes(record(t), now) == [
+        "resume: train.lr 3.0 -> 3.0e-04 (the config's value applies)",
+        "resume: train.max_steps 60 -> 100 (the config's value applies)",
+        "resume: train.divergence.ratio 1.5 -> 2.0 (the config's value applies)"]
+    assert changes(record(t), record(t)) == []
+    assert "the config's values apply" in changes(None, now)[0]

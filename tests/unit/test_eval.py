@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from llama_fsdp.config.schema import DataConfig, ModelConfig
 from llama_fsdp.data import SYNTHETIC_TASKS, build_data
 from llama_fsdp.model.generate import greedy_generate
-from llama_fsdp.objective.sft import exact_match
+from llama_fsdp.objective.sft import exact_match, task_prompts
 from llama_fsdp.model.llama import llama_config
 
 
@@ -57,10 +57,27 @@ def test_oracle_scores_one_and_wrong_scores_zero(dm):
     assert kinds and kinds <= {f"exact_match/{k}" for k in SYNTHETIC_TASKS}
     wrong = exact_match(Oracle(dm, wrong=True), dm, device=torch.device("cpu"), max_prompts=30)
     assert wrong["exact_match"] == 0.0
-    # fixed work on every rank: ceil(30 / micro_batch 4) = 8 batches x the longest answer
-    # (with its EOS) forward calls, the first over the prompts, the rest one token each
-    longest = max(len(v) for v in oracle.table.values())
-    assert oracle.calls == 8 * longest
+    # ceil(30 / micro_batch 4) = 8 batches, each decoded until its longest answer (with its
+    # EOS) has ended, not for the longest answer of all: one forward over the prompts, then one
+    # per token
+    lengths = [p[3] for p in task_prompts(dm.eval.store, dm.tokenizer, 30)]
+    per_batch = [max(lengths[i:i + 4]) for i in range(0, 30, 4)]
+    assert len(per_batch) == 8 and oracle.calls == sum(per_batch) < 8 * max(lengths)
+
+
+def test_exact_match_scores_only_short_answers_and_decodes_no_further(dm):
+    """An answer longer than the bound is left out, not decoded for and counted wrong."""
+    oracle = Oracle(dm)
+    lengths = [p[3] for p in task_prompts(dm.eval.store, dm.tokenizer, None)]  # EOS counted
+    bound = min(lengths)
+    short = [n for n in lengths if n <= bound]
+    # some answers are longer than the bound decodes (an answer of bound tokens without its EOS
+    # would still read the same: not those)
+    assert 0 < len(short) and any(n > bound + 1 for n in lengths)
+    res = exact_match(oracle, dm, device=torch.device("cpu"), max_prompts=None,
+                      max_new_tokens=bound)
+    assert res["exact_match"] == 1.0  # every scored answer fits: all match
+    assert oracle.calls <= bound * -(-len(short) // 4)
 
 
 def test_text_data_has_no_task_metric(tmp_path, cache):

@@ -9,13 +9,13 @@ import pty
 import select
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from llama_fsdp.run.spec import ConfigError
+from tests import warm
 from tests.conftest import REPO, make_spec
 
 EVIL = '''from pathlib import Path
@@ -87,7 +87,7 @@ def test_a_tokenizer_folder_that_brings_code_is_refused_and_its_code_never_runs(
     marker = tmp_path / "marker"
     tok = _with_remote_code(_project_tokenizer(tmp_path), marker)
     code, out = _run_answering_yes(
-        [sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", f"data.tokenizer={tok}",
+        [warm.python(), "-m", "llama_fsdp", "cluster.device=cpu", f"data.tokenizer={tok}",
          "tracking.enabled=false", "train.max_steps=2", "train.warmup_steps=0",
          "eval.every_steps=0", "eval.task_prompts=0"], tmp_path)
     assert not marker.exists(), out[-3000:]
@@ -134,7 +134,7 @@ def test_json_nested_past_any_record_is_named_before_a_parser_sees_it(tmp_path):
     d = 100_000
     deep.write_text('{"instruction": "a", "input": "", "output": "b"}\n' * 20
                     + '{"instruction": "x", "input": ' + "[" * d + "]" * d + ', "output": "y"}\n')
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster.device=cpu", "data=jsonl",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster.device=cpu", "data=jsonl",
                         f"data.path={deep}", "tracking.enabled=false", "train.max_steps=2",
                         "train.warmup_steps=0", f"output_dir={tmp_path / 'run'}"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -265,6 +265,40 @@ def test_a_users_sqlite_database_is_refused_and_left_byte_for_byte(tmp_path):
         open_client(f"sqlite:///{db}")
     assert db.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.db"]  # no .lock, no mlartifacts
+
+
+def test_a_store_whose_writer_was_killed_mid_transaction_is_still_the_store(tmp_path):
+    """A rank SIGKILLed while it wrote to the SQLite store leaves a hot journal, and a read-only
+    open of the file then fails ("attempt to write a readonly database"): the relaunch, or a
+    torchrun restart, was refused as "not a SQLite database" (tests/integration/test_torchrun.py's
+    restart, once under load). The journal is rolled back, as any client's next open does."""
+    import signal
+    import sqlite3
+
+    from llama_fsdp.tracking.store import MLFLOW_TABLES, sqlite_store_problem
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as conn:
+        for table in sorted(MLFLOW_TABLES):
+            conn.execute(f"CREATE TABLE {table} (x)")
+    conn.close()
+    pid = os.fork()
+    if pid == 0:  # a writer killed with its transaction spilled to the file
+        conn = sqlite3.connect(db)
+        conn.execute("PRAGMA cache_size=1")
+        conn.execute("BEGIN")
+        for _ in range(5000):
+            conn.execute("INSERT INTO metrics VALUES (?)", ("x" * 200,))
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "mlflow.db-journal").exists()  # the positive control: a hot journal
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute(
+            "SELECT name FROM sqlite_master").fetchall()
+    assert sqlite_store_problem(db) is None
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM metrics").fetchone() == (0,)  # rolled back
+    conn.close()
 
 
 @pytest.mark.parametrize("override,message", [

@@ -336,6 +336,53 @@ def test_the_local_controller_gets_the_environment_submitit_gives_it(monkeypatch
     assert submitit_compat.check_version() is None  # the installed submitit is a tested release
 
 
+def _job_pid() -> int:
+    return os.getpid()
+
+
+def test_an_early_controller_is_the_job_it_is_given(tmp_path, monkeypatch):
+    """The local launcher starts the job's controller before it prepares the job (it imports
+    the ranks' modules meanwhile): the process started first is the job's controller (its id is
+    the job's), and it runs the job's task. What the preparation sets meanwhile for MLflow's
+    client (which the controller never imports) does not make it another."""
+    from llama_fsdp.launchers.submitit_compat import EarlyController, SessionLocalExecutor
+
+    early = EarlyController(tmp_path / "submitit")
+    first = early.process
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")  # as prepare's store check does
+    executor = SessionLocalExecutor(folder=tmp_path / "submitit", early=early)
+    executor.update_parameters(tasks_per_node=1, nodes=1, timeout_min=2)
+    job = executor.submit(_job_pid)
+    assert job.job_id == str(first.pid)
+    assert job.result() != first.pid  # the task: a process of the controller's own
+    assert first.wait(timeout=30) == 0 and early.process is None
+
+
+def test_an_early_controller_started_with_another_environment_is_not_the_job(tmp_path):
+    """A variable read at import (here HF_HUB_OFFLINE) that differs between the controller's
+    start and the job's submission: the early controller ends and the job gets a new one."""
+    from llama_fsdp.launchers.submitit_compat import EarlyController
+
+    early = EarlyController(tmp_path, {**os.environ, "HF_HUB_OFFLINE": "0"})
+    first = early.process
+    assert early.go(tmp_path, {**os.environ, "HF_HUB_OFFLINE": "1",
+                               "SUBMITIT_LOCAL_NTASKS": "1"}) is None
+    assert first.returncode == 0  # ended without a job, at once
+    assert not (tmp_path / "submitit").exists()
+
+
+def test_an_early_controller_without_a_job_ends_and_leaves_nothing(tmp_path):
+    """A launch that stops before its ranks (its data refused, nothing left to train) ends the
+    controller it started early."""
+    from llama_fsdp.launchers.submitit_compat import EarlyController
+
+    early = EarlyController(tmp_path, {**os.environ, "LLAMA_FSDP_PRELOAD": "json"})
+    first = early.process
+    early.cancel()
+    assert first.returncode == 0 and early.process is None
+    assert early.go(tmp_path, dict(os.environ)) is None  # used up
+
+
 def test_the_earlier_name_of_the_time_limit_still_sets_it(tmp_path, caplog):
     """cluster.time_min (the name before cluster.timeout_min, submitit's) is still read, over
     the group's default, and says what it became."""
@@ -563,12 +610,11 @@ def test_local_ranks_are_forked_from_a_controller_that_imported_their_module_onc
         assert f"rank {1 - rank} writes" not in log.read_text()
 
 
-def test_more_ctrl_cs_while_the_mlflow_run_is_closed_wait_for_it(tmp_path, monkeypatch):
+def test_more_ctrl_cs_while_the_mlflow_run_is_closed_wait_for_it(tmp_path, monkeypatch, caplog):
     """Before: a third Ctrl-C while the launcher closed a stopped run raised KeyboardInterrupt
-    inside close_tracking, with a traceback, and left the MLflow run RUNNING."""
-    import threading
-    import time
-
+    inside close_tracking, with a traceback, and left the MLflow run RUNNING. The Ctrl-Cs come
+    while the store is being written to (the launcher's delivery, in this main thread): each
+    one's handler runs before os.kill returns, so their order is the code's, not a timer's."""
     from mlflow.tracking import MlflowClient
 
     from llama_fsdp.config.status import USER_STOPPED
@@ -578,30 +624,29 @@ def test_more_ctrl_cs_while_the_mlflow_run_is_closed_wait_for_it(tmp_path, monke
     uri, run = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run"
     write_run_file(run, {"tracking_uri": uri})
     Spool(run).append(events.Create("exp", "stopped run", {}))
-    ship = delivery.Delivery.ship
+    ship, sent = delivery.Delivery.ship, []
 
-    def slow_ship(self, pending):  # a store that takes its time: the Ctrl-Cs land meanwhile
-        time.sleep(1.0)
+    def impatient_user_meanwhile(self, pending):  # three Ctrl-Cs as the store is written to
+        while len(sent) < 3:
+            sent.append(signal.getsignal(signal.SIGINT))
+            os.kill(os.getpid(), signal.SIGINT)
         return ship(self, pending)
 
-    monkeypatch.setattr(delivery.Delivery, "ship", slow_ship)
-
-    def impatient_user():
-        for _ in range(3):
-            time.sleep(0.3)
-            os.kill(os.getpid(), signal.SIGINT)
-
+    monkeypatch.setattr(delivery.Delivery, "ship", impatient_user_meanwhile)
     launcher = launcher_for(type("C", (), {"kind": "local"})())
     # a known start, whatever an earlier test in this worker left: Python's own handler (one
     # left ignoring SIGINT would make the Ctrl-Cs no-ops and the check of its restoring moot)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=impatient_user).start()
+    interrupted = None
     try:
-        launcher.close_tracking(str(run), status=USER_STOPPED, deadline_s=20)  # no KeyboardInterrupt
-        time.sleep(0.5)  # (the last signal, if late, still meets the shield or the default handler)
-        restored = signal.getsignal(signal.SIGINT)
+        launcher.close_tracking(str(run), status=USER_STOPPED, deadline_s=20)
+    except KeyboardInterrupt as e:  # (caught: pytest would stop the whole session)
+        interrupted = e
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restored = signal.signal(signal.SIGINT, previous)
+    assert interrupted is None, "a Ctrl-C interrupted closing the MLflow run"
+    assert len(sent) == 3 and signal.default_int_handler not in sent  # each met the shield
+    assert caplog.text.count("(SIGINT ignored meanwhile)") == 1, caplog.text  # said once
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(read_run_file(run)["run_id"]).info.status == "KILLED"
     assert restored is signal.default_int_handler  # restored after

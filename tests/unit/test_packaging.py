@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "llama_fsdp", "conf", "launchers")
+SOURCES = ("pyproject.toml", "README.md", "llama_fsdp", "conf", "launchers", "hydra_plugins")
 
 
 def _warnings(out: subprocess.CompletedProcess) -> list[str]:
@@ -38,6 +38,8 @@ def test_the_build_draws_no_packaging_warnings(tmp_path):
     groups = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.yaml"))
     missing = [g for g in groups if f"llama_fsdp/{g}" not in names]
     assert not missing, f"config files not in the wheel: {missing}"
+    # hydra/sweeper=optuna's class, where Hydra instantiates sweepers from
+    assert "hydra_plugins/llama_fsdp_sweeper/optuna_sweeper.py" in names
     # the editable build scripts/install.sh makes (what `make run` shows), with its filter
     quiet = re.search(r'QUIET_BUILD="([^"]+)"', (REPO / "scripts" / "install.sh").read_text())
     out = subprocess.run([sys.executable, "-c", "from setuptools import build_meta as b; "

@@ -14,6 +14,7 @@ record of a session not in TUNED_ON is held to the plan as it was made before th
 the plan the run or test itself recorded beside its measurement (``predicted_peak_gb``,
 ``props.predicted_gb``), which no tuning on that session's numbers can have moved. A session
 joins TUNED_ON only in the commit that fits the planner to it, which names itself there.
+While every session is in TUNED_ON the test skips, saying so.
 
 Three kinds of records: a command line of llama_fsdp (``run``: its peak allocated, workspaces
 included), a GPU test that ran the command line (``test`` with ``tokens_per_s``: the same), and
@@ -99,11 +100,18 @@ def outside_the_recorded_plan(cases) -> list[str]:
             for where, _, measured, plan, _ in cases if abs(measured / plan - 1) > TOLERANCE]
 
 
+# the skip below, until a GPU session the planner was not fitted to is recorded (tests/
+# conftest.py allows it under CI: the records come from a lent GPU, which CI has not got)
+NO_NEW_SESSION = "no GPU session since the planner was fitted"
+
+
 def test_a_new_session_s_peaks_are_within_the_plan_made_before_it():
     """Each peak of a session the planner was not fitted to, against the plan that run
-    recorded (none yet: every session so far is in TUNED_ON)."""
-    sessions = {d.name for d in GPU_RUNS.iterdir() if d.is_dir()}
-    assert set(TUNED_ON) <= sessions, "TUNED_ON names a missing session"
+    recorded. With no such session it has nothing to hold, and says so (a pass would claim a
+    prediction nothing tested)."""
+    if not NEW_CASES:
+        pytest.skip(f"{NO_NEW_SESSION}: every session in benchmarks/gpu_runs is in TUNED_ON "
+                    f"({', '.join(sorted(TUNED_ON))})")
     assert outside_the_recorded_plan(NEW_CASES) == []
 
 
@@ -127,6 +135,8 @@ def test_the_gpu_records_are_there():
     """The records this module checks exist and hold each kind (a glob that found nothing
     would leave the test below with no cases)."""
     assert RECORDS, "benchmarks/gpu_runs/*/results.jsonl: no GPU check recorded"
+    sessions = {d.name for d in GPU_RUNS.iterdir() if d.is_dir()}
+    assert set(TUNED_ON) <= sessions, "TUNED_ON names a missing session"
     assert {c[4] for c in CASES} == {True, False}
     names = " ".join(c[0] for c in CASES)
     assert "8b-qlora" in names and "8b-lora" in names and ":default" in names

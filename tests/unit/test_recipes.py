@@ -3,51 +3,123 @@ the user gives wins (and is said so), how a short run's warm-up is shortened, an
 plan prints (docs/recipes.md)."""
 from __future__ import annotations
 
+import re
 import subprocess
-import sys
 
 import pytest
 
 from llama_fsdp.config import recipes
 from tests.conftest import REPO, make_spec
+from tests import warm
 
 OPTIM = ("train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay",
          "train.beta1", "train.beta2", "train.eps", "train.max_grad_norm")
+DOC = REPO / "docs" / "recipes.md"
 
 
 def _values(spec, keys=OPTIM):
     return tuple(spec.recipe.values[k] for k in keys)
 
 
-@pytest.mark.parametrize("size", ["1b", "3b", "8b", "70b", "405b"])
-def test_each_size_takes_torchtune_trl_values_for_its_method_and_objective(size):
+def doc_table() -> list[dict[str, str]]:
+    """docs/recipes.md's recipe table, a dict per row (its header's names): what the code is
+    held to, so that a value typed wrong in recipes.py is not typed wrong again in a test."""
+    text = DOC.read_text()
+    lines = text[text.index("\n| recipe | lr |") + 1:].split("\n\n", 1)[0].splitlines()
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.split("|")[1:-1]]
+
+    header = cells(lines[0])
+    assert header[:4] == ["recipe", "lr", "warm-up", "schedule"], header
+    return [dict(zip(header, cells(line))) for line in lines[2:]]
+
+
+def _cases(row: dict[str, str], all_sizes: list[str]) -> list[tuple[str, str, str]]:
+    """(size, method, objective) a row of the table covers: "tiny (any method, any
+    objective)", "1b, 3b, 8b full sft", "1b ... 405b lora / qlora dpo"."""
+    label = row["recipe"]
+    if label.startswith("tiny"):
+        return [("tiny", m, o) for m in ("full", "lora", "qlora") for o in ("sft", "dpo")]
+    sizes, methods, objective = re.fullmatch(r"(.+?) ((?:full|lora / qlora)) (sft|dpo)",
+                                             label).groups()
+    sizes = all_sizes if "..." in sizes else sizes.split(", ")
+    return [(s, m, objective) for s in sizes for m in methods.split(" / ")]
+
+
+def _expected(row: dict[str, str], size: str, method: str, rows: list[dict[str, str]]) -> dict:
+    """The values a row states, by config key (a blank cell: the key is not the run's)."""
+    betas = [float(x) for x in row["betas, eps"].split(", ")]
+    ratio = re.search(r"to ([\d.]+)", row["schedule"])
+    want = dict(zip(OPTIM, (float(row["lr"]), int(row["warm-up"]),
+                            float(ratio.group(1)) if ratio else 1.0,  # "constant"
+                            float(row["weight decay"]), *betas, float(row["clip"]))))
+    cell, rank, alpha = row["rank / alpha"], None, None
+    if cell == "as sft":
+        cell = next(r["rank / alpha"] for r in rows if r["recipe"].endswith("lora / qlora sft"))
+    for part in cell.split("; "):  # "16 / 32", or "1b, 3b: 64 / 128; 8b: 8 / 16"
+        sizes, _, pair = part.rpartition(": ")
+        if not sizes or size in sizes.split(", "):
+            rank, alpha = pair.split(" / ") if pair else (None, None)
+    adapters = method != "full"
+    want["finetune.rank"] = int(rank) if adapters and rank else None
+    want["finetune.alpha"] = float(alpha) if adapters and alpha else None
+    want["objective.beta"] = float(row["DPO beta"]) if row["DPO beta"] else None
+    return want
+
+
+TABLE = doc_table()
+# "<1B, 1b, 3b, 8b, 70b, 405b full sft": the pretrained sizes (<1B: a folder of pretrained
+# weights under the 1b shape's size, the one a named shape cannot select)
+SIZES = TABLE[1]["recipe"].split(" full")[0].split(", ")
+
+
+@pytest.fixture(scope="module")
+def small_pretrained(tmp_path_factory):
+    """A folder of a pretrained model under 1B parameters (its weights: a token file; the spec
+    reads config.json), which takes the <1B recipe; the tiny shape's widths, whose weights
+    QLoRA's NF4 groups split over 2 shards."""
+    from tests.unit.test_model_folder import folder
+
+    return folder(tmp_path_factory.mktemp("small") / "pretrained-mini", hidden_size=256,
+                  num_attention_heads=8, num_key_value_heads=4, intermediate_size=768)
+
+
+def _size(size: str, folder) -> str:
+    return f"model.path={folder}" if size == recipes.SMALL_PRETRAINED else f"model={size}"
+
+
+@pytest.mark.parametrize("row", TABLE, ids=[r["recipe"] for r in TABLE])
+def test_each_size_method_and_objective_takes_the_values_docs_recipes_md_states(
+        row, small_pretrained):
     long = "train.max_steps=2000"  # (no warm-up shortened)
-    full = make_spec([f"model={size}", long])
-    assert full.recipe.name == f"{size} full sft"
-    assert _values(full) == (2e-5, 0, 1.0, 0.01, 0.9, 0.999, 1e-8, 1.0)
-    assert (full.train.lr, full.train.warmup_steps, full.train.min_lr_ratio) == (2e-5, 0, 1.0)
-    rank = {"1b": 64, "3b": 64, "8b": 8, "70b": 16, "405b": 16}[size]
-    for method in ("lora", "qlora"):
-        s = make_spec([f"model={size}", f"finetune={method}", long])
-        assert _values(s) == (3e-4, 100, 0.0, 0.01, 0.9, 0.999, 1e-8, 1.0)
-        assert (s.finetune.rank, s.finetune.alpha) == (rank, 2.0 * rank)
-        assert s.objective.beta is None  # (sft: DPO's beta is not the run's)
-        dpo = make_spec([f"model={size}", f"finetune={method}", "objective=dpo", long])
-        assert dpo.recipe.name == f"{size} {method} dpo"
-        assert _values(dpo) == (5e-4, 100, 0.0, 0.05, 0.9, 0.999, 1e-8, 1.0)
-        assert dpo.objective.beta == 0.1 and dpo.finetune.rank == rank
-    dpo = make_spec([f"model={size}", "objective=dpo", long])
-    assert _values(dpo) == (1e-6, 0, 0.0, 0.0, 0.9, 0.999, 1e-8, 1.0)
-    assert dpo.objective.beta == 0.1 and dpo.finetune.rank is None
+    cases = _cases(row, SIZES)
+    assert cases, row
+    for size, method, objective in cases:
+        s = make_spec([_size(size, small_pretrained), f"finetune={method}",
+                       f"objective={objective}", long])
+        want = _expected(row, size, method, TABLE)
+        case = (size, method, objective)
+        assert dict(zip(OPTIM, _values(s))) == {k: want[k] for k in OPTIM}, case
+        assert (s.train.lr, s.train.warmup_steps, s.train.min_lr_ratio) == tuple(
+            want[k] for k in OPTIM[:3]), case  # what the run uses
+        assert (s.finetune.rank, s.finetune.alpha) == (want["finetune.rank"],
+                                                       want["finetune.alpha"]), case
+        # DPO's beta is the run's under objective=dpo only
+        assert s.objective.beta == (want["objective.beta"] if objective == "dpo" else None), case
+        if size == recipes.SMALL_PRETRAINED:
+            assert s.recipe.name == f"pretrained {size} {method} {objective}", case
+        elif size != "tiny":  # (tiny's one recipe, whatever the method)
+            assert s.recipe.name == f"{size} {method} {objective}", case
+        else:
+            assert s.recipe.name.startswith("tiny "), (case, s.recipe.name)
 
 
-def test_the_tiny_model_keeps_its_tuned_values_for_every_method_and_objective():
-    for extra in ([], ["finetune=lora"], ["finetune=qlora"], ["objective=dpo", "finetune=lora"]):
-        s = make_spec(extra)
-        assert _values(s) == (3e-3, 6, 0.1, 0.0, 0.9, 0.95, 1e-8, 1.0), extra
-        assert s.recipe.name.startswith("tiny ")
-        if "finetune=lora" in extra:
-            assert (s.finetune.rank, s.finetune.alpha) == (16, 32.0)
+def test_the_table_covers_every_size_method_and_objective():
+    covered = {c for row in TABLE for c in _cases(row, SIZES)}
+    assert covered == {(s, m, o) for s in ["tiny", *SIZES] for m in ("full", "lora", "qlora")
+                       for o in ("sft", "dpo")}
+    assert SIZES == [recipes.SMALL_PRETRAINED, *(s for s, _ in recipes.SIZES if s != "tiny")]
 
 
 def test_a_value_the_user_gives_wins_key_by_key_and_is_said_so():
@@ -93,7 +165,7 @@ def test_a_model_of_ones_own_takes_the_recipe_of_its_size():
 
 
 def test_the_plan_prints_the_values_and_their_sources_and_a_random_base(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "llama_fsdp", "model=8b", "finetune=lora",
+    r = subprocess.run([warm.python(), "-m", "llama_fsdp", "model=8b", "finetune=lora",
                         "train.lr=1e-4", "cluster.device=cpu", "dry_run=true"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})

@@ -121,3 +121,67 @@ def test_overrides_are_read_with_hydras_parser_a_list_is_no_sweep():
         assert command_line(drop=("output_dir", "resume")) == "llama-fsdp -m train.lr=0.1"
     finally:
         sys.argv = argv
+
+
+@pytest.mark.parametrize("swept, best, by", [
+    # batch size and sharding only, run for speed: the fastest point
+    ({"train.batch_size": ["2", "4"], "sharding": ["full", "grad_op"]}, "fast",
+     "highest summary/tokens_per_sec (no eval loss, only systems keys swept)"),
+    # the learning rate changes what is learned: the lowest final loss
+    ({"train.lr": ["0.001", "0.01"]}, "low-loss", "lowest summary/final_loss (no eval loss)"),
+])
+def test_a_sweep_without_eval_still_has_a_best_point_and_says_which_rule_chose_it(
+        tmp_path, swept, best, by):
+    """Issue 62: a sweep with eval.every_steps=0 ended with "best point: none yet" and a parent
+    without numbers. The summary on a real store (parent and children as a sweep makes them)
+    now picks one by what the points can be compared on, and says how."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.tracking.sweep import KIND_TAG, summarize
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("llama_fsdp")
+    parent = client.create_run(exp, run_name="sweep", tags={"sweep_id": "sweep-a_b",
+                                                             KIND_TAG: "sweep"})
+    client.log_batch(parent.info.run_id,
+                     params=[Param(k, ",".join(v)) for k, v in swept.items()])
+    for name, tokens, loss in [("fast", 3000.0, 0.9), ("low-loss", 1000.0, 0.5)]:
+        run = client.create_run(exp, run_name=name,
+                                tags={"mlflow.parentRunId": parent.info.run_id,
+                                      "output_dir": name})
+        client.log_batch(run.info.run_id, params=[
+            Param(k, v[0] if name == "fast" else v[1]) for k, v in swept.items()],
+            metrics=[Metric("summary/tokens_per_sec", tokens, 0, 0),
+                     Metric("summary/final_loss", loss, 0, 0)])
+        client.set_terminated(run.info.run_id)
+    table = summarize("sweep-a_b", tracking_uri=uri, experiment="llama_fsdp")
+    assert table.splitlines()[-1].startswith(f"best point: {best} (")
+    assert table.splitlines()[-1].endswith(by.split(" (")[1].rstrip(")") + ")")
+    tags = client.get_run(parent.info.run_id).data.tags
+    assert tags["best point"] == best and tags["best by"] == by
+    metric = by.split()[1].removeprefix("summary/")
+    assert f"best/{metric}" in client.get_run(parent.info.run_id).data.metrics
+
+
+def test_a_resumed_search_keeps_the_refused_trials_it_does_not_run_again(tmp_path):
+    """A grid run again re-refuses its refused points (and reports them anew); a search does
+    not ask a told trial again, so its rerun keeps the refused rows recorded on the parent."""
+    from mlflow.tracking import MlflowClient
+
+    from llama_fsdp.tracking.sweep import KIND_TAG, summarize
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("llama_fsdp")
+    parent = client.create_run(exp, run_name="sweep", tags={"sweep_id": "sweep-a_b",
+                                                             KIND_TAG: "sweep"})
+    client.log_param(parent.info.run_id, "train.lr", "choice(-1, -2, 0.003)")
+    first = summarize("sweep-a_b", tracking_uri=uri, experiment="llama_fsdp",
+                      parent_id=parent.info.run_id, refused=[({"train.lr": "-1"}, 2)])
+    assert "REFUSED (exit 2)" in first
+    again = summarize("sweep-a_b", tracking_uri=uri, experiment="llama_fsdp",
+                      parent_id=parent.info.run_id, refused=[({"train.lr": "-2"}, 2)],
+                      keep_refused=True)
+    assert [line.split()[0] for line in again.splitlines() if "REFUSED" in line] == ["-1", "-2"]

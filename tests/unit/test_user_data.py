@@ -4,7 +4,6 @@ a retention sweep never deletes what llama_fsdp did not write."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,14 @@ from llama_fsdp.checkpoint import hf, layout
 from llama_fsdp.config.manifest import write_manifest
 from llama_fsdp.run.spec import ConfigError
 from tests.conftest import make_spec
+from tests import warm
 
 QUICK = ["cluster.device=cpu", "tracking.enabled=false", "train.max_steps=2",
          "train.warmup_steps=1", "eval.every_steps=0", "eval.task_prompts=0"]
 
 
 def _cli(cwd: Path, *overrides: str) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", *QUICK, *overrides], cwd=cwd,
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", *QUICK, *overrides], cwd=cwd,
                          capture_output=True, text=True, timeout=300)
     return out.returncode, out.stdout + out.stderr
 

@@ -43,6 +43,7 @@ OTHER_TABLES = {
 THEIRS = {
     ("launchers/submitit_compat.py", "local"): "submitit's executor name (SUBMITIT_EXECUTOR)",
     ("llama_fsdp/prepare/data.py", "local"): "MLflow's dataset source type",
+    ("llama_fsdp/train/resume.py", "lr"): "torch.optim's param group key",
 }
 
 

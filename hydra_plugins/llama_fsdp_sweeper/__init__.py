@@ -1,0 +1,1 @@
+"""llama_fsdp's Optuna sweeper, where Hydra looks for plugins (hydra_plugins.*)."""
