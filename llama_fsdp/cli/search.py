@@ -296,7 +296,9 @@ def at_once(config: DictConfig, n: int) -> bool:
     """Whether ``n`` trials asked together run at once: as SLURM jobs submitted together (each
     with cluster.wait=false) and waited for together; on one machine they run one after
     another."""
-    return n > 1 and config.cluster.kind == "slurm"
+    from ..config.placement import SLURM
+
+    return n > 1 and config.cluster.kind == SLURM
 
 
 def _await_jobs(trials: list[Any], results: list[Any], client: Any) -> None:
