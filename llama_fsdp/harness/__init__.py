@@ -249,6 +249,8 @@ def load_model(model_dir: Path, *, device: str, dtype: Optional[Any] = None) -> 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or "auto",
                                                  trust_remote_code=False)
     model.to(torch.device(device)).eval()
+    from ..model import cpu_gemm
+    cpu_gemm.install(device, model.dtype)
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     return model, tok
 

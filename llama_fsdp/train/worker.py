@@ -60,6 +60,7 @@ from . import resume as resume_config
 from .. import harness
 from .distributed import DistEnv, process_group
 from ..config.hf_dir import hub_name
+from ..model import cpu_gemm
 from ..model.lora import apply_adapters, init_adapters, init_base, param_counts, unsharded_nf4
 from ..objective.loss import install as install_loss_head
 from ..model.llama import (
@@ -106,6 +107,7 @@ def build_model(spec: RunSpec, device: torch.device, *, init: bool = True) -> nn
     init (``init=False``: the weights come from a checkpoint or HF files, so no full tensors
     are drawn for nothing; buffers only). With adapters (finetune=lora / qlora) the frozen base
     is never in a checkpoint: it always comes from model.path or the seeded init here."""
+    cpu_gemm.install(device.type, torch_dtype(spec.policy.compute_dtype))
     model = build_meta_model(spec.model)
     model.to(torch_dtype(spec.policy.param_dtype))
     ft = spec.finetune

@@ -18,6 +18,9 @@ def _spec(tag: str, *extra: str, steps: int = 5):
                      output_dir=f"/tmp/llama_fsdp_test/prec_{tag}")
 
 
+ROUTED = "bf16_fp32_gemm"  # precision=bf16 with LLAMA_FSDP_CPU_BF16_GEMM=fp32 in the ranks
+
+
 def _saved_activation_bytes(model, batch) -> int:
     """Bytes autograd keeps for backward during one forward: the activation memory."""
     total = 0
@@ -45,16 +48,26 @@ def _run(rank, world, specs, measure):
 
     from torch._dynamo.utils import counters
 
+    import os
+
+    from llama_fsdp.model import cpu_gemm
+
     out = {}
     for name, spec in specs.items():
         counters.clear()
+        if name == ROUTED:  # bf16 products as fp32 GEMMs, as on a CPU without bf16 kernels
+            os.environ[cpu_gemm.ENV] = cpu_gemm.FP32
         r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
+        routed = cpu_gemm.installed()
+        if name == ROUTED or routed:  # the next run starts from torch's kernels and the env
+            os.environ.pop(cpu_gemm.ENV, None)
+            cpu_gemm.uninstall()
         # what TorchDynamo compiled during this run: frames turned into graphs, and the
         # AOTAutograd (forward + backward) compilations of them
         compiled = {"frames": counters["frames"]["ok"],
                     "graphs": counters["stats"]["unique_graphs"],
                     "aot_autograd": counters["aot_autograd"]["ok"]}
-        out[name] = {"losses": r.losses, "compiled": compiled}
+        out[name] = {"losses": r.losses, "compiled": compiled, "routed": routed}
         if name in measure:
             model = build_model(spec, torch.device("cpu"))
             data = build_data(spec.data, seq_len=spec.train.seq_len,
@@ -74,6 +87,7 @@ def results():
         "compile": _spec("compile", "train.compile=true"),
         "bf16": _spec("bf16", "precision=bf16", steps=15),
         "mixed": _spec("mixed", "precision=mixed", steps=15),
+        ROUTED: _spec("bf16_routed", "precision=bf16", steps=15),
     }
     return run_ranks(_run, 2, specs, {"fp32", "ac_full", "ac_selective"}, timeout=900)[0]
 
@@ -108,3 +122,17 @@ def test_low_precision_trains(precision, results):
     losses = results[precision]["losses"]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
+
+
+def test_bf16_as_fp32_gemms_follows_the_bf16_curve(results):
+    """model/cpu_gemm.py: where the CPU has no bf16 kernels, a bf16 run's products are fp32
+    GEMMs of its bf16 values; the run is routed from its model's building, and trains as bf16
+    does (the two differ only in the order of each product's sums)."""
+    from llama_fsdp.model import cpu_gemm
+
+    routed, bf16 = results[ROUTED], results["bf16"]
+    assert routed["routed"] and not results["fp32"]["routed"]
+    assert bf16["routed"] is (not cpu_gemm.native_bf16_gemm())
+    print("bf16", bf16["losses"], "\nfp32 GEMMs", routed["losses"])
+    torch.testing.assert_close(routed["losses"][:5], bf16["losses"][:5], rtol=1e-2, atol=0)
+    torch.testing.assert_close(routed["losses"], bf16["losses"], rtol=3e-2, atol=0)

@@ -1,0 +1,104 @@
+"""bf16 products on CPUs without bf16 GEMM kernels (llama_fsdp/model/cpu_gemm.py).
+
+An AVX2-only CPU is shown on any x86 machine by limiting torch's and oneDNN's instruction sets
+(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2): torch's own bf16-kernel check then says no,
+as it does on such a machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llama_fsdp.model import cpu_gemm
+
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """This process's bf16 products through fp32 GEMMs, and torch's kernels back afterwards."""
+    assert not cpu_gemm.installed()
+    monkeypatch.setenv(cpu_gemm.ENV, cpu_gemm.FP32)
+    assert cpu_gemm.install("cpu", torch.bfloat16)
+    try:
+        yield
+    finally:
+        cpu_gemm.uninstall()
+
+
+def _operands(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(300, 200, generator=g).bfloat16()
+    b = torch.randn(200, 100, generator=g).bfloat16()
+    c = torch.randn(100, generator=g).bfloat16()
+    return a, b, c
+
+
+def test_an_avx2_only_cpu_routes_bf16_products_and_nothing_else(monkeypatch):
+    monkeypatch.delenv(cpu_gemm.ENV, raising=False)
+    code = ("import torch; from llama_fsdp.model import cpu_gemm as g; "
+            "print(g.native_bf16_gemm(), g.wanted('cpu', torch.bfloat16), "
+            "g.wanted('cpu', torch.float32), g.wanted('cuda', torch.bfloat16))")
+    env = {**os.environ, **AVX2_ONLY}
+    env.pop(cpu_gemm.ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True", "False", "False"]
+    # this machine as it is: routed exactly where torch has no bf16 kernels
+    assert cpu_gemm.wanted("cpu", torch.bfloat16) is (not cpu_gemm.native_bf16_gemm())
+    # and the user can turn it off there
+    env[cpu_gemm.ENV] = cpu_gemm.NATIVE
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1] == "False"
+
+
+def test_routed_products_are_the_fp32_products_of_the_bf16_values_rounded(routed):
+    a, b, c = _operands()
+    exact = (a.float() @ b.float()).bfloat16()  # torch.mm of fp32 here: the override's own path
+    assert torch.equal(a @ b, exact)
+    assert torch.equal(torch.addmm(c, a, b), (c.float() + a.float() @ b.float()).bfloat16())
+    assert torch.equal(torch.bmm(a[None], b[None])[0], exact)
+    for out in (a @ b, torch.addmm(c, a, b), torch.bmm(a[None], b[None])):
+        assert out.dtype == torch.bfloat16
+
+
+def test_routed_products_are_as_accurate_as_torchs_bf16_kernels(routed):
+    a, b, _ = _operands(1)
+    ref = a.double() @ b.double()
+    routed_err = ((a @ b).double() - ref).abs().max()
+    cpu_gemm.uninstall()
+    native_err = ((a @ b).double() - ref).abs().max()
+    # bf16's rounding of the result dominates both (|ref| up to ~50: an ulp of 0.25)
+    assert routed_err <= native_err * 1.01 + 1e-6
+    cpu_gemm.install("cpu", torch.bfloat16)
+
+
+def test_fp32_products_and_mixed_dtypes_keep_torchs_behaviour(routed):
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(64, 32, generator=g), torch.randn(32, 16, generator=g)
+    assert torch.allclose(a @ b, (a.double() @ b.double()).float(), atol=1e-5)
+    assert torch.allclose(torch.bmm(a[None], b[None])[0], a @ b)
+    with pytest.raises(RuntimeError, match="dtype"):
+        a.bfloat16() @ b
+
+
+def test_backward_products_are_routed_and_grads_stay_bf16(routed):
+    a, _, _ = _operands(3)
+    w = torch.randn(50, 200, dtype=torch.bfloat16, requires_grad=True)
+    x = a.clone().requires_grad_()
+    gy = torch.randn(300, 50).bfloat16()
+    torch.nn.functional.linear(x, w).backward(gy)
+    assert w.grad.dtype == x.grad.dtype == torch.bfloat16
+    assert torch.equal(w.grad, (gy.float().T @ a.float()).bfloat16())
+    assert torch.equal(x.grad, (gy.float() @ w.detach().float()).bfloat16())
+
+
+def test_a_bad_setting_names_the_variable_and_its_values(monkeypatch):
+    monkeypatch.setenv(cpu_gemm.ENV, "fast")
+    with pytest.raises(ValueError, match=f"{cpu_gemm.ENV}='fast'.*auto, fp32, native"):
+        cpu_gemm.wanted("cpu", torch.bfloat16)
