@@ -9,11 +9,12 @@ rounded back to bf16: what a bf16 GEMM with fp32 accumulation computes (the nati
 accumulate in fp32 too), up to the order of the sums. Activations, gradients and saved tensors
 stay bf16; each product holds its operands in fp32 only while it runs.
 
-``LLAMA_FSDP_CPU_BF16_GEMM``: ``auto`` (the default: only where oneDNN has no bf16 kernels),
-``fp32`` (always on the CPU), ``native`` (never).
+``LLAMA_FSDP_CPU_BF16_GEMM``: ``auto`` (the default: only where oneDNN has no bf16 kernels,
+by config/cpu_bf16.py's torch-free check, which the planner asks too), ``fp32`` (always on the
+CPU), ``native`` (never).
 
 The products are overridden at the dispatcher (aten's CPU kernels of ``mm``, ``bmm`` and
-``addmm``), so autograd's backward products, activation-checkpoint recomputation, LoRA, NF4's
+``addmm``, with their ``out=`` and in-place forms), so autograd's backward products, activation-checkpoint recomputation, LoRA, NF4's
 dequantized linears and the chunked loss's head all take them, with no change to the model
 code. Installed once per process by ``install`` (model building, and loading an HF folder for
 eval and generation); a process that never runs bf16 on the CPU never installs it.
@@ -27,36 +28,28 @@ from typing import Optional
 
 import torch
 
+from ..config import cpu_bf16
+
 log = logging.getLogger(__name__)
 
-ENV = "LLAMA_FSDP_CPU_BF16_GEMM"
-AUTO, FP32, NATIVE = "auto", "fp32", "native"
-MODES = (AUTO, FP32, NATIVE)
+ENV, AUTO, FP32, NATIVE, MODES = (cpu_bf16.ENV, cpu_bf16.AUTO, cpu_bf16.FP32, cpu_bf16.NATIVE,
+                                  cpu_bf16.MODES)
+mode = cpu_bf16.mode
 
 _lib: Optional[torch.library.Library] = None  # kept alive: dropping it removes the kernels
 
 
 def native_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 products reach oneDNN's kernels (AVX-512 or newer): the check
-    torch's own matmul dispatch makes (``mkldnn_bf16_device_check``)."""
+    """torch's own answer to config/cpu_bf16.py ``has_bf16_gemm`` (which the torch-free
+    planner asks): whether its CPU bf16 products reach oneDNN's kernels
+    (``mkldnn_bf16_device_check``)."""
     return bool(torch.backends.mkldnn.is_available()
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def mode() -> str:
-    """``LLAMA_FSDP_CPU_BF16_GEMM``, checked."""
-    value = os.environ.get(ENV, AUTO).strip().lower() or AUTO
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value
-
-
 def wanted(device: str, dtype: torch.dtype) -> bool:
     """Whether products of ``dtype`` on ``device`` should run as fp32 GEMMs here."""
-    if device != "cpu" or dtype != torch.bfloat16:
-        return False
-    m = mode()
-    return m == FP32 or (m == AUTO and not native_bf16_gemm())
+    return cpu_bf16.routes(device, str(dtype).removeprefix("torch."))
 
 
 def installed() -> bool:
@@ -74,9 +67,8 @@ def install(device: str, dtype: torch.dtype) -> bool:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
         warnings.simplefilter("ignore")
-        lib.impl("mm", _mm, "CPU")
-        lib.impl("bmm", _bmm, "CPU")
-        lib.impl("addmm", _addmm, "CPU")
+        for name, kernel in _KERNELS.items():
+            lib.impl(name, kernel, "CPU")
     _lib = lib
     why = ("no bf16 GEMM kernels on this CPU (no AVX-512)" if mode() == AUTO
            else f"{ENV}={FP32}")
@@ -92,33 +84,67 @@ def uninstall() -> None:
         _lib = None
 
 
-# The overrides call the ``.out`` overloads, which keep torch's own CPU kernels: the functional
-# ops below are the only ones replaced, so nothing recurses.
+# Every product below ends in one GEMM the overrides never replace, ``bmm.out`` (a batch of one
+# for a matrix product), so nothing recurses; products in other dtypes take it too (the same
+# kernels: a bf16 run has few fp32 products).
 _BF16 = torch.bfloat16
+_bmm_out = torch.ops.aten.bmm.out
 
 
-def _both_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype is _BF16 and b.dtype is _BF16
+def _routed(*ts: torch.Tensor) -> bool:
+    return all(t.dtype is _BF16 for t in ts)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b computed in ``dtype`` (2-D); operands of two dtypes refused as torch's kernels do."""
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != "
+                           f"{b.dtype}")
+    out = a.new_empty((1, a.shape[0], b.shape[1]), dtype=dtype)
+    return _bmm_out(a.to(dtype)[None], b.to(dtype)[None], out=out)[0]
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _both_bf16(a, b):
-        out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-        return torch.ops.aten.mm.out(a.float(), b.float(), out=out).to(_BF16)
-    return torch.ops.aten.mm.out(a, b, out=a.new_empty((0,), dtype=a.dtype))
+    if _routed(a, b):
+        return _gemm(a, b, torch.float32).to(_BF16)
+    return _gemm(a, b, a.dtype)
+
+
+def _mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    res = _gemm(a, b, torch.float32 if _routed(a, b) else a.dtype)
+    out.resize_(res.shape)
+    return out.copy_(res)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _both_bf16(a, b):
-        out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)
-        return torch.ops.aten.bmm.out(a.float(), b.float(), out=out).to(_BF16)
-    return torch.ops.aten.bmm.out(a, b, out=a.new_empty((0,), dtype=a.dtype))
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected scalar type {a.dtype} but found {b.dtype}")
+    dtype = torch.float32 if _routed(a, b) else a.dtype
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype)
+    return _bmm_out(a.to(dtype), b.to(dtype), out=out).to(a.dtype)
+
+
+def _addmm32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta, alpha) -> torch.Tensor:
+    dtype = torch.float32 if _routed(c, a, b) else a.dtype
+    res = _gemm(a, b, dtype)
+    if alpha != 1:
+        res.mul_(alpha)
+    return res.add_(c.to(dtype), alpha=beta) if beta != 0 else res
 
 
 def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    if _both_bf16(a, b) and c.dtype is _BF16:
-        out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-        return torch.ops.aten.addmm.out(c.float(), a.float(), b.float(), beta=beta, alpha=alpha,
-                                        out=out).to(_BF16)
-    return torch.ops.aten.addmm.out(c, a, b, beta=beta, alpha=alpha,
-                                    out=a.new_empty((0,), dtype=a.dtype))
+    return _addmm32(c, a, b, beta, alpha).to(a.dtype)
+
+
+def _addmm_out(c, a, b, *, beta=1, alpha=1, out: torch.Tensor) -> torch.Tensor:
+    res = _addmm32(c, a, b, beta, alpha)
+    out.resize_(res.shape)
+    return out.copy_(res)
+
+
+def _addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    return c.copy_(_addmm32(c, a, b, beta, alpha))
+
+
+_KERNELS = {"mm": _mm, "mm.out": _mm_out, "bmm": _bmm, "addmm": _addmm, "addmm.out": _addmm_out,
+            "addmm_": _addmm_}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import cpu_bf16
 from ..config.schema import ModelConfig, TrainConfig
 from ..config.objectives import OBJECTIVES
 from ..config.precision import DTYPE_BYTES
@@ -60,14 +61,27 @@ def logits_loss_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, c: int)
     return micro_batch * seq_len * m.vocab_size * max(forward, 12)
 
 
-def chunk_bytes(m: ModelConfig, *, tokens: int, chunk: int, c: int) -> int:
+def chunk_bytes(m: ModelConfig, *, tokens: int, chunk: int, c: int,
+                routed: bool = False) -> int:
     """One chunk of the chunked loss at its peak: its logits in the compute dtype beside their
     fp32 copy (made in place into the softmax and the gradient; the same tensor when c is 4),
     then that gradient beside its compute-dtype cast; the chunk's rows of the hidden and its
-    per-token fp32 vectors (max, sum, target logit)."""
+    per-token fp32 vectors (max, sum, target logit).
+
+    ``routed`` (bf16 products on a CPU without bf16 kernels, config/cpu_bf16.py): the
+    gradient's products (gradient @ head, gradient.T @ hidden) hold fp32 copies of both
+    operands and of the output beside the compute-dtype gradient: the fp32 head (vocab x
+    hidden) and a chunk's rows of the hidden (measured: +8.3 MB per case against +8.65 planned,
+    benchmarks/cpu_bf16_gemm.md)."""
     rows = min(chunk, tokens)
     wide = 4 + (c if c < 4 else 0)
-    return rows * (m.vocab_size * wide + m.hidden_size * c + 3 * 4) + 8 * tokens
+    extra = 4 * m.hidden_size * (m.vocab_size + rows) if routed else 0
+    return rows * (m.vocab_size * wide + m.hidden_size * c + 3 * 4) + 8 * tokens + extra
+
+
+def routed(spec: RunSpec) -> bool:
+    """Whether the run's products are fp32 GEMMs of bf16 values (model/cpu_gemm.py)."""
+    return cpu_bf16.routes(spec.device, spec.policy.compute_dtype)
 
 
 def loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
@@ -95,7 +109,7 @@ def _summed_loss_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
         # the hidden (the head's input, live through the loss), its gradient being filled,
         # one chunk (the head's gradient, summed in place, is ``head_grad``)
         peak=c * tokens * hidden + grad_hidden
-        + chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c),
+        + chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c, routed=routed(spec)),
         # the stored gradient of the hidden and its copy scaled and scattered to every token
         head_backward=2 * grad_hidden,
         head_grad=head_grad, in_head_forward=True)
@@ -112,7 +126,7 @@ def logprob_bytes(spec: RunSpec, *, head_trains: bool) -> LossBytes:
     m, t = spec.model, spec.train
     c = DTYPE_BYTES[spec.policy.compute_dtype]
     tokens = t.batch_size * t.seq_len
-    chunk = chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c)
+    chunk = chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c, routed=routed(spec))
     return LossBytes(at_head=8 * tokens, peak=chunk + 8 * tokens,
                      head_backward=c * tokens * m.hidden_size + 4 * tokens + chunk,
                      saved_input=c * tokens * m.hidden_size, in_head_forward=True)
@@ -127,4 +141,4 @@ def reference_logprob_bytes(spec: RunSpec) -> int:
     tokens = t.batch_size * t.seq_len
     if t.loss == TrainConfig.FULL:
         return tokens * m.vocab_size * (c + (4 if c < 4 else 0) + 4)
-    return chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c) + 8 * tokens
+    return chunk_bytes(m, tokens=tokens, chunk=t.loss_chunk, c=c, routed=routed(spec)) + 8 * tokens
