@@ -77,10 +77,11 @@ def _canonical(uri: str, base: Path) -> str:
     return uri.rstrip("/")
 
 
-def choose_store(run_dir: Path, asked: Optional[str], *, environ: Mapping[str, str] = os.environ,
+def choose_store(run_dir: Path, asked: Optional[str], *, environ: Optional[Mapping[str, str]] = None,
                  base: Optional[Path] = None) -> Optional[Store]:
     """The store to log into (None: the run has no MLflow run), or StoreRefused."""
     base = base or Path.cwd()
+    environ = os.environ if environ is None else environ  # at the call: never a stale mapping
     info = read_run_file(run_dir)
     run_id, named = info.get("run_id"), info.get("tracking_uri")
     if not isinstance(run_id, str) or not run_id or not isinstance(named, str) or not named:

@@ -82,7 +82,23 @@ def test_readme_summary_is_what_the_default_command_prints(default_run):
         pytest.skip(f"the README's numbers are of torch {build}; this is {torch.__version__}")
     _, out = default_run
     log = out.stdout + out.stderr
-    assert {key: docs.summary_value(log, key) for key in DETERMINISTIC} == lines
+    got = {key: docs.summary_value(log, key) for key in DETERMINISTIC}
+    assert {k: got[k] for k in ("status", "steps")} == {k: lines[k] for k in ("status", "steps")}
+    # The same torch build prints other last digits on CPUs with other fp32 GEMM kernels (their
+    # summation order, over 60 steps): 1.2528 / 1.2491 / 0.33 on an AVX2-only EPYC, 1.2439 /
+    # 1.2401 / 0.34 on an AVX-512 Xeon (2026-12-03). A change to the run moves them by more.
+    want, have = (_numbers(d["final loss"]) for d in (lines, got))
+    assert have.keys() == want.keys(), (got, lines)
+    for key in ("final loss", "eval loss"):
+        assert have[key] == pytest.approx(want[key], rel=0.015), (key, got, lines)
+    assert have["exact match"] == pytest.approx(want["exact match"], abs=0.03), (got, lines)
+
+
+def _numbers(line: str) -> dict[str, float]:
+    """'1.2528   eval loss 1.2491   exact match 0.33' -> its three numbers by name."""
+    m = re.fullmatch(r"\s*([\d.]+)\s+eval loss\s+([\d.]+)\s+exact match\s+([\d.]+)\s*", line)
+    assert m, line
+    return dict(zip(("final loss", "eval loss", "exact match"), map(float, m.groups())))
 
 
 def test_default_run_mlflow_record(default_run):

@@ -146,6 +146,22 @@ def test_the_store_the_user_names_gets_the_credentials(tmp_path, monkeypatch, cr
     assert choose_store(run, None).why == "MLFLOW_TRACKING_URI"
 
 
+def test_the_users_store_is_read_from_os_environ_as_it_is_now(tmp_path, monkeypatch, credentials):
+    """datasets' Dataset.map(num_proc=N) replaces os.environ with a copy (datasets 5.2,
+    arrow_dataset.py): a mapping bound before that (a default argument) no longer sees the
+    user's MLFLOW_TRACKING_URI, and the user's own store was refused (the suite's CI of
+    2026-12-03, after a data test in the same worker)."""
+    from llama_fsdp.harness.store import choose_store
+
+    run = tmp_path / "run"
+    (run / "tracking").mkdir(parents=True)
+    (run / "tracking" / "run.json").write_text(json.dumps(
+        {"tracking_uri": "https://mlflow.example.com", "run_id": "r0"}))
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # what datasets does
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    assert choose_store(run, None).why == "MLFLOW_TRACKING_URI"
+
+
 @pytest.mark.parametrize("named,says", [
     ("https://mlflow.example.com", "names the MLflow store https://mlflow.example.com, which is "
      "not the store you configured (MLFLOW_TRACKING_URI is not set)"),
