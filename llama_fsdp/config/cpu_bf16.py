@@ -18,7 +18,7 @@ import functools
 import os
 import platform
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping
 
 ENV = "LLAMA_FSDP_CPU_BF16_GEMM"
 AUTO, FP32, NATIVE = "auto", "fp32", "native"
@@ -30,9 +30,9 @@ BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI"})
 CPUINFO = Path("/proc/cpuinfo")
 
 
-def mode(env: Optional[Mapping[str, str]] = None) -> str:
+def mode() -> str:
     """``LLAMA_FSDP_CPU_BF16_GEMM``, checked."""
-    value = (env if env is not None else os.environ).get(ENV, AUTO).strip().lower() or AUTO
+    value = os.environ.get(ENV, AUTO).strip().lower() or AUTO
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
     return value
@@ -46,33 +46,28 @@ def _flags(text: str, key: str) -> frozenset[str]:
     return frozenset()
 
 
-def has_bf16_gemm(*, cpuinfo: Optional[str] = None, machine: Optional[str] = None,
-                  env: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether torch's bf16 products on this CPU run in oneDNN's kernels. Unknown CPUs (no
-    /proc/cpuinfo: macOS, Windows) count as having them: nothing is routed there."""
-    if cpuinfo is None and machine is None and env is None:
-        return _here()
-    env = os.environ if env is None else env
-    machine = (machine or platform.machine()).lower()
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text()
-        except OSError:
-            return True
+@functools.lru_cache(maxsize=1)
+def has_bf16_gemm() -> bool:
+    """Whether torch's bf16 products on this machine's CPU run in oneDNN's kernels. Unknown
+    CPUs (no /proc/cpuinfo: macOS, Windows) count as having them: nothing is routed there."""
+    try:
+        cpuinfo = CPUINFO.read_text()
+    except OSError:
+        return True
+    return reads_bf16_gemm(cpuinfo, platform.machine(), os.environ)
+
+
+def reads_bf16_gemm(cpuinfo: str, machine: str, env: Mapping[str, str]) -> bool:
+    """``has_bf16_gemm`` for a /proc/cpuinfo text, an architecture and an environment."""
+    machine = machine.lower()
     if machine in ("x86_64", "amd64", "i686"):
-        cap = env.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-        if cap in BELOW_BF16:
+        if env.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in BELOW_BF16:
             return False
         flags = _flags(cpuinfo, "flags")
         return AVX512_CORE <= flags or "avx_ne_convert" in flags
     if machine in ("aarch64", "arm64"):
         return "bf16" in _flags(cpuinfo, "features")
     return True
-
-
-@functools.lru_cache(maxsize=1)
-def _here() -> bool:
-    return has_bf16_gemm(cpuinfo=None, machine=platform.machine(), env=os.environ)
 
 
 def routes(device: str, compute_dtype: str) -> bool:

@@ -14,15 +14,14 @@ by config/cpu_bf16.py's torch-free check, which the planner asks too), ``fp32`` 
 CPU), ``native`` (never).
 
 The products are overridden at the dispatcher (aten's CPU kernels of ``mm``, ``bmm`` and
-``addmm``, with their ``out=`` and in-place forms), so autograd's backward products, activation-checkpoint recomputation, LoRA, NF4's
-dequantized linears and the chunked loss's head all take them, with no change to the model
+``addmm``, with their ``out=`` and in-place forms), so autograd's backward products,
+activation-checkpoint recomputation, LoRA, NF4's dequantized linears and the chunked loss's head all take them, with no change to the model
 code. Installed once per process by ``install`` (model building, and loading an HF folder for
 eval and generation); a process that never runs bf16 on the CPU never installs it.
 """
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Optional
 
@@ -31,10 +30,6 @@ import torch
 from ..config import cpu_bf16
 
 log = logging.getLogger(__name__)
-
-ENV, AUTO, FP32, NATIVE, MODES = (cpu_bf16.ENV, cpu_bf16.AUTO, cpu_bf16.FP32, cpu_bf16.NATIVE,
-                                  cpu_bf16.MODES)
-mode = cpu_bf16.mode
 
 _lib: Optional[torch.library.Library] = None  # kept alive: dropping it removes the kernels
 
@@ -70,8 +65,8 @@ def install(device: str, dtype: torch.dtype) -> bool:
         for name, kernel in _KERNELS.items():
             lib.impl(name, kernel, "CPU")
     _lib = lib
-    why = ("no bf16 GEMM kernels on this CPU (no AVX-512)" if mode() == AUTO
-           else f"{ENV}={FP32}")
+    why = ("no bf16 GEMM kernels on this CPU" if cpu_bf16.mode() == cpu_bf16.AUTO
+           else f"{cpu_bf16.ENV}={cpu_bf16.FP32}")
     log.info("bf16 products run as fp32 GEMMs of the bf16 values, rounded to bf16: %s", why)
     return True
 

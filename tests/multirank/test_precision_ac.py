@@ -50,17 +50,18 @@ def _run(rank, world, specs, measure):
 
     import os
 
+    from llama_fsdp.config import cpu_bf16
     from llama_fsdp.model import cpu_gemm
 
     out = {}
     for name, spec in specs.items():
         counters.clear()
         if name == ROUTED:  # bf16 products as fp32 GEMMs, as on a CPU without bf16 kernels
-            os.environ[cpu_gemm.ENV] = cpu_gemm.FP32
+            os.environ[cpu_bf16.ENV] = cpu_bf16.FP32
         r = train_on_rank(spec, DistEnv(rank, rank, world, world), torch.device("cpu"))
         routed = cpu_gemm.installed()
         if name == ROUTED or routed:  # the next run starts from torch's kernels and the env
-            os.environ.pop(cpu_gemm.ENV, None)
+            os.environ.pop(cpu_bf16.ENV, None)
             cpu_gemm.uninstall()
         # what TorchDynamo compiled during this run: frames turned into graphs, and the
         # AOTAutograd (forward + backward) compilations of them

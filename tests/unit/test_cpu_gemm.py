@@ -25,7 +25,7 @@ def routed(monkeypatch):
     (an earlier test in this worker may have routed them: loading a bf16 model on a CPU without
     bf16 kernels does)."""
     cpu_gemm.uninstall()
-    monkeypatch.setenv(cpu_gemm.ENV, cpu_gemm.FP32)
+    monkeypatch.setenv(cpu_bf16.ENV, cpu_bf16.FP32)
     assert cpu_gemm.install("cpu", torch.bfloat16)
     try:
         yield
@@ -42,14 +42,14 @@ def _operands(seed: int = 0):
 
 
 def test_an_avx2_only_cpu_routes_bf16_products_and_nothing_else(monkeypatch):
-    monkeypatch.delenv(cpu_gemm.ENV, raising=False)
+    monkeypatch.delenv(cpu_bf16.ENV, raising=False)
     code = ("import torch; from llama_fsdp.model import cpu_gemm as g; "
             "from llama_fsdp.config import cpu_bf16; "
             "print(g.native_bf16_gemm(), g.wanted('cpu', torch.bfloat16), "
             "g.wanted('cpu', torch.float32), g.wanted('cuda', torch.bfloat16), "
             "cpu_bf16.has_bf16_gemm())")
     env = {**os.environ, **AVX2_ONLY}
-    env.pop(cpu_gemm.ENV, None)
+    env.pop(cpu_bf16.ENV, None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     # torch's own check and the planner's torch-free one agree
@@ -58,7 +58,7 @@ def test_an_avx2_only_cpu_routes_bf16_products_and_nothing_else(monkeypatch):
     assert cpu_gemm.wanted("cpu", torch.bfloat16) is (not cpu_gemm.native_bf16_gemm())
     assert cpu_bf16.has_bf16_gemm() is cpu_gemm.native_bf16_gemm()
     # and the user can turn it off there
-    env[cpu_gemm.ENV] = cpu_gemm.NATIVE
+    env[cpu_bf16.ENV] = cpu_bf16.NATIVE
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out[1] == "False"
@@ -114,8 +114,8 @@ def test_backward_products_are_routed_and_grads_stay_bf16(routed):
 
 
 def test_a_bad_setting_names_the_variable_and_its_values(monkeypatch):
-    monkeypatch.setenv(cpu_gemm.ENV, "fast")
-    with pytest.raises(ValueError, match=f"{cpu_gemm.ENV}='fast'.*auto, fp32, native"):
+    monkeypatch.setenv(cpu_bf16.ENV, "fast")
+    with pytest.raises(ValueError, match=f"{cpu_bf16.ENV}='fast'.*auto, fp32, native"):
         cpu_gemm.wanted("cpu", torch.bfloat16)
 
 
@@ -135,4 +135,4 @@ SAPPHIRE = ("flags\t\t: fpu avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx
     ("", "riscv64", {}, True),  # unknown: nothing routed
 ])
 def test_the_torch_free_check_reads_the_cpus_flags(cpuinfo, machine, env, has, monkeypatch):
-    assert cpu_bf16.has_bf16_gemm(cpuinfo=cpuinfo, machine=machine, env=env) is has
+    assert cpu_bf16.reads_bf16_gemm(cpuinfo, machine, env) is has
