@@ -416,6 +416,10 @@ class ObjectiveConfig:
     reference: str = MODEL
 
 
+# where optim.fused=null means torch's fused AdamW (torch has a fused kernel for both)
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 @dataclass
 class OptimConfig:
     """The optimizer (conf/optim/): AdamW with its moments in the parameters' dtype (adamw), or
@@ -430,16 +434,19 @@ class OptimConfig:
     # Run the low-bit step without torch.compile (slower steps, no compile at the start).
     eager: bool = False
     # adamw only: torch's fused AdamW (one kernel over every parameter, no param-sized
-    # temporary; torchtitan's default on CUDA) instead of foreach (the same math). null: fused
-    # on CUDA, where it is the faster step (benchmarks/gpu.md), foreach on the CPU.
+    # temporary; torchtitan's default on CUDA) instead of foreach (the same math, in fp32 for
+    # bf16 parameters where foreach rounds each op to bf16). null: fused on CUDA and the CPU,
+    # where it is the faster step (an H200 1b step 24.3 -> 10.0 ms, benchmarks/gpu.md; the
+    # tiny model's 3.8M parameters on one CPU thread 11.6-17.0 -> 2.9 ms,
+    # benchmarks/throughput.md); foreach on other devices.
     fused: Optional[bool] = None
 
     def fused_on(self, device: str) -> bool:
         """Whether the step is torch's fused AdamW for parameters on ``device`` ("cuda",
-        "cpu"): optim.fused, by default on CUDA; never for torchao's steps."""
+        "cpu"): optim.fused, by default on CUDA and the CPU; never for torchao's steps."""
         if self.lowbit or self.bf16_stochastic_round:
             return False
-        return device == "cuda" if self.fused is None else self.fused
+        return device in FUSED_ADAMW_DEVICES if self.fused is None else self.fused
 
     @property
     def lowbit(self) -> bool:

@@ -1,5 +1,5 @@
-"""The optimizer (optim=adamw | adamw8bit | adamw4bit): torch's AdamW (fused on CUDA, foreach on
-the CPU: optim.fused), or torchao's AdamW with 8- or 4-bit moments, made to hold under FSDP2.
+"""The optimizer (optim=adamw | adamw8bit | adamw4bit): torch's AdamW (fused on CUDA and the
+CPU, foreach elsewhere: optim.fused), or torchao's AdamW with 8- or 4-bit moments, made to hold under FSDP2.
 
 torchao's low-bit AdamW (torchao/optim/adam.py) steps each parameter with a compiled fp32
 function and keeps its moments as OptimState8bit / OptimState4bit (codes + block scales). Two

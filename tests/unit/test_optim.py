@@ -102,7 +102,8 @@ def test_step_temporary_foreach_adamw_vs_one_parameter_at_a_time():
     eager). Those copy counts are constants of plan/optimizer.py; what real steps allocate is
     measured against the plan in tests/multirank/test_plan_memory.py (a compiled and an eager
     4-bit row, peaking in the optimizer step)."""
-    adamw, low = make_spec("precision=fp32"), make_spec("precision=fp32", "optim=adamw4bit")
+    adamw = make_spec("precision=fp32", "optim.fused=false")  # foreach: one param-sized copy
+    low = make_spec("precision=fp32", "optim=adamw4bit")
     assert O.optimizer_step_bytes(adamw) == P.model_state_bytes(adamw)[0]
     largest = 768 * 256 // 2  # tiny's gate / up projection on 2 ranks
     assert O.optimizer_step_bytes(low) == int(6.5 * largest * 4)
@@ -139,10 +140,12 @@ def test_fused_adamw_steps_as_foreach_does_with_no_step_temporary_in_the_plan():
     for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert O.optimizer_step_bytes(make_spec("precision=fp32", "optim.fused=true")) == 0
-    assert O.optimizer_step_bytes(make_spec("precision=fp32")) > 0
-    # null (the default): fused on CUDA, where it was measured faster; foreach on the CPU;
-    # either forced by true / false; never for torchao's steps
-    assert OptimConfig().fused_on("cuda") and not OptimConfig().fused_on("cpu")
+    assert O.optimizer_step_bytes(make_spec("precision=fp32")) == 0  # the default: fused
+    assert O.optimizer_step_bytes(make_spec("precision=fp32", "optim.fused=false")) > 0
+    # null (the default): fused on CUDA and the CPU, where it was measured faster; foreach on
+    # other devices; either forced by true / false; never for torchao's steps
+    assert OptimConfig().fused_on("cuda") and OptimConfig().fused_on("cpu")
+    assert not OptimConfig().fused_on("mps") and not OptimConfig(fused=False).fused_on("cpu")
     assert OptimConfig(fused=True).fused_on("cpu") and not OptimConfig(fused=False).fused_on("cuda")
     assert not OptimConfig(bf16_stochastic_round=True).fused_on("cuda")
     assert not OptimConfig(name="adamw8bit", fused=True).fused_on("cuda")
