@@ -33,13 +33,15 @@ class Shapes:
     seq: int
     batch: int  # throughput's micro-batch
     precision: str  # throughput's
-    bench_steps: int  # per throughput run (5 of them warm-up)
+    bench_steps: int  # per throughput run (bench_warmup of them warm-up)
     run_steps: int  # per command-line run of the adapters and landing stages
     long_seq: int  # the chunked loss's
     extra: tuple[str, ...]  # on every command line
     default_extra: tuple[str, ...]  # on the default command (none on CUDA: as a user types it)
     eager_8bit: tuple[str, ...]  # the 8-bit optimizer step compiled on CUDA, eager on the CPU
     runners: tuple[str, ...]  # the throughput stage's (benchmarks/throughput.py's keys), in order
+    bench_warmup: int  # warm-up steps of a throughput run (3 steady steps follow on the CPU)
+    bench_extra: tuple[str, ...]  # on the throughput stage's llama_fsdp runs (and its plan)
 
 
 _CPU_EXTRA = ("cluster.device=cpu", "cluster.nproc_per_node=1", "data.num_records=400")
@@ -49,19 +51,28 @@ _CPU_EXTRA = ("cluster.device=cpu", "cluster.nproc_per_node=1", "data.num_record
 # compiled; then, on the synthetic data's rows of hundreds of tiny records, flex_attention and
 # the compiled layers alone (benchmarks/gpu.md, the second session: flash varlen is slow on
 # those rows). The CPU rehearses the variant paths it can run (no compile: it would double the
-# rehearsal's time; no flex: no backward on the CPU).
+# rehearsal's time; no flex: no backward on the CPU; the variant path is ONE_RECORD's), and
+# every CPU runner is one the GPU runs.
 ONE_RECORD = "llama_fsdp_one_record"
 THROUGHPUT_RUNNERS = {
     "cuda": ("llama_fsdp", "hf_trainer", ONE_RECORD, f"{ONE_RECORD}_unpacked", "llama_fsdp_flex",
              "llama_fsdp_compile", "bare_fsdp2"),
-    "cpu": ("llama_fsdp", "hf_trainer", "bare_fsdp2", "llama_fsdp_fused", ONE_RECORD),
+    "cpu": ("llama_fsdp", "hf_trainer", "bare_fsdp2", ONE_RECORD),
 }
+# llama_fsdp steps with torch's fused AdamW on CUDA and the CPU (optim.fused's default); the
+# rehearsal's llama_fsdp runs say optim.fused=true all the same, so they step as the GPU's do
+# whatever the default becomes (a separate llama_fsdp_fused runner, one more run, rehearsed it
+# until then; tests/integration/test_gpu_check.py::test_throughput_reports_each_runner_with_mfu
+# checks it).
+# The CPU's 2 warm-up steps (5 on CUDA) leave its 3 steady steps and the 2 profiled among them:
+# no number of the rehearsal is read as a speed.
 SHAPES = {
     "cuda": Shapes("1b", "8b", 2048, 4, "mixed", 20, 6, 16384, ("cluster.nproc_per_node=1",),
-                   (), (), THROUGHPUT_RUNNERS["cuda"]),
-    "cpu": Shapes("tiny", "tiny", 128, 2, "fp32", 8, 3, 256, _CPU_EXTRA,
+                   (), (), THROUGHPUT_RUNNERS["cuda"], 5, ()),
+    "cpu": Shapes("tiny", "tiny", 128, 2, "fp32", 5, 2, 256, _CPU_EXTRA,
                   (*_CPU_EXTRA, "train.max_steps=3", "train.warmup_steps=1", "eval.every_steps=0",
-                   "eval.task_prompts=0"), ("optim.eager=true",), THROUGHPUT_RUNNERS["cpu"]),
+                   "eval.task_prompts=0"), ("optim.eager=true",), THROUGHPUT_RUNNERS["cpu"],
+                  2, ("optim.fused=true",)),
 }
 
 # The GPU tests that settle the most in about 2.5 minutes, most valuable first: CUDA's peak
@@ -79,7 +90,6 @@ GPU_TESTS = (
     f"{_MEMORY}[full-bf16-none-4]", f"{_MEMORY}[full-bf16-full-1]",
     f"{_OPTION}[full-bf16]", f"{_OPTION}[compile]", f"{_OPTION}[ac-full]",
 )
-THROUGHPUT_WARMUP = 5
 
 
 @dataclass(frozen=True)
@@ -407,7 +417,7 @@ def throughput(s: Settings, sh: Shapes) -> int:
 
     work = s.work / "throughput"
     work.mkdir(parents=True, exist_ok=True)
-    extra = [*tokenizer_overrides(s), *peak_override(),
+    extra = [*tokenizer_overrides(s), *peak_override(), *sh.bench_extra,
              *[o for o in sh.extra if o.startswith("data.")]]
     cfg, plan = plan_of([*throughput_overrides(sh, s.device), *extra], work)
     from omegaconf import OmegaConf
@@ -418,14 +428,14 @@ def throughput(s: Settings, sh: Shapes) -> int:
     (venv / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (venv / "python").chmod(0o755)
     bench = Bench(device=s.device, ranks=1, model=sh.big, batch_size=sh.batch, seq_len=sh.seq,
-                  steps=sh.bench_steps, warmup=THROUGHPUT_WARMUP, precision=sh.precision,
+                  steps=sh.bench_steps, warmup=sh.bench_warmup, precision=sh.precision,
                   main_python=Path(sys.executable), bench_python=venv / "python",
                   shape_file=work / "shape.json", framework_overrides=tuple(extra))
     shape = (f"{sh.big}, seq {sh.seq}, micro-batch {sh.batch}, {sh.precision}, one device, "
-             f"{sh.bench_steps} steps ({THROUGHPUT_WARMUP} warm-up)")
+             f"{sh.bench_steps} steps ({sh.bench_warmup} warm-up)")
     timeout = 0.6 * float(os.environ.get(CAP_ENV, 600))  # a hung run leaves time to the next
     # where each runner's step goes: torch.profiler over a few steady steps (step_clock.py)
-    first = min(THROUGHPUT_WARMUP + 3, sh.bench_steps - 2)
+    first = min(sh.bench_warmup + 3, sh.bench_steps - 2)
     os.environ[PROFILE_STEPS_ENV] = f"{first}:{min(first + 2, sh.bench_steps - 1)}"
     for runner in tp.build_runners(bench, list(sh.runners), clock=True,
                                    more=one_record_runners(bench, work, sh)):
@@ -433,7 +443,7 @@ def throughput(s: Settings, sh: Shapes) -> int:
         profile = work / f"{runner.key}.profile.json"
         os.environ[PROFILE_ENV] = str(profile)
         summary = summarize(runner, [execute(runner, work / runner.key, round_no=1,
-                                             timeout_s=timeout)], THROUGHPUT_WARMUP)
+                                             timeout_s=timeout)], sh.bench_warmup)
         _show_logs(runner.logs(work / runner.key))
         if profile.exists():
             report.append_here({"kind": "profile", "runner": runner.key, "label": runner.label,

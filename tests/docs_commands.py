@@ -433,8 +433,9 @@ REGISTRY: dict[str, Entry] = {
         "gpu_check_cpu", f"{GPU_CHECK}::test_the_rehearsal_returns_each_stage_in_at_most_8_files",
         "every stage of the GPU check on the CPU with tiny shapes (tests/integration/"
         "test_gpu_check.py checks each result: the machine with the carried wheel, the default "
-        "command's loss, tokens/s, MFU and memory, each GPU test skipped, the three throughput "
-        "runners, the cut stage, the landing steps run or skipped with their reason)",
+        "command's loss, tokens/s, MFU and memory, each GPU test skipped, each throughput "
+        "runner with its profile, the cut stage, the landing steps run or skipped with their "
+        "reason)",
         (Replace("PY=.venv/bin/python", "PY={python}", "this environment's python"),
          Env("OUT", "{work}/out", "the results in the test's folder"),
          Env("WORK", "{work}/work", "the run folders in the test's folder"),
