@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Peer libraries for benchmarks/throughput.py in their own venv (default .venv-bench), so the
-# project's .venv is never modified: accelerate (for the HF Trainer runner) and torchtitan.
+# project's .venv is never modified: accelerate (for the HF Trainer runner), peft (Trainer +
+# PEFT LoRA) and torchtitan.
 # torch and transformers are pinned to the exact versions of the project's venv, so every
 # runner uses the same kernels and the same LlamaForCausalLM; pip never swaps torch for
 # another build (a CUDA wheel on a CPU machine, or the reverse).
@@ -41,7 +42,7 @@ fi
 BENCH_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 CONSTRAINTS="$VENV/constraints.txt"
 printf 'torch==%s\ntransformers==%s\n' "$BENCH_TORCH" "$TRANSFORMERS_VERSION" >"$CONSTRAINTS"
-pip install -q -c "$CONSTRAINTS" "transformers==$TRANSFORMERS_VERSION" accelerate
+pip install -q -c "$CONSTRAINTS" "transformers==$TRANSFORMERS_VERSION" accelerate peft
 # torchtitan may not resolve next to this torch; the benchmark then reports why it cannot run.
 if ! pip install -q -c "$CONSTRAINTS" "torchtitan==$TORCHTITAN" 2>"$VENV/torchtitan-install.log"; then
   echo "torchtitan==$TORCHTITAN could not be installed (see $VENV/torchtitan-install.log)" >&2
@@ -51,7 +52,7 @@ fi
 "$VENV/bin/python" -c "import triton" 2>/dev/null || pip install -q -c "$CONSTRAINTS" triton
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "transformers", "accelerate", "torchtitan", "triton"):
+for name in ("torch", "transformers", "accelerate", "peft", "torchtitan", "triton"):
     try:
         print(f"{name:13s} {md.version(name)}")
     except md.PackageNotFoundError:

@@ -49,9 +49,19 @@ log = logging.getLogger("throughput")
 # llama_fsdp_sdpa: packed rows through SDPA's dense block mask, against auto's varlen (flash
 # varlen_attn on CUDA, block-sparse SDPA on CPU)
 RUNNERS_CPU = ("llama_fsdp", "bare_fsdp2", "hf_trainer", "torchtitan", "llama_fsdp_no_shard",
-               "bare_fsdp2_packed", "llama_fsdp_unpacked", "llama_fsdp_sdpa")
+               "bare_fsdp2_packed", "llama_fsdp_unpacked", "llama_fsdp_sdpa",
+               "llama_fsdp_no_shard_lora", "hf_trainer_peft", "llama_fsdp_no_shard_foreach",
+               "llama_fsdp_no_shard_full_loss")
 RUNNERS_CUDA = RUNNERS_CPU + ("hf_trainer_ddp",)
 ALL_RUNNERS = RUNNERS_CUDA
+# the adapters' rank in the LoRA pair (the tiny recipe's), alpha twice it
+LORA_RANK = 16
+# --runners trainer: both comparisons with the HF Trainer in one call (DDP against DDP: on the
+# CPU, Trainer's FSDP request falls back to DDP; on CUDA hf_trainer_ddp asks for it)
+PRESETS = {"trainer": {"cpu": ("llama_fsdp_no_shard", "hf_trainer", "llama_fsdp_no_shard_lora",
+                               "hf_trainer_peft"),
+                       "cuda": ("llama_fsdp_no_shard", "hf_trainer_ddp",
+                                "llama_fsdp_no_shard_lora", "hf_trainer_peft")}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,7 +77,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--precision", choices=("fp32", "mixed", "bf16"), default="fp32")
     ap.add_argument("--runners", default=None,
                     help=f"comma-separated subset of {', '.join(ALL_RUNNERS)} "
-                         "(default: all; hf_trainer_ddp on cuda only)")
+                         "(default: all; hf_trainer_ddp on cuda only), or 'trainer': no_shard "
+                         "and LoRA against the HF Trainer and Trainer + PEFT")
     ap.add_argument("--framework-override", action="append", default=[],
                     help="extra llama_fsdp override, e.g. data.tokenizer=DIR (repeatable)")
     ap.add_argument("--bench-venv", type=Path, default=REPO / ".venv-bench")
@@ -123,6 +134,25 @@ def build_runners(bench: Bench, keys: list[str], clock: bool,
                                                        packing=False),
         "hf_trainer_ddp": lambda: peer("hf_trainer_ddp", "HF Trainer, DDP requested",
                                        "hf_trainer", "--sharding", "no_shard"),
+        # LoRA against Trainer + PEFT: the same rank, alpha and seven projections, DDP both
+        "llama_fsdp_no_shard_lora": lambda: FrameworkRunner(
+            bench, sharding="no_shard", clock=clock, name="lora",
+            what=f"finetune=lora, rank {LORA_RANK}",
+            options=("finetune=lora", f"finetune.rank={LORA_RANK}",
+                     f"finetune.alpha={2 * LORA_RANK}")),
+        # the CPU's AdamW before optim.fused=null meant fused there too: its cost in a step
+        "llama_fsdp_no_shard_foreach": lambda: FrameworkRunner(
+            bench, sharding="no_shard", clock=clock, name="foreach",
+            options=("optim.fused=false",)),
+        # the loss over the whole vocabulary at once, as the peers compute it (the default
+        # head is the chunked one)
+        "llama_fsdp_no_shard_full_loss": lambda: FrameworkRunner(
+            bench, sharding="no_shard", clock=clock, name="full_loss",
+            options=("train.loss=full",)),
+        "hf_trainer_peft": lambda: peer(
+            "hf_trainer_peft", f"HF Trainer + PEFT LoRA rank {LORA_RANK}", "hf_trainer",
+            "--sharding", "no_shard", "--lora-rank", str(LORA_RANK),
+            "--lora-alpha", str(2 * LORA_RANK)),
         "llama_fsdp_sdpa": lambda: FrameworkRunner(bench, sharding="full", clock=clock,
                                                    attention="sdpa"),
         # what torchtitan runs on CUDA: the layers compiled, the fused AdamW step
@@ -178,7 +208,7 @@ def versions(python: Path) -> dict[str, str]:
             "    try: return m.version(n)\n"
             "    except m.PackageNotFoundError: return 'not installed'\n"
             "print(json.dumps({n: v(n) for n in "
-            "('torch', 'transformers', 'accelerate', 'torchtitan', 'triton')}))")
+            "('torch', 'transformers', 'accelerate', 'peft', 'torchtitan', 'triton')}))")
     if not python.exists():
         return {"torch": f"{python} missing: run benchmarks/setup_peers.sh"}
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
@@ -277,6 +307,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def select_runners(args: argparse.Namespace, bench: Bench, clock: bool) -> list[Runner]:
     keys = args.runners.split(",") if args.runners else list(
         RUNNERS_CUDA if args.device == "cuda" else RUNNERS_CPU)
+    if args.runners in PRESETS:
+        keys = list(PRESETS[args.runners][args.device])
     unknown = set(keys) - set(ALL_RUNNERS)
     if unknown:
         raise SystemExit(f"unknown runner(s) {sorted(unknown)}: valid: {', '.join(ALL_RUNNERS)}")

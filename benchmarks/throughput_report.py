@@ -114,12 +114,24 @@ def no_shard_pair(summaries: list[Summary]) -> list[Summary]:
     return [s for s in (keys.get("llama_fsdp_no_shard"), hf) if s is not None]
 
 
+def lora_pair(summaries: list[Summary]) -> list[Summary]:
+    """llama_fsdp finetune=lora (no_shard) against HF Trainer + PEFT LoRA (DDP)."""
+    keys = by_key(summaries)
+    return [s for s in (keys.get("llama_fsdp_no_shard_lora"), keys.get("hf_trainer_peft"))
+            if s is not None]
+
+
+# runners reported only in their pair's own section
+PAIRED_ONLY = ("hf_trainer_ddp", "llama_fsdp_no_shard_lora", "hf_trainer_peft")
+
+
 def render(bench: Bench, summaries: list[Summary], meta: Meta) -> str:
     keys = by_key(summaries)
     base = keys.get(BASELINE)
-    main = [s for s in summaries if not s.runner.diagnostic and s.runner.key != "hf_trainer_ddp"]
-    diagnostics = [s for s in summaries if s.runner.diagnostic]
-    pair = no_shard_pair(summaries)
+    main = [s for s in summaries if not s.runner.diagnostic and s.runner.key not in PAIRED_ONLY]
+    diagnostics = [s for s in summaries
+                   if s.runner.diagnostic and s.runner.key not in PAIRED_ONLY]
+    pair, lora = no_shard_pair(summaries), lora_pair(summaries)
     lines = ["# Throughput: llama_fsdp against a bare FSDP2 loop, HF Trainer and torchtitan", "",
              f"Measured {meta.date} with `{meta.argv}`.", ""]
     lines += _setup(bench, meta, base)
@@ -132,6 +144,10 @@ def render(bench: Bench, summaries: list[Summary], meta: Meta) -> str:
         hf = pair[-1] if len(pair) == 2 else None
         lines += ["## no_shard: llama_fsdp sharding=no_shard against HF Trainer (DDP)", "",
                   *table(pair, hf, bench, "HF Trainer"), ""]
+    if lora:
+        peft = lora[-1] if len(lora) == 2 else None
+        lines += ["## LoRA: llama_fsdp finetune=lora (no_shard) against HF Trainer + PEFT (DDP)",
+                  "", *table(lora, peft, bench, "Trainer + PEFT"), ""]
     lines += _failures(summaries) + _timing(summaries) + _versions(meta) + _commands(summaries)
     lines += ["## Notes", "", *[f"- {n}" for n in meta.notes], ""]
     lines += [f"Run directories (logs, stamps, shape.json): `{meta.work_dir}`.", ""]

@@ -3,6 +3,10 @@
     torchrun --standalone --nproc-per-node N -m benchmarks.peers.hf_trainer --shape shape.json \
         --batch-size 8 --seq-len 128 --steps 30 --info info.json [--sharding full|no_shard]
 
+``--lora-rank R`` trains PEFT LoRA adapters of rank R (alpha ``--lora-alpha``, no dropout) on
+the seven attention and MLP projections llama_fsdp's finetune=lora adapts, the base frozen:
+Trainer + PEFT, as a user would fine-tune with adapters.
+
 ``--sharding full`` asks for FSDP2 full sharding with transformer-layer auto-wrap:
 ``fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True, ...}``, the
 non-deprecated spelling of ``fsdp="full_shard auto_wrap"``; ``no_shard`` asks for plain DDP.
@@ -30,6 +34,7 @@ from benchmarks.peers.common import (
 )
 from benchmarks.step_clock import StepClock
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FSDP_CONFIG = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                "reshard_after_forward": True}
 
@@ -86,13 +91,21 @@ def training_args(args: Any, out_dir: str) -> TrainingArguments:
 
 
 def main() -> None:
-    args = parse_args(__doc__, {"--sharding": {"choices": ("full", "no_shard"), "default": "full"}})
+    args = parse_args(__doc__, {"--sharding": {"choices": ("full", "no_shard"), "default": "full"},
+                                "--lora-rank": {"type": int, "default": 0},
+                                "--lora-alpha": {"type": float, "default": None}})
     d = init_distributed(args.device)
     shape = load_shape(args.shape)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(llama_config(shape))
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS), bias="none"))
     data = RandomTokens(args.steps * args.batch_size * d.world, args.seq_len,
                         shape["vocab_size"], args.seed)
     optim = (torch.optim.AdamW, {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.0,
@@ -101,8 +114,10 @@ def main() -> None:
                       train_dataset=data, optimizer_cls_and_kwargs=optim,
                       callbacks=[ClockCallback(StepClock(rank=d.rank, world_size=d.world))])
     trainer.train()
+    lora = f", PEFT LoRA r={args.lora_rank}" if args.lora_rank else ""
     write_info(args.info, d.rank, {
-        "ran": f"{what_ran(trainer)}, accelerate {trainer.accelerator.distributed_type.value}",
+        "ran": f"{what_ran(trainer)}, accelerate {trainer.accelerator.distributed_type.value}"
+               f"{lora}",
         "asked": args.sharding, "precision": args.precision,
         "bf16_autocast": args.precision != "fp32",
         "threads_per_rank": threads_per_rank(), "torch_threads": torch.get_num_threads(),

@@ -177,3 +177,49 @@ def test_cuda_step_stamps_come_from_events_without_a_sync_per_step():
     assert [s["step"] for s in rest] == [5] and made[4].waited
     assert rest[0]["t"] - t0 == pytest.approx(1.0)
     assert syncs == [1] and clock.close() == []
+
+
+def test_the_trainer_preset_pairs_llama_fsdp_with_trainer_and_trainer_peft_on_the_same_adapters(
+        monkeypatch, tmp_path):
+    """`--runners trainer` runs both comparisons in one call: no_shard against the Trainer's
+    DDP, and LoRA against Trainer + PEFT with the same rank, alpha and projections, so PEFT
+    trains exactly the adapter parameters the framework's plan counts."""
+    import argparse
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import throughput
+    from throughput_runners import Bench
+
+    from benchmarks.peers.common import llama_config
+    from benchmarks.peers.hf_trainer import LORA_TARGETS
+    from llama_fsdp.config.schema import FinetuneConfig, model_preset
+    from llama_fsdp.plan.lora import adapter_params
+
+    import sys
+
+    bench = Bench(device="cpu", ranks=2, model="tiny", batch_size=8, seq_len=128, steps=10,
+                  warmup=5, precision="fp32", main_python=Path(sys.executable),
+                  bench_python=Path(sys.executable), shape_file=tmp_path / "shape.json")
+    args = argparse.Namespace(runners="trainer", device="cpu")
+    keys = [r.key for r in throughput.select_runners(args, bench, clock=True)]
+    assert keys == ["llama_fsdp_no_shard", "hf_trainer", "llama_fsdp_no_shard_lora",
+                    "hf_trainer_peft"]
+    ours, peft_runner = throughput.build_runners(
+        bench, ["llama_fsdp_no_shard_lora", "hf_trainer_peft"], clock=True)
+    rank = throughput.LORA_RANK
+    assert {"finetune=lora", f"finetune.rank={rank}", f"finetune.alpha={2 * rank}",
+            "sharding=no_shard"} <= set(ours.overrides(tmp_path))
+    command = peft_runner.command(tmp_path)
+    assert command[command.index("--lora-rank") + 1] == str(rank)
+    assert command[command.index("--lora-alpha") + 1] == str(2 * rank)
+    assert command[command.index("--sharding") + 1] == "no_shard"
+
+    shape = model_preset("tiny")
+    model = get_peft_model(LlamaForCausalLM(llama_config(dataclasses.asdict(shape))),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert trainable == adapter_params(shape, FinetuneConfig(method="lora", rank=rank)) == 311_296
