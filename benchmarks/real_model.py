@@ -106,14 +106,54 @@ def short_answer_losses(outs: list[Path], n: int) -> dict[str, float]:
     return out
 
 
+def lm_eval_tasks() -> Path:
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or spec.origin is None:
+        raise SystemExit("pip install lm-eval  (--train cot reads its worked examples)")
+    return Path(spec.origin).parent / "tasks"
+
+
+def cot_records() -> list[dict]:
+    """Real worked examples of another source than the held-out MMLU questions, as lm-eval
+    ships them in its few-shot prompts: BIG-Bench Hard's chain-of-thought exemplars (27 tasks,
+    3 each: the task's description as the instruction, the question as the input, "Let's think
+    step by step." and the worked answer as the output) and GSM8K's 8 chain-of-thought
+    exemplars; each once (the three- and five-object variants of two tasks reuse the
+    seven-object task's exemplars: 77 records). Their answers reason step by step to "So the
+    answer is ...", the style of MMLU's worked answers; their questions share none of MMLU's
+    (Boolean expressions, dates, word sorting, grade-school arithmetic, ...)."""
+    import yaml
+
+    tasks, out, seen = lm_eval_tasks(), [], set()
+    for f in sorted((tasks / "bbh" / "cot_fewshot").glob("[!_]*.yaml")):
+        d = yaml.safe_load(f.read_text())
+        for s in d["fewshot_config"]["samples"]:
+            if s["input"] in seen:
+                continue
+            seen.add(s["input"])
+            out.append({"instruction": d["description"].strip(), "input": s["input"].strip(),
+                        "output": "Let's think step by step.\n" + s["target"].strip()})
+    d = yaml.safe_load((tasks / "gsm8k" / "gsm8k-cot.yaml").read_text())
+    for s in d["fewshot_config"]["samples"]:
+        out.append({"instruction": "Solve the math word problem.", "input": s["question"],
+                    "output": "Let's think step by step. " + s["target"].strip()})
+    return out
+
+
+def train_records(source: str) -> list[dict]:
+    """--train: cot (real worked examples, cot_records) or handwritten (the 117 Alpaca-style
+    records of benchmarks/data/instructions.json)."""
+    return cot_records() if source == "cot" else json.loads(INSTRUCTIONS.read_text())
+
+
 def as_chat(rec: dict) -> dict:
     user = rec["instruction"] + (f"\n\n{rec['input']}" if rec["input"] else "")
     return {"messages": [{"role": "user", "content": user},
                          {"role": "assistant", "content": rec["output"]}]}
 
 
-def write_data(out: Path, n_heldout: int) -> dict[str, dict[str, Path]]:
-    train, held = json.loads(INSTRUCTIONS.read_text()), heldout_records(n_heldout)
+def write_data(out: Path, n_heldout: int, source: str) -> dict[str, dict[str, Path]]:
+    train, held = train_records(source), heldout_records(n_heldout)
     files: dict[str, dict[str, Path]] = {}
     for fmt, conv in (("instruction", lambda r: r), ("chat", as_chat)):
         files[fmt] = {}
@@ -182,28 +222,34 @@ def load_for_eval(base: Path, adapter: Path | None):
 
 # --- the project's runs ----------------------------------------------------------------------
 
-def project_run(folder: Path, files: dict, method: str, fmt: str, args, out: Path) -> dict:
-    run = out / "runs" / f"{method}_{fmt}"
+def project_run(folder: Path, files: dict, method: str, fmt: str, args, out: Path, *,
+                steps: int | None = None, extra: tuple[str, ...] = (), name: str = "") -> dict:
+    """The project's command on the model folder (``steps`` given: a timing run, no eval)."""
+    run = out / "runs" / (name or f"{method}_{fmt}")
+    timing = steps is not None
+    steps = args.steps if steps is None else steps
+    eval_args = (["data.eval_fraction=0", "eval.every_steps=0"] if timing else
+                 [f"data.eval_path={files['heldout']}", f"eval.every_steps={steps}"])
     cmd = [PY, "-m", "llama_fsdp", f"model.path={folder}", f"finetune={method}", "data=jsonl",
-           f"data.path={files['train']}", f"data.eval_path={files['heldout']}",
+           f"data.path={files['train']}", *eval_args,
            f"train.seq_len={args.seq}", f"train.batch_size={args.batch}",
-           f"train.max_steps={args.steps}", f"eval.every_steps={args.steps}",
-           f"cluster.nproc_per_node={RANKS}", f"output_dir={run}",
+           f"train.max_steps={steps}",
+           f"cluster.nproc_per_node={RANKS}", *extra, f"output_dir={run}",
            *(["save.export_hf=true"] if method == "full" else []),  # (LoRA: its PEFT adapter)
            f"tracking.uri=sqlite:///{out}/mlflow.db", "hydra.run.dir=" + str(out / "hydra")]
     t0, load0 = time.time(), os.getloadavg()[0]
     r = subprocess.run(cmd, cwd=out, capture_output=True, text=True)
     text = r.stdout + r.stderr
-    (out / f"{method}_{fmt}.log").write_text(text)
+    (out / f"{name or f'{method}_{fmt}'}.log").write_text(text)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     evals = [float(x) for x in re.findall(r"eval_loss=([0-9.]+)", text)]
     eval_s = [float(x) for x in re.findall(r"eval_time_s=([0-9.]+)", text)]
     tok_s = float(re.search(r"tokens/s\s+(\d+) global", text).group(1))
-    return {"command": " ".join(["python -m llama_fsdp", *cmd[3:12]]), "run": str(run),
+    return {"command": " ".join(["python -m llama_fsdp", *cmd[3:-2]]), "run": str(run),
             "lr": re.search(r"learning rate\s+(.+)", text).group(1).strip(),
             "eval_loss": evals, "eval_time_s": eval_s,
-            "plan_eval": re.search(r"plan with the data: (.+)", text).group(1),
+            "plan_eval": next(iter(re.findall(r"plan with the data: (.+)", text)), ""),
             "tokens_per_s": tok_s, "step_s": args.batch * args.seq * RANKS / tok_s,
             "wall_s": time.time() - t0, "load": (load0, os.getloadavg()[0])}
 
@@ -229,7 +275,8 @@ def answer(path: Path, out: Path) -> str:
 
 # --- TRL ----------------------------------------------------------------------------------
 
-def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int) -> dict:
+def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int,
+            steps: int | None = None) -> dict:
     """TRL's SFTTrainer + PEFT LoRA: the same records, rendering, LoRA, lr and schedule, steps
     and tokens per step (one process, ``RANKS`` threads, per-device batch ranks x micro-batch,
     packed, loss on the completions)."""
@@ -243,6 +290,7 @@ def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int) -> 
     from llama_fsdp.config.schema import FinetuneConfig
     from llama_fsdp.train.loop import lr_factor
 
+    steps = args.steps if steps is None else steps
     torch.set_num_threads(RANKS)
     torch.manual_seed(0)
     recs = [json.loads(line) for line in files["train"].read_text().splitlines()]
@@ -257,12 +305,12 @@ def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int) -> 
                                       target_modules=list(FinetuneConfig.TARGETS)))
     # the recipe's 100, shortened as the project's run shortens it (fit_warmup: a tenth of the
     # run, 0 under 10 steps; lr_factor takes 0 as no warm-up)
-    warmup = fit_warmup(LORA_SFT["warmup_steps"], args.steps, "")[0]
+    warmup = fit_warmup(LORA_SFT["warmup_steps"], steps, "")[0]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                             lr=LORA_SFT["lr"], weight_decay=LORA_SFT["weight_decay"],
                             betas=(ADAMW["beta1"], ADAMW["beta2"]), eps=ADAMW["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
-        s, warmup=warmup, max_steps=args.steps, min_ratio=LORA_SFT["min_lr_ratio"]))
+        s, warmup=warmup, max_steps=steps, min_ratio=LORA_SFT["min_lr_ratio"]))
     times: list[float] = []
 
     class Clock(TrainerCallback):
@@ -272,7 +320,7 @@ def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int) -> 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t)
 
-    cfg = SFTConfig(output_dir=str(out / "trl"), max_steps=args.steps,
+    cfg = SFTConfig(output_dir=str(out / "trl"), max_steps=steps,
                     per_device_train_batch_size=args.batch * RANKS, max_length=args.seq,
                     packing=True, completion_only_loss=True, max_grad_norm=LORA_SFT["max_grad_norm"],
                     logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
@@ -295,6 +343,44 @@ def trl_run(folder: Path, files: dict, fmt: str, args, out: Path, rank: int) -> 
                     if "learning_rate" in h],
             "warmup": warmup, "packed_rows": len(packed),
             "packed_tokens": sum(len(x) for x in packed)}
+
+
+# The timing rounds' runners: the project's LoRA as the one-override command runs it
+# (sharding=full, the default), with sharding=auto (the least-communication strategy that fits:
+# no_shard for this model, its frozen base replicated and only the adapters' gradients
+# all-reduced), and TRL's SFTTrainer + PEFT; each the same LoRA on the same packed rows.
+TIMED = {"llama_fsdp": (), "llama_fsdp_auto": ("sharding=auto",), "trl": None}
+
+
+def timing(folder: Path, files: dict, args, out: Path) -> dict:
+    """--timing ROUNDS: each runner ``--timing-steps`` steps without eval, interleaved (A B C A B
+    C ...), so that a change of load hits every runner; the median step of each run's steady
+    steps (the project's: its tokens/s; TRL's: the callback's step clock past 2 steps)."""
+    from llama_fsdp.config.recipes import LORA_RANK, SMALL_PRETRAINED
+
+    found: dict[str, list] = {k: [] for k in TIMED}
+    for rnd in range(args.timing):
+        for key, extra in TIMED.items():
+            load0 = os.getloadavg()[0]
+            if extra is None:
+                r = trl_run(folder, files["instruction"], "instruction", args, out,
+                            LORA_RANK[SMALL_PRETRAINED], steps=args.timing_steps)
+            else:
+                r = project_run(folder, files["instruction"], "lora", "instruction", args, out,
+                                steps=args.timing_steps, extra=extra, name=f"time_{key}_{rnd}")
+            found[key].append({"step_s": r["step_s"], "load": (load0, os.getloadavg()[0])})
+            print(key, rnd, found[key][-1], flush=True)
+            (out / "timing.json").write_text(json.dumps(found, indent=1))
+    return found
+
+
+def timing_report(found: dict) -> str:
+    med = {k: statistics.median(r["step_s"] for r in v) for k, v in found.items() if v}
+    rows = ["| runner | step time, each round | median | / TRL |", "|---|---|---|---|"]
+    for k, v in found.items():
+        each = ", ".join(f"{r['step_s']:.2f} s (load {r['load'][0]:.1f})" for r in v)
+        rows.append(f"| {k} | {each} | {med[k]:.2f} s | {med[k] / med['trl']:.3f} |")
+    return "\n".join(rows)
 
 
 def report(res: dict) -> str:
@@ -330,6 +416,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="micro-batch a rank")
     p.add_argument("--heldout", type=int, default=12)
+    p.add_argument("--train", choices=("cot", "handwritten"), default="cot",
+                   help="the training records: real worked examples that lm-eval ships "
+                        "(cot_records) or the 117 hand-written ones")
     p.add_argument("--lm-eval-limit", type=int, default=12, help="MMLU dev questions scored")
     p.add_argument("--only", default=None, help="comma list of lora_instruction, ...")
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "real_model")
@@ -337,6 +426,9 @@ def main() -> None:
     p.add_argument("--short-answers", type=Path, nargs="*", default=None,
                    help="the held-out loss on right-choice answers of the runs in these out "
                         "folders (the first: --out)")
+    p.add_argument("--timing", type=int, default=0,
+                   help="rounds of interleaved step timings (TIMED), instead of the runs")
+    p.add_argument("--timing-steps", type=int, default=8)
     args = p.parse_args()
     out = args.out.resolve()
     if args.short_answers is not None:
@@ -348,7 +440,10 @@ def main() -> None:
         print(report(json.loads((out / "results.json").read_text())))
         return
     out.mkdir(parents=True, exist_ok=True)
-    folder, files = model_dir(out), write_data(out, args.heldout)
+    folder, files = model_dir(out), write_data(out, args.heldout, args.train)
+    if args.timing:
+        print(timing_report(timing(folder, files, args, out)))
+        return
     results_file = out / "results.json"
     res = json.loads(results_file.read_text()) if results_file.is_file() else {}
     save = lambda: results_file.write_text(json.dumps(res, indent=1))  # noqa: E731

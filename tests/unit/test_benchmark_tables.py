@@ -223,3 +223,35 @@ def test_the_trainer_preset_pairs_llama_fsdp_with_trainer_and_trainer_peft_on_th
                            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
     trainable, _ = model.get_nb_trainable_parameters()
     assert trainable == adapter_params(shape, FinetuneConfig(method="lora", rank=rank)) == 311_296
+
+
+def test_real_model_trains_on_real_worked_examples_of_another_source_than_its_held_out_set():
+    """benchmarks/real_model.py --train cot: BIG-Bench Hard's and GSM8K's chain-of-thought
+    exemplars as the installed lm-eval ships them, answers reasoned step by step, and none of
+    the held-out MMLU questions among them (the issue's "records of another source")."""
+    from benchmarks import real_model as rm
+
+    train, held = rm.train_records("cot"), rm.heldout_records(57)
+    # 27 BBH tasks, 3 exemplars each (two tasks' 3- and 5-object variants reuse the 7-object
+    # variant's: 12 left out), and GSM8K's 8
+    assert len(train) == 27 * 3 - 12 + 8
+    assert all(r["output"].startswith("Let's think step by step.") for r in train)
+    assert sum("the answer is" in r["output"].lower() for r in train) >= 75
+    assert len({r["input"] for r in train}) == len(train)  # each exemplar once
+    questions = {r["instruction"].split("\n")[0] for r in held}
+    assert len(held) == 57 and not questions & {r["input"] for r in train}
+    assert len({r["instruction"] for r in train}) == 24  # 23 distinct BBH descriptions, GSM8K
+    hand = rm.train_records("handwritten")
+    assert len(hand) == 117 and not {r["output"] for r in hand} & {r["output"] for r in train}
+
+
+def test_real_model_timing_table_reads_each_runner_against_trl():
+    from benchmarks import real_model as rm
+
+    found = {"llama_fsdp": [{"step_s": 8.0, "load": (1.0, 1.5)}, {"step_s": 9.0, "load": (2, 2)}],
+             "llama_fsdp_auto": [{"step_s": 4.0, "load": (1, 1)}],
+             "trl": [{"step_s": 10.0, "load": (1, 1)}]}
+    table = rm.timing_report(found).splitlines()
+    assert table[2].startswith("| llama_fsdp | 8.00 s (load 1.0), 9.00 s (load 2.0) | 8.50 s |")
+    assert table[2].endswith("| 0.850 |") and table[3].endswith("| 4.00 s | 0.400 |")
+    assert table[4].endswith("| 1.000 |")
