@@ -27,7 +27,7 @@ from ..launchers.process import skip_final_collection
 from .multirun import failed, finished_point, hydra_footprint, sweep_kwargs
 from .overrides import command_line, override_key_problems, overridden_keys, quote_search_spaces
 from ..run.ownership import RunDirBusy
-from ..plan import PlanError, check_fits, fixes_text, make_plan, resolve_auto
+from ..plan import PlanError, auto_hint, check_fits, fixes_text, make_plan, resolve_auto
 from ..prepare.errors import PrepareError
 from ..config.status import DIVERGED, EXIT_DIVERGED, FAILED, FINISHED, PRUNED, USER_STOPPED
 from ..config.rundir import RUNS, SWEEPS, Footprint
@@ -58,6 +58,8 @@ def plan_run(cfg: DictConfig, launcher: Launcher, run_dir: str) -> tuple[RunSpec
                     spec.finetune.method)
     if warning := one_group_warning(spec.sharding.strategy, spec.mesh, spec.world_size):
         log.warning("%s", warning)
+    if hint := auto_hint(spec, str(cfg.sharding.strategy)):
+        log.info("%s", hint)
     plan = make_plan(spec)
     log.info("plan (per device):\n%s", plan.table())
     return spec, plan

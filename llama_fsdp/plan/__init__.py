@@ -45,7 +45,7 @@ from .fit import (
 from .remedies import PlanError, check_fits, fixes_text
 from .loss import logits_loss_bytes, loss_bytes
 from .phases import PHASES, Memory
-from .search import choose_strategy, nodes_needed, resolve_auto
+from .search import auto_hint, choose_strategy, nodes_needed, resolve_auto
 from .shapes import (
     count_params,
     flops_per_token,
@@ -59,7 +59,7 @@ from .shapes import (
 from .variants import reference_spec, with_nodes, with_seq_len, with_strategy
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_MFU", "GB", "GIB", "Memory", "PHASES", "Plan", "PlanError",
-           "activation_bytes", "check_fits", "choose_strategy", "count_params",
+           "activation_bytes", "auto_hint", "check_fits", "choose_strategy", "count_params",
            "device_capacity_bytes", "fixes_text", "flash_varlen_runs", "flops_per_token",
            "flops_per_token_of", "layer_activation_bytes", "layer_shapes", "logits_loss_bytes",
            "longest_seq_len",

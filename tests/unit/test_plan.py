@@ -419,6 +419,26 @@ def test_resolve_auto_replaces_strategy_and_mesh():
     assert P.resolve_auto(fixed) is fixed
 
 
+def test_a_named_strategy_hears_of_the_one_auto_would_pick_when_it_fits_and_talks_less():
+    """The launch's hint (cli/command.plan_run): a small model on one machine under the default
+    full sharding hears that auto replicates it; a strategy auto would pick itself, sharding=auto
+    itself, and a run where only full sharding fits hear nothing."""
+    cpu = ("cluster.device=cpu", "cluster.nproc_per_node=2")
+    hint = P.auto_hint(make_spec("sharding=full", *cpu), "full")
+    assert hint.startswith("sharding=full: sharding=auto would pick no_shard: ") and \
+        hint.endswith("usable per device, with less communication"), hint
+    assert P.auto_hint(make_spec("sharding=no_shard", *cpu), "no_shard") is None
+    assert P.auto_hint(make_spec("sharding=auto", *cpu), "auto") is None
+    # 8B in mixed precision on 8 x 80 GB: grad_op fits, DDP does not (the cases above)
+    big = ("model=8b", *GPUS, "precision=mixed", "checkpointing=full", "train.batch_size=1",
+           "train.seq_len=2048")
+    assert "would pick grad_op" in P.auto_hint(make_spec("sharding=full", *big), "full")
+    assert P.auto_hint(make_spec("sharding=grad_op", *big), "grad_op") is None
+    seventy = ("model=70b", *GPUS, "cluster.nodes=4", "precision=mixed", "checkpointing=full",
+               "train.batch_size=1", "train.seq_len=2048")
+    assert P.auto_hint(make_spec("sharding=full", *seventy), "full") is None  # only full fits
+
+
 def test_nothing_fits_falls_back_to_full():
     spec = make_spec("sharding=auto", "model=405b", "cluster=slurm", "cluster.gpus_per_node=1",
                      "cluster.device=auto")
