@@ -38,9 +38,20 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = REPO / "benchmarks" / "data" / "instructions.json"
 RANKS = 2
-# the runs whose held-out loss this script's own evaluator also computes (the project's LoRA
-# and TRL's: the comparison); the others report the in-run eval's (the same held-out rows)
-ONE_EVALUATOR = ("lora_instruction", "trl_instruction", "lora_chat", "trl_chat")
+# the runs whose held-out loss this script's own evaluator also computes (every one: the
+# in-run eval scores a sample of the held-out rows, eval.max_batches)
+ONE_EVALUATOR = ("lora_instruction", "trl_instruction", "full_instruction", "lora_chat",
+                 "trl_chat", "full_chat")
+
+
+def load_run(folder: Path, name: str, r: dict):
+    """The model a finished run left: TRL's adapter, the project's LoRA export (a PEFT adapter)
+    or its full export (an HF folder)."""
+    if name.startswith("trl"):
+        return load_for_eval(folder, Path(r["adapter"]))
+    if name.startswith("lora"):
+        return load_for_eval(folder, Path(r["run"]) / "export")
+    return load_for_eval(Path(r["run"]) / "export", None)
 
 
 def gguf_file() -> Path:
@@ -94,13 +105,8 @@ def short_answer_losses(outs: list[Path], n: int) -> dict[str, float]:
         for name, r in res.items():
             if name == "base" or name.count("_") != 1:  # (notes, not runs)
                 continue
-            kind, fmt = name.split("_")
-            if kind == "trl":
-                model, tok = load_for_eval(folder, Path(r["adapter"]))
-            elif kind == "lora":
-                model, tok = load_for_eval(folder, Path(r["run"]) / "export")
-            else:
-                model, tok = load_for_eval(Path(r["run"]) / "export", None)
+            fmt = name.split("_")[1]
+            model, tok = load_run(folder, name, r)
             out[name] = heldout_loss(model, tok, held, fmt)
             print(name, out[name], flush=True)
     return out
@@ -387,21 +393,23 @@ def report(res: dict) -> str:
     """The results as benchmarks/real_model.md's table."""
     base = res["base"]
     rows = ["| run | lr (source) | held-out loss, in-run eval: step 0 -> end | held-out loss, "
-            "one evaluator | lm-eval acc_norm | step time | eval at step 0 | asked the capital "
+            "one evaluator | lm-eval acc (acc_norm) | step time | eval at step 0 | asked the capital "
             "of France |", "|---|---|---|---|---|---|---|---|"]
     for fmt in ("instruction", "chat"):
         rows.append(f"| pretrained, {fmt} | | | {base['heldout'][fmt]:.4f} | "
-                    f"{base['lm_eval']['acc_norm']:.3f} | | | {base['answer']} |")
+                    f"{base['lm_eval']['acc']:.3f} ({base['lm_eval']['acc_norm']:.3f}) | | | "
+                    f"{base['answer']} |")
         for kind in ("lora", "trl", "full"):
             r = res.get(f"{kind}_{fmt}")
             if r is None:
                 continue
             if kind == "trl":
-                rows.append(f"| TRL SFTTrainer + PEFT LoRA, {fmt} | 3.0e-04 (the same) | | "
+                rows.append(f"| TRL SFTTrainer + PEFT LoRA, {fmt} | the same | | "
                             f"{r['heldout']:.4f} | | {r['step_s']:.2f} s | | |")
                 continue
             ev, es = r["eval_loss"], r["eval_time_s"]
-            score = f"{r['lm_eval']['acc_norm']:.3f}" if "lm_eval" in r else ""
+            score = (f"{r['lm_eval']['acc']:.3f} ({r['lm_eval']['acc_norm']:.3f})"
+                     if "lm_eval" in r else "")
             planned = re.search(r"about ([0-9.e-]+)", r["plan_eval"]).group(1)
             rows.append(f"| llama_fsdp {kind}, {fmt} | {r['lr']} | {ev[0]:.4f} -> {ev[-1]:.4f} "
                         f"| {r.get('heldout', float('nan')):.4f} | {score} | {r['step_s']:.2f} s | {es[0]:.1f} s "
@@ -467,8 +475,7 @@ def main() -> None:
     for name, r in res.items():
         if name in ONE_EVALUATOR and "heldout" not in r:
             fmt = name.split("_")[1]
-            adapter = Path(r["adapter"]) if "adapter" in r else Path(r["run"]) / "export"
-            model, tok = load_for_eval(folder, adapter)
+            model, tok = load_run(folder, name, r)
             r["heldout"] = heldout_loss(model, tok, held[fmt], fmt)
             save()
     wanted = args.only.split(",") if args.only else [
@@ -481,16 +488,14 @@ def main() -> None:
             from llama_fsdp.config.recipes import LORA_RANK, SMALL_PRETRAINED
 
             r = trl_run(folder, files[fmt], fmt, args, out, LORA_RANK[SMALL_PRETRAINED])
-            model, tok = load_for_eval(folder, Path(r["adapter"]))
         else:
             r = project_run(folder, files[fmt], kind, fmt, args, out)
             run = Path(r["run"])
-            if name in ONE_EVALUATOR:
-                model, tok = load_for_eval(folder, run / "export")
             if fmt == "instruction":  # (the chat runs' scores left out: the CPU's time)
                 r["lm_eval"] = lm_eval_score(run, out, args.lm_eval_limit)
             r["answer"] = answer(run, out)
         if name in ONE_EVALUATOR:
+            model, tok = load_run(folder, name, r)
             r["heldout"] = heldout_loss(model, tok, held[fmt], fmt)
         res[name] = r
         save()
