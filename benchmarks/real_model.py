@@ -112,13 +112,6 @@ def short_answer_losses(outs: list[Path], n: int) -> dict[str, float]:
     return out
 
 
-def lm_eval_tasks() -> Path:
-    spec = importlib.util.find_spec("lm_eval")
-    if spec is None or spec.origin is None:
-        raise SystemExit("pip install lm-eval  (--train cot reads its worked examples)")
-    return Path(spec.origin).parent / "tasks"
-
-
 def cot_records() -> list[dict]:
     """Real worked examples of another source than the held-out MMLU questions, as lm-eval
     ships them in its few-shot prompts: BIG-Bench Hard's chain-of-thought exemplars (27 tasks,
@@ -130,7 +123,9 @@ def cot_records() -> list[dict]:
     (Boolean expressions, dates, word sorting, grade-school arithmetic, ...)."""
     import yaml
 
-    tasks, out, seen = lm_eval_tasks(), [], set()
+    from llama_fsdp.harness.tasks.mmlu_dev import lm_eval_tasks
+
+    tasks, out, seen = lm_eval_tasks("--train cot"), [], set()
     for f in sorted((tasks / "bbh" / "cot_fewshot").glob("[!_]*.yaml")):
         d = yaml.safe_load(f.read_text())
         for s in d["fewshot_config"]["samples"]:

@@ -55,9 +55,8 @@ def auto_hint(spec: RunSpec, asked: str) -> Optional[str]:
     None when auto would pick the same or nothing fits."""
     if asked == AUTO:
         return None
-    strategy, reason = choose_strategy(spec)
-    if strategy not in AUTO_ORDER or spec.strategy not in AUTO_ORDER or \
-            AUTO_ORDER.index(strategy) >= AUTO_ORDER.index(spec.strategy):
+    strategy, reason = choose_strategy(spec)  # (nothing fits: full, the last of AUTO_ORDER)
+    if AUTO_ORDER.index(strategy) >= AUTO_ORDER.index(spec.strategy):
         return None
     return (f"sharding={spec.strategy}: sharding=auto would pick {reason}, with less "
             f"communication")

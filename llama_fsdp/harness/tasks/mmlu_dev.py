@@ -10,17 +10,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-PROMPTS = ("tasks", "mmlu", "flan_cot_fewshot", "_cot_prompts.json")
+PROMPTS = ("mmlu", "flan_cot_fewshot", "_cot_prompts.json")  # under lm-eval's tasks folder
 CHOICES = re.compile(r"\(A\)(.*?)\(B\)(.*?)\(C\)(.*?)\(D\)(.*)$", re.S)
 ANSWER = re.compile(r"answer is \(([ABCD])\)")
 
 
-def prompts_file() -> Path:
+def lm_eval_tasks(reader: str = "the llama_fsdp_mmlu_dev task") -> Path:
+    """The installed lm-eval's tasks folder (its task YAMLs and few-shot prompts)."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the llama_fsdp_mmlu_dev task reads its questions from "
-                                "lm-eval's package: pip install lm-eval")
-    f = Path(spec.origin).parent.joinpath(*PROMPTS)
+        raise FileNotFoundError(f"{reader} reads its questions from lm-eval's package: "
+                                "pip install lm-eval")
+    return Path(spec.origin).parent / "tasks"
+
+
+def prompts_file() -> Path:
+    f = lm_eval_tasks().joinpath(*PROMPTS)
     if not f.is_file():
         raise FileNotFoundError(f"{f} is not in this lm-eval release: the llama_fsdp_mmlu_dev "
                                 "task reads MMLU's dev questions from it")
