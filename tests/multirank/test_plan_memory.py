@@ -79,7 +79,11 @@ TIED_4_RANK_8BIT_BAND = (0.85, 1.02)
 # measured peak: out of the band).
 # Low-bit AdamW moments, peaking in the optimizer step with 4-bit moments, compiled and eager
 # (optim.eager: a step that makes more fp32 copies of the largest parameter); the tied 4-rank
-# 8-bit row, the plan's loosest.
+# 8-bit row, the plan's loosest. Three compiled steps, one per shard layout that adds a
+# constant: 4-bit on 2 ranks (STEP_FP32_COPIES[4]), 8-bit on DDP's plain tensors and the tied
+# 4-rank 8-bit row (STEP_FP32_COPIES[8]). The hybrid 4-bit row steps eagerly: its local shards
+# are the 2-rank row's (shard_size=2), so compiling it checks that constant a second time, for
+# 60-80 s of CPU (each compiled layout costs that much: dynamo, inductor and gcc).
 # finetune=lora / qlora: a frozen base (plan/lora.py), its peaks in the loss phase.
 # train.loss=chunked (llama_fsdp/objective/loss.py; the rest pin train.loss=full, as the sweep was first
 # measured): FSDP in bf16 beside its full-loss twin (CHUNKED_PAIR: the measured peak drops as
@@ -102,7 +106,7 @@ CASES = {
         ("no_shard", "fp32", "none", 4, False, 1, "", "", "lora"),
         ("full", "mixed", "full", 1, True, 2, "", "", "qlora", "chunked")],
     4: [("hybrid", "bf16", "none", 4, False, 1) + CHUNKED, ("grad_op", "fp32", "full", 1),
-        ("full", "fp32", "full", 1), ("hybrid", "bf16", "full", 1, False, 1, "", "adamw4bit"),
+        ("full", "fp32", "full", 1), ("hybrid", "bf16", "full", 1, False, 1, "", "adamw4bit eager"),
         ("hybrid", "bf16", "full", 4, False, 1, "", "", "qlora"),
         ("full", "fp32", "full", 1, False, 1, "", "", "lora"), TIED_4_RANK_8BIT[1]],
 }
