@@ -65,8 +65,9 @@ def pytest_sessionstart(session):
         return
     import tempfile
 
-    from tests import reaper, warm
+    from tests import cpu_account, reaper, warm
 
+    cpu_account.configure(session.config)  # first: before this process starts anything
     _warm_dir.append(tempfile.mkdtemp(prefix="lf-warm-"))
     reaper.start(_warm_dir[0])  # the servers and warm interpreters end with this process
     # one data and tokenizer cache for the session's runs (a run in a fresh folder trained the
@@ -260,8 +261,18 @@ def pytest_runtest_logreport(report):  # under xdist the controller sees every w
     _ran[scope] = _ran.get(scope, 0.0) + report.duration
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    from tests import cpu_account  # CPU-seconds per test, with LLAMA_FSDP_CPU_ACCOUNT=DIR
+
+    yield from cpu_account.around_test(item)
+
+
 def pytest_sessionfinish(session, exitstatus):
     _end_warm()
+    from tests import cpu_account
+
+    cpu_account.finish()
     config = session.config
     if (hasattr(config, "workerinput") or not _ran or getattr(config, "cache", None) is None
             or not _whole_suite(config) or exitstatus not in (0, 1)):
