@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from llama_fsdp.config.rundir import CACHE_ENV
+from tests import cpu_account  # CPU-seconds per test, with LLAMA_FSDP_CPU_ACCOUNT=DIR
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -65,7 +66,7 @@ def pytest_sessionstart(session):
         return
     import tempfile
 
-    from tests import cpu_account, reaper, warm
+    from tests import reaper, warm
 
     cpu_account.configure(session.config)  # first: before this process starts anything
     _warm_dir.append(tempfile.mkdtemp(prefix="lf-warm-"))
@@ -263,15 +264,11 @@ def pytest_runtest_logreport(report):  # under xdist the controller sees every w
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    from tests import cpu_account  # CPU-seconds per test, with LLAMA_FSDP_CPU_ACCOUNT=DIR
-
     yield from cpu_account.around_test(item)
 
 
 def pytest_sessionfinish(session, exitstatus):
     _end_warm()
-    from tests import cpu_account
-
     cpu_account.finish()
     config = session.config
     if (hasattr(config, "workerinput") or not _ran or getattr(config, "cache", None) is None

@@ -69,8 +69,8 @@ _account: Optional[Account] = None
 
 
 def configure(config) -> None:
-    """From tests/conftest.py's pytest_configure: join a cgroup of this process's own when
-    ``LLAMA_FSDP_CPU_ACCOUNT`` names a folder."""
+    """From tests/conftest.py's pytest_sessionstart (in each xdist worker, before it starts
+    anything): join a cgroup of this process's own when ``LLAMA_FSDP_CPU_ACCOUNT`` names a folder."""
     global _account
     out = os.environ.get(ENV)
     if not out:
