@@ -17,7 +17,11 @@ Knobs (environment): DEVICE (cuda; cpu rehearses with tiny shapes), OUT (the dev
 folder; default outputs/gpu-check/<time>), WORK (run folders, wheels installed; default
 /tmp/gpu-check/<time>), WHEELS (.whl, the carried wheelhouse), TOTAL_S (480: every stage
 ends by then), CAP_<STAGE> (one stage's cap in seconds, e.g. CAP_GPU_TESTS=120), STAGES (a
-comma-separated subset, e.g. STAGES=throughput; setup always runs), GRACE_S (5: SIGTERM to
+comma-separated subset, run in the order given, e.g. STAGES=throughput; setup always runs
+first), RUNNERS (the throughput stage's runners, comma-separated: benchmarks/throughput.py's
+keys), GPU_TESTS (the gpu-tests stage's pytest node ids, comma-separated), BROKEN (mutations of
+gpu_check_stages.MUTATIONS whose tests the gpu-tests stage runs again on code broken on purpose,
+to show they fail), LANDING (the landing steps, comma-separated names), GRACE_S (5: SIGTERM to
 SIGKILL), PEAK_TFLOPS (cluster.peak_tflops for MFU where the accelerator table has no entry:
 the CPU). On the CPU every default cap and TOTAL_S are CPU_SLOWER (4) times longer.
 
@@ -123,8 +127,11 @@ class Settings:
         return self.work / "site"
 
     def stages(self) -> list[Stage]:
-        """The stages asked for (STAGES), setup always: a fresh machine has no wheels installed."""
-        return [s for s in STAGES if not self.only or s.name in self.only or s.name == "setup"]
+        """The stages asked for (STAGES), in the order asked (most valuable first), setup
+        always and first: a fresh machine has no wheels installed."""
+        if not self.only:
+            return list(STAGES)
+        return [BY_NAME["setup"], *[BY_NAME[n] for n in dict.fromkeys(self.only) if n != "setup"]]
 
     def cap(self, stage: Stage, left: float) -> float:
         default = stage.cap_s * self.slower(self.device) if stage.cap_s else left

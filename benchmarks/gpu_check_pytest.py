@@ -3,10 +3,12 @@ per test, appended to the check's results the moment the test ends, so a stage c
 of a test still returns every test before it; a ``progress`` record when each starts.
 
 A test's ``record_property("result", {...})`` goes into the result's ``props`` (the GPU memory
-tests record their configuration, measured and predicted peak).
+tests record their configuration, measured and predicted peak). A run on a copy broken on
+purpose (``$GPU_CHECK_BROKEN``: the mutation's name) tags each result with it.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -37,7 +39,9 @@ def result(rep: Any) -> dict[str, Any]:
     outcome = rep.outcome if rep.when == "call" else (
         "skipped" if rep.skipped else f"error in {rep.when}")
     props = dict(rep.user_properties)
-    return {"kind": "test", "name": rep.nodeid, "outcome": outcome,
+    broken = os.environ.get("GPU_CHECK_BROKEN")  # gpu_check_stages.BROKEN_ENV: it should fail
+    return {"kind": "test", "name": rep.nodeid + (f" [on code broken: {broken}]" if broken else ""),
+            "broken": broken, "outcome": outcome,
             "duration_s": round(rep.duration, 1), "props": props.get("result", props) or None,
             "message": None if rep.passed else message(rep),
             "command": f"python -m pytest -m gpu {rep.nodeid}"}

@@ -42,6 +42,8 @@ class Shapes:
     runners: tuple[str, ...]  # the throughput stage's (benchmarks/throughput.py's keys), in order
     bench_warmup: int  # warm-up steps of a throughput run (3 steady steps follow on the CPU)
     bench_extra: tuple[str, ...]  # on the throughput stage's llama_fsdp runs (and its plan)
+    capped_seq: int = 0  # 8B QLoRA's under a 24 GB cap (issue 50: 65,536 tokens)
+    loss_seq: int = 0  # the chunked loss against the full loss (issue 50: 8B at 8,192)
 
 
 _CPU_EXTRA = ("cluster.device=cpu", "cluster.nproc_per_node=1", "data.num_records=400")
@@ -68,11 +70,12 @@ THROUGHPUT_RUNNERS = {
 # no number of the rehearsal is read as a speed.
 SHAPES = {
     "cuda": Shapes("1b", "8b", 2048, 4, "mixed", 20, 6, 16384, ("cluster.nproc_per_node=1",),
-                   (), (), THROUGHPUT_RUNNERS["cuda"], 5, ()),
+                   (), (), THROUGHPUT_RUNNERS["cuda"], 5, (), capped_seq=65536,
+                   loss_seq=8192),
     "cpu": Shapes("tiny", "tiny", 128, 2, "fp32", 5, 2, 256, _CPU_EXTRA,
                   (*_CPU_EXTRA, "train.max_steps=3", "train.warmup_steps=1", "eval.every_steps=0",
                    "eval.task_prompts=0"), ("optim.eager=true",), THROUGHPUT_RUNNERS["cpu"],
-                  2, ("optim.fused=true",)),
+                  2, ("optim.fused=true",), capped_seq=512, loss_seq=256),
 }
 
 # The GPU tests that settle the most in about 2.5 minutes, most valuable first: CUDA's peak
@@ -99,6 +102,9 @@ class Landing:
     name: str
     feature: str
     overrides: Callable[[Shapes], list[str]]
+    # more overrides that need files made first (its data), and the run's environment
+    prepare: Optional[Callable[[Settings, Shapes], list[str]]] = None
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _one_device(seq: int) -> list[str]:
@@ -117,6 +123,34 @@ def throughput_overrides(sh: Shapes, device: str) -> list[str]:
             "cluster.nproc_per_node=1"]
 
 
+# A 24 GB card on the GPU: the plan is told 24 GB (cluster.device_memory_gb; it then needs
+# the activations offloaded to the host at 65,536 tokens: 19.5 GB planned, 35.6 without) and the
+# CUDA allocator is capped at 24 GB (benchmarks/memory_cap.py), so a peak over it fails the run.
+# Rows of one long record each (a long document, as long-context fine-tuning trains on): the
+# synthetic task's thousands of tiny records a row would plan flash varlen's per-record
+# workspace at 17.9 GB.
+CAP_GB = 24
+
+
+def _capped_data(s: Settings, sh: Shapes) -> list[str]:
+    path = write_long_texts(s.work / "capped.jsonl", sh.run_steps + 4,
+                            chars=int(1.4 * sh.capped_seq))
+    return ["data=jsonl", f"data.path={path}", "data.eval_fraction=0"]
+
+
+def _capped(sh: Shapes) -> list[str]:
+    return [f"model={sh.model_8b}", "finetune=qlora", *_one_device(sh.capped_seq),
+            "checkpointing.offload=true", f"cluster.device_memory_gb={CAP_GB}",
+            'train.callbacks=["benchmarks.memory_cap:MemoryCap"]', "train.max_steps=2"]
+
+
+def _loss(kind: str) -> Callable[[Shapes], list[str]]:
+    """8B QLoRA at loss_seq with train.loss=KIND: the same seed, data and first batch, so the
+    first step's loss of the two runs is the same number and their peaks differ by the logits."""
+    return lambda sh: [f"model={sh.model_8b}", "finetune=qlora", f"train.loss={kind}",
+                       *_one_device(sh.loss_seq), "train.max_steps=3"]
+
+
 LANDING = (
     Landing("chunked-loss", "train.loss (the chunked loss, issue 40)",
             lambda sh: [f"model={sh.model_8b}", "finetune=qlora", "train.loss=chunked",
@@ -127,7 +161,60 @@ LANDING = (
     Landing("8b-adamw8bit", "optim=adamw8bit (8-bit AdamW moments)",
             lambda sh: [f"model={sh.model_8b}", "optim=adamw8bit", *_one_device(sh.seq),
                         *sh.eager_8bit]),
+    Landing("qlora-65k-24gb", f"8B QLoRA at 65,536 tokens under a {CAP_GB} GB cap (issue 50)",
+            _capped, prepare=_capped_data, env=(("MEMORY_CAP_GB", str(CAP_GB)),)),
+    Landing("loss-full-8k", "train.loss=full at 8B, 8,192 tokens (issue 50)", _loss("full")),
+    Landing("loss-chunked-8k", "train.loss=chunked at 8B, 8,192 tokens (issue 50)",
+            _loss("chunked")),
 )
+LANDING_BY_NAME = {step.name: step for step in LANDING}
+
+
+def listed(name: str, default: tuple[str, ...], valid: Optional[set[str]] = None
+           ) -> tuple[str, ...]:
+    """A comma-separated knob (RUNNERS, GPU_TESTS, BROKEN, LANDING), else ``default``; an
+    unknown name is refused with the valid ones."""
+    value = tuple(x.strip() for x in os.environ.get(name, "").split(",") if x.strip())
+    if not value:
+        return default
+    unknown = [x for x in value if valid is not None and x not in valid]
+    if unknown:
+        raise SystemExit(f"{name}: unknown {unknown}; valid: {', '.join(sorted(valid or ()))}")
+    return value
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Code broken on purpose: ``old`` (once in ``path``) becomes ``new``; ``test`` must then
+    fail, where on the code as it is it passes (issue 65: the GPU tests never run, shown to
+    catch what they are about)."""
+
+    test: str
+    path: str
+    old: str
+    new: str
+    what: str
+
+
+MUTATIONS = {
+    # resume restores the weights and optimizer but not the data's position: the resumed steps
+    # see the first batches again, which an uninterrupted run's losses at steps 9-12 catch
+    "resume-data-position": Mutation(
+        "tests/gpu/test_gpu_run.py::test_hf_weights_in_export_out_and_resume",
+        "llama_fsdp/checkpoint/dcp.py",
+        'if self.data is not None and "data" in sd:',
+        'if False and self.data is not None and "data" in sd:',
+        "a resume that does not restore the data loader's position"),
+    # the reference's log-probs replaced by the policy's own (detached): every reward is zero
+    # and the loss stays ln 2, which the test's "the policy moved off the reference" catches
+    "dpo-reference-is-policy": Mutation(
+        "tests/gpu/test_gpu_dpo.py::test_8b_lora_dpo_tokens_per_s_and_peak_against_the_plan",
+        "llama_fsdp/objective/dpo.py",
+        "ratio_c, ratio_r = pc - reference[0::2], pr - reference[1::2]",
+        "ratio_c, ratio_r = pc - pc.detach(), pr - pr.detach()",
+        "DPO against the policy itself instead of the frozen reference"),
+}
+
 
 # What the setup stage imports (distribution, module): the image's and the carried wheels'.
 IMPORTS = (("torch", "torch"), ("transformers", "transformers"), ("accelerate", "accelerate"),
@@ -227,7 +314,7 @@ _ERROR_LINE = re.compile(r"^\S*\s*(\w+(Error|Exception)\b.*|error: .*)$", re.M)
 
 
 def cli_run(s: Settings, name: str, overrides: list[str], *, cwd: Path,
-            output_dir: Optional[Path] = None) -> dict:
+            output_dir: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> dict:
     """``python -m llama_fsdp OVERRIDES`` (output into the stage log, and read back), then
     what its MLflow run recorded: one ``run`` result."""
     progress(name)
@@ -235,7 +322,7 @@ def cli_run(s: Settings, name: str, overrides: list[str], *, cwd: Path,
     cmd = [sys.executable, "-m", "llama_fsdp", *overrides]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace")
+                            text=True, errors="replace", env={**os.environ, **(env or {})})
     lines = []
     for line in proc.stdout:  # type: ignore[union-attr]
         sys.stdout.write(line)
@@ -245,8 +332,9 @@ def cli_run(s: Settings, name: str, overrides: list[str], *, cwd: Path,
     log = "".join(lines)
     uri = next((o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri=")),
                f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
-    record = {"kind": "run", "name": name, "command": shown(["python", "-m", "llama_fsdp",
-                                                             *overrides], s),
+    shown_env = [f"{k}={v}" for k, v in (env or {}).items()]
+    record = {"kind": "run", "name": name, "command": shown([*shown_env, "python", "-m",
+                                                             "llama_fsdp", *overrides], s),
               "exit_code": code, "elapsed_s": round(time.monotonic() - start, 1),
               **mlflow_readout(uri, output_dir)}
     device = _DEVICE_LINE.search(log)
@@ -400,13 +488,53 @@ def default(s: Settings, sh: Shapes) -> int:
     return 0
 
 
+def _pytest(tests: tuple[str, ...], cwd: Path, env: Optional[dict[str, str]] = None) -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-p", "benchmarks.gpu_check_pytest", "-m", "gpu", "-rfEs", *tests],
+                           cwd=cwd, env=env)
+
+
 def gpu_tests(s: Settings, sh: Shapes) -> int:
-    """GPU_TESTS through pytest; benchmarks/gpu_check_pytest.py appends one result per test."""
+    """GPU_TESTS (or the knob's) through pytest; benchmarks/gpu_check_pytest.py appends one
+    result per test. Then each BROKEN mutation's test on a copy of the checkout broken on
+    purpose (its results say ``broken``: the test should fail there)."""
     progress("pytest")
-    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-p", "benchmarks.gpu_check_pytest", "-m", "gpu", "-rfEs",
-                            *GPU_TESTS], cwd=REPO)
-    return 0 if code in (0, 1) else code  # 1: some tests failed (results); more: pytest broke
+    code = _pytest(listed("GPU_TESTS", GPU_TESTS), REPO)
+    worst = 0 if code in (0, 1) else code  # 1: some tests failed (results); more: pytest broke
+    for name in listed("BROKEN", (), set(MUTATIONS)):
+        progress(f"broken: {name}")
+        broken = break_copy(MUTATIONS[name], s.work / "broken" / name)
+        path = [str(broken), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                               if p and Path(p).resolve() != REPO]]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), BROKEN_ENV: name}
+        imported = subprocess.run([sys.executable, "-c", "import llama_fsdp; print(llama_fsdp."
+                                   "__file__)"], cwd=broken, env=env, capture_output=True,
+                                  text=True).stdout.strip()
+        if not imported.startswith(str(broken)):  # the test would run the unbroken code
+            raise SystemExit(f"broken copy {broken}: llama_fsdp imports from {imported!r}")
+        code = _pytest((MUTATIONS[name].test,), broken, env)
+        worst = worst or (0 if code in (0, 1) else code)
+    return worst
+
+
+BROKEN_ENV = "GPU_CHECK_BROKEN"  # the mutation a pytest run's results are tagged with
+
+
+def break_copy(m: Mutation, dest: Path) -> Path:
+    """A copy of the checkout (no outputs, wheels or caches) with ``m`` applied."""
+    import shutil
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", "outputs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    target = dest / m.path
+    text = target.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutation of {m.path}: {m.old!r} is there {text.count(m.old)} times, "
+                         "not once (edit gpu_check_stages.MUTATIONS to the code as it is now)")
+    target.write_text(text.replace(m.old, m.new))
+    return dest
 
 
 def throughput(s: Settings, sh: Shapes) -> int:
@@ -437,7 +565,8 @@ def throughput(s: Settings, sh: Shapes) -> int:
     # where each runner's step goes: torch.profiler over a few steady steps (step_clock.py)
     first = min(sh.bench_warmup + 3, sh.bench_steps - 2)
     os.environ[PROFILE_STEPS_ENV] = f"{first}:{min(first + 2, sh.bench_steps - 1)}"
-    for runner in tp.build_runners(bench, list(sh.runners), clock=True,
+    runners = listed("RUNNERS", sh.runners)
+    for runner in tp.build_runners(bench, list(runners), clock=True,
                                    more=one_record_runners(bench, work, sh)):
         progress(runner.key)
         profile = work / f"{runner.key}.profile.json"
@@ -523,15 +652,22 @@ def adapters_8b(s: Settings, sh: Shapes) -> int:
 
 def landing(s: Settings, sh: Shapes) -> int:
     """Each optional step whose feature this checkout has; the others say why they skip."""
-    for step in LANDING:
-        overrides = [*step.overrides(sh), *run_common(s, sh, step.name)]
-        why = compose_error(step.overrides(sh))
+    for name in listed("LANDING", tuple(LANDING_BY_NAME), set(LANDING_BY_NAME)):
+        step = LANDING_BY_NAME[name]
+        own = step.overrides(sh)
+        mine = {o.split("=", 1)[0] for o in own}  # the step's keys win over the common ones
+        overrides = [*own, *[o for o in run_common(s, sh, step.name)
+                             if o.split("=", 1)[0] not in mine]]
+        why = compose_error(own)
         if why is not None:
             report.append_here({"kind": "skipped", "name": step.name,
                                 "reason": f"{step.feature} is not in this checkout: {why}",
                                 "command": shown(["python", "-m", "llama_fsdp", *overrides], s)})
             continue
-        cli_run(s, step.name, overrides, cwd=s.work / "cli", output_dir=s.work / "runs" / step.name)
+        if step.prepare is not None:
+            overrides += step.prepare(s, sh)
+        cli_run(s, step.name, overrides, cwd=s.work / "cli", output_dir=s.work / "runs" / step.name,
+                env=dict(step.env))
     return 0
 
 
