@@ -22,9 +22,12 @@ from torch import nn
 from ..config.schema import CheckpointingConfig
 
 
-@dataclass
+@dataclass(eq=False)
 class _Packed:
-    """One saved tensor, offloaded: its host copy, and its way back to the device."""
+    """One saved tensor, offloaded: its host copy, and its way back to the device. Compared by
+    identity (``unpack`` finds it in the waiting list): a dataclass's field-wise ``==`` compares
+    the tensors, which raises for any of more than one element (the first CUDA run of
+    checkpointing.offload, 8B QLoRA at 65,536 tokens on an H200, failed so in backward)."""
 
     host: torch.Tensor
     device: torch.device
