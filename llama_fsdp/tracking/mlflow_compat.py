@@ -14,7 +14,7 @@ steps its history holds already (tracking/tracker.py).
 from __future__ import annotations
 
 import logging
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,26 @@ TESTED = ((3, 17),)  # MLflow releases (major, minor) whose store tables this mo
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # SQLAlchemy URIs MLflow opens itself
 
 
+# the distributions that install the ``mlflow`` module: the full one, and the client without
+# the UI server (the GPU check's wheelhouse carries mlflow-skinny: scripts/offline_wheels.sh)
+DISTRIBUTIONS = ("mlflow", "mlflow-skinny")
+
+
+def mlflow_version() -> str:
+    """The installed MLflow's version, whichever distribution installed it."""
+    for name in DISTRIBUTIONS:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    import mlflow  # neither has metadata (a source tree on the path): the module says
+
+    return str(mlflow.__version__)
+
+
 def check_version() -> Optional[str]:
     """None when the installed MLflow is a tested release, else a warning to show."""
-    have = version("mlflow")
+    have = mlflow_version()
     release = tuple(int(x) for x in have.split(".")[:2] if x.isdigit())
     if release in TESTED:
         return None

@@ -208,9 +208,9 @@ def ui_command(uri: str) -> str:
     web worker where MLflow's ui takes --workers (3.x, where ui is server): it answers in about
     7 s instead of 12 with its default four, 10 processes instead of 15
     (benchmarks/mlflow_ui_startup.md)."""
-    from importlib.metadata import version
+    from .mlflow_compat import mlflow_version
 
-    workers = " --workers 1" if int(version("mlflow").split(".")[0]) >= 3 else ""
+    workers = " --workers 1" if int(mlflow_version().split(".")[0]) >= 3 else ""
     return f"mlflow ui --backend-store-uri {uri}{workers}"
 
 
