@@ -37,6 +37,7 @@ def _summary(tmp_path, *extra: str) -> dict:
     numbers the test reads."""
     from tests.gpu.test_gpu_run import _run, _run_record
 
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the run's working directory (dpo/, sft/)
     code, log = _run(tmp_path, *SHAPE, *extra, timeout=1800)
     assert code == 0, log[-4000:]
     client, run = _run_record(tmp_path)
