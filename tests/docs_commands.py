@@ -447,7 +447,11 @@ REGISTRY: dict[str, Entry] = {
                                      "saves the CPU two runs)"),
          Env("PEAK_TFLOPS", "1", "a nominal peak for the CPU, which the accelerator table lacks "
                                  "(above what 2 cores do in fp32), so that MFU is computed and "
-                                 "reported"))),
+                                 "reported"),
+         Env("LANDING", "chunked-loss,dpo-lora,8b-adamw8bit,qlora-65k-24gb",
+             "the landing steps of a path each: the capped long-context run (offload, the "
+             "memory-cap hook, long records) and not the full-against-chunked pair, whose "
+             "runs are chunked-loss's with another train.loss"))),
     "bash scripts/gpu_check.sh": Entry(
         "gpu_check", f"{GPU_CHECK}::test_without_a_gpu_the_check_stops_after_setup",
         "on this machine (no GPU) the check stops after its setup stage, saying that torch sees "

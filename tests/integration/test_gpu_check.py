@@ -147,8 +147,7 @@ def test_throughput_reports_each_runner_with_mfu(rehearsal):
     assert [r["runner"] for r in rows] == list(stages.SHAPES["cpu"].runners)
     by = {r["runner"]: r for r in rows}
     # llama_fsdp's runs step with the fused AdamW, as on CUDA (gpu_check_stages.SHAPES)
-    for key in ("llama_fsdp", stages.ONE_RECORD):
-        assert "optim.fused=true" in by[key]["command"], by[key]
+    assert "optim.fused=true" in by[stages.ONE_RECORD]["command"], by[stages.ONE_RECORD]
     # rows like the peers': a data file of long records, one a row (truncated to it)
     one = by[stages.ONE_RECORD]
     assert "data=jsonl" in one["command"] and "one_record.jsonl" in one["command"], one
@@ -190,7 +189,8 @@ def test_a_stage_over_its_cap_is_cut_and_the_next_starts(rehearsal):
     landing = [r for r in records if r.get("stage") == "landing"]
     assert landing[0]["status"] == "started" and landing[0]["t"] >= end["t"]
     runs = _of(records, "run", stage="landing")
-    assert [r["name"] for r in runs] == ["chunked-loss", "dpo-lora", "8b-adamw8bit"], runs
+    assert [r["name"] for r in runs] == ["chunked-loss", "dpo-lora", "8b-adamw8bit",
+                                         "qlora-65k-24gb"], runs
     assert all(r["status"] == "FINISHED" for r in runs), runs
 
 
@@ -208,6 +208,11 @@ def test_the_landed_features_run_and_none_is_skipped(rehearsal):
     assert dpo["exit_code"] == 0 and dpo["steps"] >= 1, dpo
     assert abs(dpo["loss_first"] - math.log(2)) < 1e-3, dpo
     assert "objective" in compose_error(["objective=nope"])
+    # the 24 GB-capped long-context step: its environment shown, offload and long records
+    (capped,) = _of(records, "run", name="qlora-65k-24gb")
+    assert capped["command"].startswith("MEMORY_CAP_GB=24 python -m llama_fsdp model=tiny "
+                                        "finetune=qlora"), capped
+    assert "checkpointing.offload=true" in capped["command"] and "data=jsonl" in capped["command"]
 
 
 def test_the_converter_appends_the_checks_section(rehearsal, work):
@@ -221,8 +226,8 @@ def test_the_converter_appends_the_checks_section(rehearsal, work):
     assert re.search(r"^\| default \| FINISHED \| [\d.]+ → [\d.]+ \| [\d,]+ \| [\d.]+% \|", text,
                      re.M), text
     assert "- default: `python -m llama_fsdp cluster.device=cpu" in text
-    for label in ("llama_fsdp (sharding=full)", "HF Trainer, FSDP2 requested",
-                  "bare FSDP2 loop (floor)"):
+    for label in ("llama_fsdp (sharding=full, rows of one record each, as the peers')",
+                  "HF Trainer, FSDP2 requested", "bare FSDP2 loop (floor)"):
         assert re.search(rf"^\| {re.escape(label)} \| .+ \| [\d,]+ \| [\d.]+ \| [\d.]+% \|", text,
                          re.M), label
     assert f"GPU tests: {len(stages.GPU_TESTS)} skipped" in text
