@@ -1,5 +1,10 @@
 """cluster=torchrun: the same worker in processes that torchrun, or a Kubernetes-style launch
-by environment variables, starts. Real torchrun agents, real gloo ranks, real MLflow."""
+by environment variables, starts. Real torchrun agents, real gloo ranks, real MLflow.
+
+The torchrun agents and the processes they start are real interpreters (they are what this
+checks); the commands the tests start themselves (the cluster=local references, the processes
+of a launch by environment variables, the refusals) are forked warm (tests/warm.py): each is
+its own process with its own environment, without importing torch again."""
 from __future__ import annotations
 
 import os
@@ -12,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from llama_fsdp.launchers.environment import free_port
 from llama_fsdp.tracking import Spool, events, read_run_file
+from tests import warm
 from tests.faults import hooks
 
 pytestmark = [pytest.mark.slow]
@@ -51,7 +57,7 @@ def _torchrun(cwd: Path, *args: str, nnodes: int = 1, nproc: int = 2, port: int,
 
 def _local(cwd: Path, *args: str) -> dict[int, float]:
     """The same run under cluster=local: its losses."""
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", *SHORT, *args],
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", *SHORT, *args],
                          cwd=cwd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return _losses(next((cwd / "outputs" / "runs").glob("*/*")))
@@ -117,7 +123,7 @@ def test_a_launch_by_environment_variables_runs_the_same_worker(tmp_path):
     MASTER_PORT, one process per "node"; output_dir names the run directory they share."""
     port, run = free_port(), tmp_path / "run"
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "llama_fsdp", "cluster=torchrun", *SHORT, f"output_dir={run}"],
+        [warm.python(), "-m", "llama_fsdp", "cluster=torchrun", *SHORT, f"output_dir={run}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
         for r in range(2)]
@@ -138,12 +144,12 @@ def test_what_torchrun_cannot_run_is_refused_plainly(tmp_path):
     assert ("cluster.nproc_per_node=3 but the launcher started 2 (from WORLD_SIZE=2, "
             "LOCAL_WORLD_SIZE=2)") in out
     env = _env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    sweep = subprocess.run([sys.executable, "-m", "llama_fsdp", "-m", "cluster=torchrun", *SHORT,
+    sweep = subprocess.run([warm.python(), "-m", "llama_fsdp", "-m", "cluster=torchrun", *SHORT,
                             "train.batch_size=1,2", f"output_dir={tmp_path}/s"], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=600)
     assert sweep.returncode == 2
     assert "sweeps (-m) do not run under cluster=torchrun" in sweep.stdout + sweep.stderr
-    nodir = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=torchrun", *SHORT],
+    nodir = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster=torchrun", *SHORT],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert nodir.returncode == 2
     assert "needs a run directory every process and restart agrees on" in nodir.stdout + \
