@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from llama_fsdp.tracking import read_run_file
+from tests import warm
 from tests.faults import hooks
 from tests.faults.conftest import logged_losses, logged_steps
 
@@ -21,7 +22,7 @@ def test_a_crashed_rank_restarts_the_job_step_from_its_checkpoint(tmp_path, slur
     env = {**os.environ, **slurm_cluster.env, hooks.CRASH: "rank=1,step=3",
            hooks.MARK: str(tmp_path / "fired")}
     out = subprocess.run(
-        [sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+        [warm.python(), "-m", "llama_fsdp", "cluster=slurm",
          f"cluster.partition={slurm_cluster.partition}", "cluster.nodes=2",
          "cluster.nproc_per_node=1", "cluster.wait=true", "cluster.max_restarts=1",
          "train.max_steps=6", "save.every_steps=2", "eval.every_steps=0", "eval.task_prompts=0",

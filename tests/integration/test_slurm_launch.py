@@ -8,11 +8,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests import warm
 
 pytestmark = [pytest.mark.slow]
 
@@ -23,7 +24,7 @@ def _cli(cwd: Path, cluster, *overrides: str, env_extra: dict | None = None, tim
     env = {**os.environ, **cluster.env, **(env_extra or {})}
     flags = [o for o in overrides if o.startswith("-")]  # Hydra wants flags before overrides
     rest = [o for o in overrides if not o.startswith("-")]
-    return subprocess.run([sys.executable, "-m", "llama_fsdp", *flags, "cluster=slurm",
+    return subprocess.run([warm.python(), "-m", "llama_fsdp", *flags, "cluster=slurm",
                            f"cluster.partition={cluster.partition}", *rest],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -84,7 +85,7 @@ def test_the_plan_sizes_a_nodes_memory_from_the_partition_when_mem_gb_is_unset(t
 
 def test_invalid_partition_fails_at_submission_with_slurms_message(tmp_path, slurm_cluster):
     env = {**os.environ, **slurm_cluster.env}
-    out = subprocess.run([sys.executable, "-m", "llama_fsdp", "cluster=slurm",
+    out = subprocess.run([warm.python(), "-m", "llama_fsdp", "cluster=slurm",
                           "cluster.partition=no_such_partition"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
@@ -144,7 +145,7 @@ def test_sweep_submits_every_point_at_once(tmp_path, slurm_cluster):
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parents[0].info.run_id}
     assert sorted(r.info.run_name for r in runs) == ["b=2", "b=4"]
     # on demand too, the same summary
-    summary = subprocess.run([sys.executable, "-m", "llama_fsdp.tracking.sweep", sweep_id], cwd=tmp_path,
+    summary = subprocess.run([warm.python(), "-m", "llama_fsdp.tracking.sweep", sweep_id], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and "train.batch_size" in summary.stdout + summary.stderr
     assert "points ended" not in summary.stdout + summary.stderr

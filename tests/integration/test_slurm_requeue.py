@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from llama_fsdp.tracking import read_run_file
+from tests import warm
 from tests.faults import hooks
 
 from .conftest import PREEMPT_GRACE_S
@@ -27,7 +27,7 @@ FAST = ["eval.every_steps=0", "eval.task_prompts=0", "train.warmup_steps=1"]
 
 
 def _args(cluster, partition: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "llama_fsdp", "cluster=slurm", f"cluster.partition={partition}",
+    return [warm.python(), "-m", "llama_fsdp", "cluster=slurm", f"cluster.partition={partition}",
             *FAST, *overrides]
 
 
