@@ -524,13 +524,15 @@ BROKEN_ENV = "GPU_CHECK_BROKEN"  # the mutation a pytest run's results are tagge
 
 
 def break_copy(m: Mutation, dest: Path) -> Path:
-    """A copy of the checkout (no outputs, wheels or caches) with ``m`` applied."""
+    """A copy of the checkout (no outputs, wheels, the floor's overlay or caches) with ``m``
+    applied."""
     import shutil
 
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".whl", "outputs", "__pycache__", "*.egg-info", ".pytest_cache"))
+        ".git", ".venv", ".whl", ".floor", ".gl", "outputs", "__pycache__", "*.egg-info",
+        ".pytest_cache", "node_modules"))
     target = dest / m.path
     text = target.read_text()
     if text.count(m.old) != 1:
