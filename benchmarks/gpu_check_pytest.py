@@ -39,7 +39,7 @@ def result(rep: Any) -> dict[str, Any]:
     outcome = rep.outcome if rep.when == "call" else (
         "skipped" if rep.skipped else f"error in {rep.when}")
     props = dict(rep.user_properties)
-    broken = os.environ.get("GPU_CHECK_BROKEN")  # gpu_check_stages.BROKEN_ENV: it should fail
+    broken = os.environ.get(gpu_report.BROKEN_ENV)  # then the test should fail
     return {"kind": "test", "name": rep.nodeid + (f" [on code broken: {broken}]" if broken else ""),
             "broken": broken, "outcome": outcome,
             "duration_s": round(rep.duration, 1), "props": props.get("result", props) or None,

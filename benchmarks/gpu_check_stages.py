@@ -509,7 +509,7 @@ def gpu_tests(s: Settings, sh: Shapes) -> int:
         broken = break_copy(MUTATIONS[name], s.work / "broken" / name)
         path = [str(broken), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                if p and Path(p).resolve() != REPO]]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), BROKEN_ENV: name}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), report.BROKEN_ENV: name}
         imported = subprocess.run([sys.executable, "-c", "import llama_fsdp; print(llama_fsdp."
                                    "__file__)"], cwd=broken, env=env, capture_output=True,
                                   text=True).stdout.strip()
@@ -518,9 +518,6 @@ def gpu_tests(s: Settings, sh: Shapes) -> int:
         code = _pytest((MUTATIONS[name].test,), broken, env)
         worst = worst or (0 if code in (0, 1) else code)
     return worst
-
-
-BROKEN_ENV = "GPU_CHECK_BROKEN"  # the mutation a pytest run's results are tagged with
 
 
 def break_copy(m: Mutation, dest: Path) -> Path:

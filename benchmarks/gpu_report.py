@@ -29,6 +29,7 @@ SUMMARY = "summary.md"
 T0_ENV = "GPU_CHECK_T0"  # epoch seconds when the check started (set by the orchestrator)
 STAGE_ENV = "GPU_CHECK_STAGE"
 OUT_ENV = "GPU_CHECK_OUT"
+BROKEN_ENV = "GPU_CHECK_BROKEN"  # a test run on code broken on purpose: the mutation
 PLAN_TOLERANCE = 0.10  # issue 42: CUDA peak within 10% of the plan
 MFU_GOAL = (0.45, 0.50)  # at least, goal: 1b, seq 2048, one H100
 HF_RATIO_GOAL = 1.3  # tokens/s against HF Trainer's on the same GPU

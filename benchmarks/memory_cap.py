@@ -35,7 +35,6 @@ class MemoryCap:
         import torch
 
         self.cap_gb = float(os.environ.get(CAP_ENV) or 0) or None
-        self.applied = False
         if self.cap_gb is None or not torch.cuda.is_available():
             log.info("memory cap: not applied (%s)", f"{CAP_ENV} unset" if self.cap_gb is None
                      else "no CUDA")
@@ -43,7 +42,6 @@ class MemoryCap:
         device = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(fraction(self.cap_gb, total), device)
-        self.applied = True
         log.info("memory cap: the CUDA allocator of rank %d capped at %.2f GB of the card's "
                  "%.2f GB (%.2f GB reserved now)", rank, self.cap_gb, total / 1e9,
                  torch.cuda.memory_reserved(device) / 1e9)
